@@ -1,0 +1,168 @@
+"""Positions, last real tokens, selective log-probabilities and stop-token masks.
+
+Notation:
+    B batch size, P prompt length, R response length, T = P + R, V vocabulary size.
+    mask / attention_mask: bool or 0/1, True = a real token (left or right padding alike).
+    Log-probabilities are natural logs (nats).
+
+Masks are never derived from ``ids != pad_token_id``: many tokenizers (GPT-2, Llama, SmolLM2) set
+``pad == eos``, and that comparison would hide the real end-of-sequence token (PITFALLS B04, B16).
+The response mask comes from the first stop token instead (``stop_mask``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "position_ids_from_mask",
+    "last_real_index",
+    "gather_logprobs",
+    "stop_mask",
+    "truncate_after_stop",
+]
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids that start at 0 on the first real token of each row.
+
+    ``clamp(cumsum(mask) - 1, min=0)``: left padding gets position 0 (it is masked out anyway), so a
+    left-padded sequence sees the same positions as the unpadded one (PITFALLS B11).
+
+    Args:
+        attention_mask: (B, T) bool or 0/1; True = real token.
+
+    Returns:
+        (B, T) long tensor, e.g. mask ``[0, 0, 1, 1, 1]`` -> ``[0, 0, 0, 1, 2]``.
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def last_real_index(mask: Tensor) -> Tensor:
+    """Index of the last real token of each row, for left or right padding.
+
+    Not ``sum(mask) - 1`` (wrong under left padding) and not "first pad - 1" (wrong when
+    ``pad == eos``); PITFALLS B04: ``[1,1,1,1,1,1,0,0]`` -> 5, ``[0,0,1,1,1,1,1,1]`` -> 7.
+
+    Args:
+        mask: (B, T) bool or 0/1; True = real token.
+
+    Returns:
+        (B,) long tensor of positions in ``[0, T)``.
+
+    Raises:
+        ValueError: If a row has no real token (the message names the rows).
+    """
+    mask = mask.bool()
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, -1).amax(dim=-1)
+    if bool((last < 0).any()):
+        empty = (last < 0).nonzero().flatten().tolist()
+        raise ValueError(f"last_real_index: row(s) {empty} have no real token (mask is all False)")
+    return last
+
+
+def gather_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int | None = None
+) -> Tensor:
+    """Log-probability of each token under ``softmax(logits / temperature)``, selectively.
+
+    Computes ``logits[token] / T - logsumexp(logits / T)`` instead of ``log_softmax`` followed by a
+    gather, so no second (B, R, V) tensor is materialised (PITFALLS B21). Work is done in float32
+    (float64 stays float64) one chunk of batch rows at a time, so bf16 logits are upcast per chunk
+    only. The temperature must be the sampling temperature, for rollout, training and reference
+    passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
+
+    Args:
+        logits: (B, R, V) logits already aligned with ``tokens``: ``logits[:, i]`` predicts
+            ``tokens[:, i]`` (the caller slices the model output at positions P-1 .. T-2).
+        tokens: (B, R) long token ids.
+        temperature: Sampling temperature T > 0.
+        chunk_size: Batch rows per chunk; None processes the whole batch at once. Peak extra
+            memory is about two float32 tensors of shape (chunk_size, R, V).
+
+    Returns:
+        (B, R) log-probabilities in nats (<= 0), float32 (float64 for float64 logits);
+        differentiable with respect to ``logits``.
+
+    Raises:
+        ValueError: If shapes disagree, ``temperature <= 0`` or ``chunk_size < 1``.
+    """
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} + (V,)")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    step = chunk_size or max(logits.shape[0], 1)
+    pieces = []
+    for start in range(0, logits.shape[0], step):
+        chunk = logits[start : start + step].to(compute_dtype)
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        picked = chunk.gather(-1, tokens[start : start + step].long().unsqueeze(-1)).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+    if not pieces:  # B == 0
+        return logits.new_zeros(tokens.shape, dtype=compute_dtype)
+    return torch.cat(pieces, dim=0)
+
+
+def _as_id_tensor(stop_token_ids: int | Sequence[int] | Tensor, device: torch.device) -> Tensor:
+    ids = torch.as_tensor(stop_token_ids, dtype=torch.long, device=device).flatten()
+    if ids.numel() == 0:
+        raise ValueError("stop_token_ids is empty; give at least one stop (e.g. eos) token id")
+    return ids
+
+
+def stop_mask(
+    response_ids: Tensor,
+    stop_token_ids: int | Sequence[int] | Tensor,
+    pad_token_id: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Mask of the real response tokens: everything up to and including the first stop token.
+
+    A row without a stop token (it ran to ``max_new_tokens``) is real throughout. Tokens after the
+    first stop are not real whatever their ids, so this works when ``pad == eos``.
+
+    Args:
+        response_ids: (B, R) generated token ids (prompt excluded).
+        stop_token_ids: One id or several (eos, end-of-turn, ...).
+        pad_token_id: Not used to build the mask (pad may equal eos, and masks never come from
+            pad ids); accepted so callers can pass their generation settings uniformly.
+
+    Returns:
+        ``(mask, has_stop)``: mask (B, R) bool, True = real response token; has_stop (B,) bool,
+        True where the row contains a stop token.
+
+    Raises:
+        ValueError: If ``stop_token_ids`` is empty.
+    """
+    del pad_token_id  # documented as unused; see the docstring
+    is_stop = torch.isin(response_ids, _as_id_tensor(stop_token_ids, response_ids.device))
+    stops_before = is_stop.long().cumsum(dim=-1) - is_stop.long()  # stop tokens strictly before t
+    return stops_before == 0, is_stop.any(dim=-1)
+
+
+def truncate_after_stop(
+    response_ids: Tensor, stop_token_ids: int | Sequence[int] | Tensor, pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Replace every token after the first stop token by ``pad_token_id`` (out of place).
+
+    Args:
+        response_ids: (B, R) generated token ids; not modified.
+        stop_token_ids: One id or several.
+        pad_token_id: Id written after the first stop token.
+
+    Returns:
+        ``(ids, mask, has_stop)``: ids (B, R) a new tensor; mask and has_stop as in ``stop_mask``.
+
+    Raises:
+        ValueError: If ``stop_token_ids`` is empty.
+    """
+    mask, has_stop = stop_mask(response_ids, stop_token_ids)
+    ids = torch.where(mask, response_ids, torch.full_like(response_ids, pad_token_id))
+    return ids, mask, has_stop

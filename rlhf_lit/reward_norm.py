@@ -1,0 +1,136 @@
+"""Running statistics of reward-model scores, and score normalisation and clipping for PPO.
+
+Notation:
+    B batch size; scores (B,) are sequence-level reward-model outputs (logit units).
+    n, mean, M2: the running count, mean and sum of squared deviations of every score seen;
+    var = M2 / n (population variance), std = sqrt(var).
+
+Batch moments are merged into the running ones with the parallel update of Chan, Golub & LeVeque
+(1979), which is exact (no drift from the order of batches) and numerically stable:
+    delta = mean_b - mean_a,  n = n_a + n_b
+    mean  = mean_a + delta * n_b / n
+    M2    = M2_a + M2_b + delta^2 * n_a * n_b / n
+
+Normalisation and clipping follow PPO-max (Zheng et al. 2023, "Secrets of RLHF in Large Language
+Models Part I: PPO", section 5.3): ``clip((score - mean) / (std + eps), -clip, clip)``. Recommended
+order: update the running statistics with the batch first, then normalise it, so that the first
+batch is normalised by its own statistics rather than by the (empty) prior.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhf_lit.functional.masked import masked_mean, masked_var
+
+__all__ = ["RunningMeanStd", "normalize_scores"]
+
+
+class RunningMeanStd:
+    """Running mean and standard deviation of every score passed to ``update``.
+
+    Args:
+        distributed: All-reduce each batch's count, mean and squared deviations over the default
+            process group (when initialised) before merging, so every rank holds the same
+            statistics of the global batch.
+
+    The state is plain Python numbers (``count`` int, ``mean`` and ``m2`` floats), so
+    ``state_dict`` survives ``torch.save`` and restores bit-for-bit. Before any update, ``mean`` is
+    0 and ``std`` is 1 (normalising is then the identity up to eps).
+    """
+
+    def __init__(self, distributed: bool = False) -> None:
+        self.distributed = distributed
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    @property
+    def var(self) -> float:
+        """Population variance of the scores seen (1.0 before any update)."""
+        return self.m2 / self.count if self.count > 0 else 1.0
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of the scores seen (1.0 before any update)."""
+        return math.sqrt(self.var)
+
+    @torch.no_grad()
+    def update(self, x: Tensor) -> None:
+        """Merge the moments of the scores ``x`` (any shape, flattened) into the running ones.
+
+        Raises:
+            ValueError: If ``x`` contains a non-finite value (it would poison every later update).
+        """
+        x = x.detach().flatten().to(torch.float64)
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("RunningMeanStd.update: scores contain inf or nan")
+        batch_count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+        if self.distributed and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(batch_count)
+        n_b = int(round(float(batch_count)))
+        if n_b == 0:
+            return
+        ones = torch.ones_like(x, dtype=torch.bool)
+        mean_b = float(masked_mean(x, ones, distributed=self.distributed))
+        m2_b = float(masked_var(x, ones, unbiased=False, distributed=self.distributed)) * n_b
+        n_a, total = self.count, self.count + n_b
+        delta = mean_b - self.mean
+        self.mean += delta * n_b / total
+        self.m2 += m2_b + delta * delta * n_a * n_b / total
+        self.count = total
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"count": int, "mean": float, "m2": float}``."""
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the statistics saved by ``state_dict``."""
+        self.count = int(state_dict["count"])
+        self.mean = float(state_dict["mean"])
+        self.m2 = float(state_dict["m2"])
+
+    def __repr__(self) -> str:
+        return f"RunningMeanStd(count={self.count}, mean={self.mean:.6g}, std={self.std:.6g})"
+
+
+def normalize_scores(
+    scores: Tensor,
+    running: RunningMeanStd | None,
+    clip: float | None,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Normalise scores with running statistics, then clip them.
+
+    ``(scores - mean) / (std + eps)`` (or ``scores / (std + eps)`` when ``shift_mean=False``),
+    then ``clamp(-clip, clip)``. Pure: neither ``scores`` nor ``running`` is modified; the caller
+    updates ``running`` with the batch first (see the module docstring).
+
+    Args:
+        scores: (B,) reward-model scores.
+        running: Running statistics, or None to skip normalisation (clip only).
+        clip: Bound c > 0 of the symmetric clip, or None for no clipping.
+        shift_mean: Subtract the running mean.
+        eps: Added to the standard deviation.
+
+    Returns:
+        (B,) new tensor in the dtype of ``scores``.
+
+    Raises:
+        ValueError: If ``clip <= 0``.
+    """
+    if clip is not None and clip <= 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    out = scores.clone()
+    if running is not None:
+        centred = out - running.mean if shift_mean else out
+        out = centred / (running.std + eps)
+    if clip is not None:
+        out = out.clamp(-clip, clip)
+    return out

@@ -1,0 +1,156 @@
+"""position ids, last real index, selective log-probs, stop-token masks (PITFALLS B04, B10, B11, B21)."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlhf_lit.functional import (
+    gather_logprobs,
+    last_real_index,
+    position_ids_from_mask,
+    stop_mask,
+    truncate_after_stop,
+)
+
+
+def close(actual, expected, atol=1e-6):
+    assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- position ids (B11)
+
+
+def test_position_ids_left_and_right_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    # cumsum - 1 = [-1,-1,0,1,2,3,4] -> clamp -> [0,0,0,1,2,3,4]; right padding repeats the last
+    expected = torch.tensor([[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 3, 3, 3]])
+    assert torch.equal(position_ids_from_mask(mask), expected)
+    assert position_ids_from_mask(mask.bool()).dtype == torch.long
+
+
+def test_position_ids_real_tokens_match_unpadded_run():
+    unpadded = position_ids_from_mask(torch.ones(1, 5))
+    padded = position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1]]))
+    assert torch.equal(padded[:, 2:], unpadded)
+
+
+# ---------------------------------------------------------------- last real index (B04)
+
+
+def test_last_real_index_b04_left_and_right_padding():
+    # pad == eos == 2: ids [5,6,2,7,8,2,2,2] / [2,2,5,6,2,7,8,2]; only the mask is used
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1]])
+    assert last_real_index(mask).tolist() == [5, 7]  # sum(mask) - 1 would give 5 for both
+
+
+def test_last_real_index_one_token_and_interior_gap():
+    mask = torch.tensor([[1, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
+    assert last_real_index(mask).tolist() == [0, 2]
+
+
+def test_last_real_index_empty_row_raises_naming_row():
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\]"):
+        last_real_index(torch.tensor([[1, 1], [0, 0]]))
+
+
+# ---------------------------------------------------------------- selective log-probs (B10, B21)
+
+
+def test_gather_logprobs_temperature_b10():
+    logits = torch.tensor([[[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]])  # (B=1, R=2, V=3)
+    tokens = torch.tensor([[0, 2]])
+    # T=1: logsumexp = ln(e^2 + e + 1) = ln(11.107338) = 2.407606 -> [2 - 2.407606, 0 - 2.407606]
+    close(gather_logprobs(logits, tokens), [[-0.407606, -2.407606]])
+    # T=0.7: logits/T = [2.857143, 1.428571, 0]; lse = ln(17.4117 + 4.1722 + 1) = 3.117261
+    lp_t = gather_logprobs(logits, tokens, temperature=0.7)
+    close(lp_t, [[-0.260118, -3.117261]])
+    # old and new at the same T: ratio exactly 1; the bug (T=1 vs T=0.7) gives exp(-0.147488)
+    assert torch.equal(torch.exp(lp_t - gather_logprobs(logits, tokens, temperature=0.7)), torch.ones(1, 2))
+    close(torch.exp(gather_logprobs(logits, tokens)[0, 0] - lp_t[0, 0]), 0.862873)
+
+
+def test_gather_logprobs_equals_log_softmax_b21():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen) * 3
+    tokens = torch.randint(0, 11, (2, 5), generator=gen)
+    naive = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert_close(gather_logprobs(logits, tokens), naive, atol=1e-6, rtol=0)
+    naive_t = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert_close(gather_logprobs(logits, tokens, temperature=0.7), naive_t, atol=1e-6, rtol=0)
+    # chunking over batch rows changes nothing
+    assert_close(gather_logprobs(logits, tokens, chunk_size=1), gather_logprobs(logits, tokens))
+
+
+def test_gather_logprobs_bf16_computes_in_fp32_and_is_differentiable():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, 7, generator=gen).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 7, (3, 4), generator=gen)
+    out = gather_logprobs(logits, tokens, chunk_size=2)
+    assert out.dtype == torch.float32
+    assert_close(out, gather_logprobs(logits.detach().float(), tokens))
+    out.sum().backward()
+    # d logp / d logits = onehot - softmax: sums to 0 over the vocabulary
+    close(logits.grad.float().sum(-1), torch.zeros(3, 4), atol=2e-2)
+
+
+def test_gather_logprobs_errors():
+    with pytest.raises(ValueError, match="temperature"):
+        gather_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="tokens"):
+        gather_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_gather_logprobs_uniform_is_minus_log_v():
+    close(gather_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 3]])), [[-math.log(4)] * 3])
+
+
+# ---------------------------------------------------------------- stop-token masks
+
+
+def test_stop_mask_includes_first_stop_and_nothing_after():
+    ids = torch.tensor(
+        [
+            [5, 6, 2, 7, 8],  # stop at 2: keep it, drop the rest
+            [2, 2, 2, 2, 2],  # stop as the first token: a one-token response
+            [5, 6, 7, 8, 9],  # no stop: ran to max_new_tokens, all real
+        ]
+    )
+    mask, has_stop = stop_mask(ids, stop_token_ids=2)
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    assert has_stop.tolist() == [True, True, False]
+
+
+def test_stop_mask_pad_equal_to_eos_keeps_the_real_eos():
+    ids = torch.tensor([[7, 8, 2, 2, 2]])  # pad == eos == 2
+    mask, _ = stop_mask(ids, 2, pad_token_id=2)
+    assert mask.int().tolist() == [[1, 1, 1, 0, 0]]  # ids != pad would give [1, 1, 0, 0, 0]
+
+
+def test_stop_mask_several_stop_ids():
+    mask, has_stop = stop_mask(torch.tensor([[5, 3, 2, 7], [5, 6, 2, 3]]), [2, 3])
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+    assert has_stop.tolist() == [True, True]
+
+
+def test_stop_mask_property_real_tokens_form_a_prefix():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (20, 12), generator=gen)
+    mask, has_stop = stop_mask(ids, torch.tensor([0]))
+    assert torch.all(mask[:, :-1] >= mask[:, 1:])  # once False, stays False
+    assert torch.all(mask[:, 0])  # the first generated token is always real
+    assert torch.equal(~has_stop, mask.all(-1) & (ids[:, -1] != 0))
+    with pytest.raises(ValueError, match="empty"):
+        stop_mask(ids, [])
+
+
+def test_truncate_after_stop_is_out_of_place():
+    ids = torch.tensor([[5, 2, 7, 8], [5, 6, 7, 8]])
+    before = ids.clone()
+    out, mask, has_stop = truncate_after_stop(ids, stop_token_ids=2, pad_token_id=0)
+    assert out.tolist() == [[5, 2, 0, 0], [5, 6, 7, 8]]
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert has_stop.tolist() == [True, False]
+    assert torch.equal(ids, before)
