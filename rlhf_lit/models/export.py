@@ -1,0 +1,195 @@
+"""Hugging Face-format export of trained policies and reward models, and loading them back.
+
+An exported folder is usable with transformers and peft alone:
+
+* ``config.json`` + ``model.safetensors``: the whole causal LM with any LoRA adapter merged in
+  (``AutoModelForCausalLM.from_pretrained(folder)``); written unless the base is 4-bit, where merging is
+  lossy;
+* ``adapter/``: the LoRA adapter alone (``PeftModel.from_pretrained(base, folder + "/adapter")``), when
+  one was trained; ``rlhf_lit.json`` records the base it belongs to;
+* the tokenizer files;
+* for reward models, ``reward_head.safetensors`` (``weight`` (1, H), ``bias`` (1,)) and in
+  ``rlhf_lit.json`` the calibration ``temperature``: the calibrated score is
+  ``head(h_last) / temperature``, where ``h_last`` is the trunk's last-layer hidden state at the last
+  real token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import nullcontext
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from rlhf_lit.models.adapters import AdaptedLM
+from rlhf_lit.models.backbone import BackboneConfig, disable_dropout, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.models.tokenizer import load_tokenizer
+
+ExportMode = Literal["auto", "merged", "adapter"]
+META_FILE = "rlhf_lit.json"
+HEAD_FILE = "reward_head.safetensors"
+
+
+def save_causal_lm(
+    lm: AdaptedLM,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str,
+    backbone: BackboneConfig,
+    mode: ExportMode = "auto",
+    adapter_name: str | None = None,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``lm`` (with adapter ``adapter_name`` active, if any) to ``path`` in HF format.
+
+    Args:
+        lm: the model.
+        tokenizer: saved beside it.
+        path: output folder (created; files in it are overwritten).
+        backbone: the config the base came from, recorded in ``rlhf_lit.json``.
+        mode: ``merged`` writes full weights with the adapter merged; ``adapter`` writes only the adapter
+            (the base must be loadable from ``backbone``); ``auto`` writes both, or only the adapter
+            over a 4-bit base.
+        adapter_name: the adapter to export (default: the active one).
+        meta: extra entries for ``rlhf_lit.json``.
+
+    Returns:
+        The metadata written to ``rlhf_lit.json``.
+
+    Raises:
+        ValueError: ``adapter`` mode without an adapter, or ``merged`` mode over a 4-bit base.
+    """
+    os.makedirs(path, exist_ok=True)
+    name = adapter_name or lm.active_adapter
+    if mode == "adapter" and not lm.is_peft:
+        raise ValueError("export_mode='adapter' needs LoRA adapters; this model was trained in full")
+    if mode == "merged" and backbone.load_in_4bit:
+        raise ValueError("export_mode='merged' is not supported over a 4-bit base; use 'adapter'")
+    write_merged = mode == "merged" or (mode == "auto" and not backbone.load_in_4bit)
+    write_adapter = lm.is_peft and mode in ("auto", "adapter")
+    with lm.adapter(name) if lm.is_peft else nullcontext():
+        if write_merged:
+            _save_merged(lm, path)
+        if write_adapter:
+            lm.model.save_pretrained(os.path.join(path, "adapter"), selected_adapters=[name])
+            _flatten_adapter_folder(os.path.join(path, "adapter"), name)
+    tokenizer.save_pretrained(path)
+    info = {
+        "format": "rlhf_lit",
+        "version": 1,
+        "weights": "merged" if write_merged else "adapter",
+        "has_adapter": bool(write_adapter),
+        "base": backbone.to_dict(),
+        **(meta or {}),
+    }
+    with open(os.path.join(path, META_FILE), "w") as f:
+        json.dump(info, f, indent=2, default=str)
+    return info
+
+
+def _save_merged(lm: AdaptedLM, path: str) -> None:
+    if not lm.is_peft:
+        lm.model.save_pretrained(path)
+        return
+    lm.model.merge_adapter()
+    try:
+        base = lm.model.get_base_model()
+        state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k}
+        base.save_pretrained(path, state_dict=state)
+    finally:
+        lm.model.unmerge_adapter()
+
+
+def _flatten_adapter_folder(folder: str, name: str) -> None:
+    """peft saves a non-default adapter in ``folder/<name>/``; move it up so the folder loads directly."""
+    nested = os.path.join(folder, name)
+    if os.path.isdir(nested):
+        for entry in os.listdir(nested):
+            os.replace(os.path.join(nested, entry), os.path.join(folder, entry))
+        os.rmdir(nested)
+
+
+def save_reward_head(head: ScalarHead, path: str) -> None:
+    weights = {k: v.detach().float().cpu().contiguous() for k, v in head.linear.state_dict().items()}
+    save_file(weights, os.path.join(path, HEAD_FILE))
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.exists(meta_path):
+        raise ValueError(f"{path!r} is not an rlhf_lit export: {META_FILE} is missing")
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+class RewardScorer(nn.Module):
+    """A frozen, exported reward model: backbone + scalar head + calibration temperature.
+
+    Args:
+        lm: the backbone (any architecture; its own tokenizer).
+        head: the scalar head.
+        tokenizer: the reward model's tokenizer (may differ from the policy's).
+        temperature: calibration temperature T; ``score`` returns ``head(h_last) / T`` when
+            ``calibrated`` (the default), so that ``sigmoid(score_a - score_b)`` is a calibrated
+            preference probability.
+    """
+
+    def __init__(
+        self, lm: AdaptedLM, head: ScalarHead, tokenizer: PreTrainedTokenizerBase, temperature: float = 1.0
+    ) -> None:
+        super().__init__()
+        self.lm = lm
+        self.head = head
+        self.tokenizer = tokenizer
+        self.register_buffer("temperature", torch.tensor(float(temperature)))
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, calibrated: bool = True
+    ) -> torch.Tensor:
+        """``(B, T)`` ids and mask (1 = real; any padding side) -> ``(B,)`` float32 scores."""
+        hidden = self.lm.hidden_states(input_ids, attention_mask)
+        scores = score_last_token(self.head, hidden, attention_mask)
+        return scores / self.temperature if calibrated else scores
+
+
+def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | None = None) -> RewardScorer:
+    """Load a reward model exported by ``RewardModule`` (merged weights, or base + adapter).
+
+    Args:
+        path: the export folder.
+        dtype: override the backbone dtype (e.g. ``bfloat16`` on a GPU).
+        load_in_4bit: override 4-bit loading of the backbone.
+
+    Raises:
+        ValueError: if ``path`` is not a reward-model export.
+    """
+    meta = read_meta(path)
+    if meta.get("kind") != "reward_model":
+        raise ValueError(f"{path!r} holds a {meta.get('kind', 'policy')!r} export, not a reward model")
+    tokenizer = load_tokenizer(path)
+    base_cfg = BackboneConfig(**{**meta["base"], "lora": None})
+    if dtype is not None:
+        base_cfg.dtype = dtype
+    if load_in_4bit is not None:
+        base_cfg.load_in_4bit = load_in_4bit
+    if meta["weights"] == "merged" and not base_cfg.load_in_4bit:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
+        disable_dropout(model)
+        lm = AdaptedLM(model)
+    else:
+        from peft import PeftModel
+
+        base = load_backbone(base_cfg, load_backbone_tokenizer(base_cfg))
+        lm = AdaptedLM(PeftModel.from_pretrained(base, os.path.join(path, "adapter")))
+    head = ScalarHead(int(meta["hidden_size"]))
+    head.linear.load_state_dict(load_file(os.path.join(path, HEAD_FILE)))
+    scorer = RewardScorer(lm, head, tokenizer, temperature=float(meta.get("temperature", 1.0)))
+    scorer.eval()
+    return scorer

@@ -1,0 +1,128 @@
+"""The PPO actor, critic and reference on one shared base.
+
+``ActorCritic`` holds an ``AdaptedLM`` with an ``"actor"`` LoRA adapter and, unless the critic shares the
+actor's trunk, a ``"critic"`` adapter, plus a float32 ``ScalarHead`` for values. The reference policy is the
+same base with every adapter switched off (``reference()``).
+
+Alignment (DESIGN.md): for a sequence ``x`` of length T = P + R whose response starts at P, the log-prob of
+response token ``x[P + j]`` comes from the logits at position ``P + j - 1``, and the critic's value for that
+action from the hidden state at the same position. So both read hidden positions ``P - 1 .. P + R - 2``.
+Only those R positions go through the LM head (no (B, T, V) logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlhf_lit.functional.losses import entropy_from_logits
+from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.models.adapters import AdaptedLM
+from rlhf_lit.models.backbone import LoraSettings, hidden_size
+from rlhf_lit.models.heads import ScalarHead
+
+
+@dataclass
+class PolicyOutput:
+    """Per-token outputs over the response positions, each ``(B, R)`` (``None`` when not asked for)."""
+
+    logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class ActorCritic(nn.Module):
+    """Actor and critic LoRA adapters on one base, a value head, and the reference as the bare base.
+
+    Args:
+        model: the base causal LM (the SFT policy), possibly 4-bit.
+        actor_lora: LoRA settings of the actor adapter.
+        critic_lora: LoRA settings of the critic adapter; ``None`` makes the critic share the actor's
+            trunk (one forward gives logits and values; the value loss then also trains the actor adapter).
+    """
+
+    def __init__(self, model: nn.Module, actor_lora: LoraSettings, critic_lora: LoraSettings | None) -> None:
+        super().__init__()
+        adapters = {"actor": actor_lora}
+        if critic_lora is not None:
+            adapters["critic"] = critic_lora
+        self.lm = AdaptedLM(model, adapters)
+        self.shared_critic = critic_lora is None
+        self.value_head = ScalarHead(hidden_size(model), init_std=0.0)
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        return self.lm.adapter_parameters("actor")
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        params = [] if self.shared_critic else self.lm.adapter_parameters("critic")
+        return params + list(self.value_head.parameters())
+
+    def _response_hidden(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
+        hidden = self.lm.hidden_states(input_ids, attention_mask)
+        return hidden[:, prompt_len - 1 : -1]
+
+    def _logprob_outputs(self, hidden, response_ids, temperature, want_entropy, chunk_size):
+        logits = self.lm.logits(hidden)
+        logprobs = gather_logprobs(logits, response_ids, temperature=temperature, chunk_size=chunk_size)
+        entropy = entropy_from_logits(logits, temperature, chunk_size) if want_entropy else None
+        return logprobs, entropy
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_len: int,
+        temperature: float,
+        want_logprobs: bool = True,
+        want_values: bool = True,
+        want_entropy: bool = False,
+        chunk_size: int | None = None,
+    ) -> PolicyOutput:
+        """Actor log-probs, critic values and entropies over the response positions.
+
+        Args:
+            input_ids: ``(B, T)`` prompt (left padded, width P) followed by the response (right padded).
+            attention_mask: ``(B, T)``, 1 = real token.
+            prompt_len: P, the width of the prompt block.
+            temperature: the sampling temperature (log-probs are of ``softmax(logits / T)``; B10).
+            want_logprobs / want_values / want_entropy: which outputs to compute.
+            chunk_size: batch rows per chunk for log-softmax and entropy.
+
+        Returns:
+            ``PolicyOutput`` with ``(B, R)`` tensors, R = T - P.
+        """
+        response_ids = input_ids[:, prompt_len:]
+        out = PolicyOutput()
+        if self.shared_critic or not want_values:
+            with self.lm.adapter("actor"):
+                hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
+            if want_logprobs:
+                out.logprobs, out.entropy = self._logprob_outputs(
+                    hidden, response_ids, temperature, want_entropy, chunk_size
+                )
+            if want_values:
+                out.values = self.value_head(hidden)
+            return out
+        if want_logprobs:
+            with self.lm.adapter("actor"):
+                hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
+            out.logprobs, out.entropy = self._logprob_outputs(
+                hidden, response_ids, temperature, want_entropy, chunk_size
+            )
+        with self.lm.adapter("critic"):
+            out.values = self.value_head(self._response_hidden(input_ids, attention_mask, prompt_len))
+        return out
+
+    @torch.no_grad()
+    def reference_logprobs(
+        self, input_ids, attention_mask, prompt_len: int, temperature: float, chunk_size: int | None = None
+    ) -> torch.Tensor:
+        """``(B, R)`` log-probs of the response under the reference (all adapters off), at ``temperature``."""
+        with self.lm.reference():
+            hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
+            logits = self.lm.logits(hidden)
+        return gather_logprobs(
+            logits, input_ids[:, prompt_len:], temperature=temperature, chunk_size=chunk_size
+        )
