@@ -1,0 +1,283 @@
+"""What the three DataModules share: reading files, counting skips, splitting, and building loaders.
+
+Splits are made AFTER filtering, per file and per source ROW (every pair of a ranked row lands on
+the same side), with a generator seeded from ``seed`` and the file's name, so validation never
+overlaps training and is the same in every run and whatever other files are listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader, Dataset
+
+from rlhf_lit.data.formats import Fields, detect_format
+from rlhf_lit.data.loading import DataFormatError, display_name, is_hub_id, load_rows, source_name
+from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.data.tokenize import Tokenization
+
+__all__ = ["ExampleDataset", "RLHFDataModule", "split_examples"]
+
+log = logging.getLogger("rlhf_lit.data")
+
+
+class ExampleDataset(Dataset):
+    """A list of tokenised examples (dicts of id lists and metadata)."""
+
+    def __init__(self, examples: list[dict]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.examples[index]
+
+
+def _val_count(val_size: int | float, num_rows: int) -> int:
+    if isinstance(val_size, bool) or val_size < 0:
+        raise ValueError(f"val_size must be a fraction in [0, 1) or a row count >= 1, got {val_size!r}")
+    if val_size < 1:
+        return int(round(val_size * num_rows))
+    if val_size != int(val_size):
+        raise ValueError(f"val_size >= 1 is a row count and must be a whole number, got {val_size!r}")
+    return int(val_size)
+
+
+def split_examples(
+    examples: list[dict], val_size: int | float, max_train_rows: int | None, seed: int, name: str
+) -> tuple[list[dict], list[dict]]:
+    """Split one file's kept examples into ``(train, val)`` by source row.
+
+    Args:
+        examples: kept examples of ONE file, each with a ``"row"`` key.
+        val_size: a fraction of the file's kept rows (< 1), or a row count (>= 1); 0 for none.
+        max_train_rows: keep at most this many training rows (a fixed, seeded subset); None: all.
+        seed: the split seed; the generator is seeded with ``seed + crc32(name)``.
+        name: the file's name, so each file gets its own (stable) permutation.
+
+    Returns:
+        ``(train, val)``, each in the file's original order.
+
+    Raises:
+        ValueError: if ``val_size`` is invalid or would leave no training rows.
+    """
+    rows = sorted({e["row"] for e in examples})
+    n_val = _val_count(val_size, len(rows))
+    if rows and n_val >= len(rows):
+        raise ValueError(f"val_size={val_size} takes all {len(rows)} kept rows of {name}; nothing is left to train on")
+    generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+    order = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
+    val_rows = set(order[:n_val])
+    train_order = order[n_val:]
+    train_rows = set(train_order if max_train_rows is None else train_order[:max_train_rows])
+    return [e for e in examples if e["row"] in train_rows], [e for e in examples if e["row"] in val_rows]
+
+
+class RLHFDataModule(L.LightningDataModule):
+    """Base of the three DataModules; subclasses set ``stage`` and implement ``_convert``,
+    ``_tokenize`` and ``_collator``. See the subclasses for the meaning of every argument."""
+
+    stage: str = ""
+    formats: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        *,
+        train_files: str | Sequence[str],
+        val_files: str | Sequence[str] | None,
+        val_size: int | float,
+        max_train_samples_per_file: int | None,
+        format: str,
+        fields: Fields,
+        chat_template: bool,
+        max_length: int,
+        max_prompt_length: int | None,
+        min_prompt_tokens: int,
+        append_eos: bool,
+        batch_size: int,
+        val_batch_size: int | None,
+        num_workers: int,
+        shuffle: bool,
+        seed: int,
+        pad_to_multiple_of: int | None,
+        tokenizer: Any,
+    ) -> None:
+        super().__init__()
+        self.train_files = [train_files] if isinstance(train_files, str) else list(train_files)
+        self.val_files = [val_files] if isinstance(val_files, str) else list(val_files) if val_files else None
+        if not self.train_files:
+            raise ValueError("train_files is empty; give at least one file or hub id")
+        if format not in ("auto",) + self.formats:
+            raise ValueError(f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}")
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size or 1),
+                            ("pad_to_multiple_of", pad_to_multiple_of or 1)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_train_samples_per_file is not None and max_train_samples_per_file < 1:
+            raise ValueError(f"max_train_samples_per_file must be >= 1 or None, got {max_train_samples_per_file}")
+        _val_count(val_size, 0)  # validates the value early
+        self.val_size, self.max_train_samples_per_file = val_size, max_train_samples_per_file
+        self.format, self.fields, self.chat_template = format, fields, chat_template
+        self.max_length, self.max_prompt_length = max_length, max_prompt_length
+        self.min_prompt_tokens, self.append_eos = min_prompt_tokens, append_eos
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size
+        self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.tokenizer = tokenizer
+        self.source_names: list[str] = []
+        self._source_specs: list[str] = []
+        self.skip_counter: SkipCounter | None = None
+        self.train_dataset: ExampleDataset | None = None
+        self.val_dataset: ExampleDataset | None = None
+
+    # --------------------------------------------------------------------------- subclass hooks
+    def _convert(self, rows: Any, fmt: str, source: int, where: str):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _collator(self) -> Callable:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _tokenization(self) -> Tokenization:
+        return Tokenization(self.tokenizer, self.max_length, self.max_prompt_length,
+                            self.min_prompt_tokens, self.append_eos)
+
+    # --------------------------------------------------------------------------------- building
+    def _source_index(self, path: str) -> int:
+        name = source_name(path)
+        for i, existing in enumerate(self._source_specs):
+            if existing == path:
+                return i
+        taken = set(self.source_names)
+        unique, k = name, 2
+        while unique in taken:
+            unique, k = f"{name}_{k}", k + 1
+        self._source_specs.append(path)
+        self.source_names.append(unique)
+        return len(self.source_names) - 1
+
+    def _read_file(self, path: str, split: str, counter: SkipCounter, tok: Tokenization) -> list[dict]:
+        source = self._source_index(path)
+        rows = load_rows(path)
+        counter.add_source(split, display_name(path))
+        if len(rows) == 0:
+            return []
+        fmt = self.format if self.format != "auto" else detect_format(self.stage, rows[0], self.fields, path)
+        records = []
+        for _, item in self._convert(rows, fmt, source, path):
+            counter.count_seen(split)
+            if isinstance(item, str):
+                counter.count_skip(split, item)
+            else:
+                records.append(item)
+        return self._tokenize(tok, records, counter, split)
+
+    def prepare_data(self) -> None:
+        """Fetch hub datasets once (Lightning calls this on one process) so ``setup`` reads the cache."""
+        for path in self.train_files + (self.val_files or []):
+            if is_hub_id(path):
+                load_rows(path)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read, convert, tokenise, filter and split the data (once; later calls do nothing).
+
+        Raises:
+            ValueError: if no tokenizer was given, or no training example survives filtering.
+            DataFormatError: for malformed files (the message names file, row and field).
+        """
+        if self.train_dataset is not None:
+            return
+        tok = self._tokenization()
+        counter = SkipCounter(max_length=self._report_length())
+        self.source_names, self._source_specs = [], []
+        train: list[dict] = []
+        val: list[dict] = []
+        for path in self.train_files:
+            examples = self._read_file(path, "train", counter, tok)
+            val_size = 0 if self.val_files else self.val_size
+            file_train, file_val = split_examples(
+                examples, val_size, self.max_train_samples_per_file, self.seed, source_name(path)
+            )
+            counter.count_held_out("train", len(file_val))
+            counter.count_not_sampled("train", len(examples) - len(file_train) - len(file_val))
+            train += file_train
+            val += file_val
+        counter.set_kept("train", len(train))
+        if self.val_files:
+            for path in self.val_files:
+                val += self._read_file(path, "val", counter, tok)
+            counter.set_kept("val", len(val))
+        elif val:
+            for path in self.train_files:
+                counter.add_source("val", display_name(path))
+            counter.count_seen("val", len(val))
+            counter.set_kept("val", len(val), note=f"held out of the train files, seed={self.seed}")
+        self.skip_counter = counter
+        if not train:
+            raise DataFormatError(f"no training examples left after filtering: {counter.report('train')}")
+        self.train_dataset, self.val_dataset = self._finish(train), self._finish(val) if val else None
+        if rank_zero_only.rank == 0:
+            for split in counter.splits:
+                log.info(counter.report(split))
+
+    def _finish(self, examples: list[dict]) -> ExampleDataset:
+        return ExampleDataset(examples)
+
+    def _report_length(self) -> int | None:
+        return self.max_length
+
+    # --------------------------------------------------------------------------------- reporting
+    def data_report(self) -> dict[str, str]:
+        """The one-line report per split (after ``setup``), e.g. for a README or the console."""
+        counter = self._require_setup().skip_counter
+        return {split: counter.report(split) for split in counter.splits}
+
+    def data_metrics(self) -> dict[str, float]:
+        """``data/<split>/kept`` and ``data/<split>/skipped_<reason>`` for every split (after ``setup``).
+
+        A LightningModule logs them once, e.g. in ``on_train_start``:
+        ``self.log_dict(self.trainer.datamodule.data_metrics(), rank_zero_only=True)``.
+        """
+        counter = self._require_setup().skip_counter
+        metrics: dict[str, float] = {}
+        for split in counter.splits:
+            metrics.update(counter.as_metrics(split))
+        return metrics
+
+    def _require_setup(self) -> RLHFDataModule:
+        if self.skip_counter is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not run yet")
+        return self
+
+    # --------------------------------------------------------------------------------- loaders
+    def _loader(self, dataset: Dataset, batch_size: int, loader_class: type = DataLoader, **kwargs: Any) -> DataLoader:
+        return loader_class(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=self._collator(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches, shuffled with a generator seeded from ``seed`` when ``shuffle``."""
+        self._require_setup()
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader(self.train_dataset, self.batch_size, shuffle=self.shuffle, generator=generator)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches in file order (an empty list when there is no validation split)."""
+        self._require_setup()
+        if self.val_dataset is None:
+            return []
+        return self._loader(self.val_dataset, self.val_batch_size or self.batch_size, shuffle=False)

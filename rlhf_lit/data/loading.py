@@ -1,0 +1,278 @@
+"""Reading raw rows: local JSON / JSON Lines (optionally gzipped), Parquet and CSV files, or hub ids.
+
+Everything goes through ``datasets``. When ``datasets`` cannot read a JSON file, or reads it only by
+falling back to its untyped ``Json`` column type (a field whose type changes between rows), the file
+is scanned line by line with :func:`json.loads` so that the user gets ONE :class:`DataFormatError`
+naming the file, the row (the 1-based line for JSON Lines) and the field.
+
+Prompt files whose lines are bare JSON strings (``"Tell me a joke"``) are read as ``{"prompt": s}``.
+
+Hook for generated data: :func:`register_source` maps a scheme to a function that makes rows. The
+scheme ``"demo"`` is wired to ``rlhf_lit/data/demo_task.py`` (the synthetic demo task), so
+``train_files: ["demo:preference?n=1000&seed=0&split=train"]`` works in a YAML config.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import datasets
+
+__all__ = ["DataFormatError", "display_name", "is_hub_id", "load_rows", "register_source", "source_name"]
+
+JSON_EXTENSIONS = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+DATA_EXTENSIONS = JSON_EXTENSIONS + (".parquet", ".csv", ".csv.gz")
+
+SourceLoader = Callable[[str, str], datasets.Dataset]
+
+
+def _demo_rows(name: str, split: str) -> datasets.Dataset:
+    """``demo:<kind>?n=..&seed=..&split=..`` -> the synthetic demo task's rows (the split is in the spec)."""
+    from rlhf_lit.data import demo_task  # imported lazily: only demo configs need it
+
+    return datasets.Dataset.from_list(demo_task.rows_from_spec(f"demo:{name}"))
+
+
+_SOURCE_LOADERS: dict[str, SourceLoader] = {"demo": _demo_rows}
+
+
+class DataFormatError(ValueError):
+    """Data that cannot be read as rows. The message is what the user sees: file, row and field."""
+
+
+def register_source(scheme: str, loader: SourceLoader) -> None:
+    """Register rows made in code under ``"<scheme>:<name>"`` (the hook for the synthetic demo task).
+
+    Args:
+        scheme: the prefix before the colon, e.g. ``"demo"``.
+        loader: called as ``loader(name, split)``; returns a ``datasets.Dataset`` of rows.
+    """
+    _SOURCE_LOADERS[scheme] = loader
+
+
+def source_name(path_or_id: str) -> str:
+    """A short name for a data source: the file stem without data extensions, or the hub id."""
+    scheme, _, rest = path_or_id.partition(":")
+    if rest and scheme in _SOURCE_LOADERS:
+        return path_or_id.split("?", 1)[0]
+    name = os.path.basename(path_or_id.rstrip("/\\")) if _looks_local(path_or_id) else path_or_id
+    for ext in sorted(DATA_EXTENSIONS, key=len, reverse=True):
+        if name.endswith(ext):
+            return name[: -len(ext)]
+    return name
+
+
+def is_hub_id(path_or_id: str) -> bool:
+    """True when ``load_rows`` would fetch ``path_or_id`` from the hub (not a file, not a registered scheme)."""
+    scheme, _, rest = path_or_id.partition(":")
+    return not (rest and scheme in _SOURCE_LOADERS) and not _looks_local(path_or_id)
+
+
+def display_name(path_or_id: str) -> str:
+    """How reports name a data source: a local file's base name (``hh.jsonl.gz``), else the spec."""
+    return os.path.basename(path_or_id.rstrip("/\\")) if _looks_local(path_or_id) else path_or_id
+
+
+def load_rows(path_or_id: str, split: str = "train") -> datasets.Dataset:
+    """Load raw rows from a local file, a registered source or a hub dataset.
+
+    Args:
+        path_or_id: a ``.json``/``.jsonl`` (optionally ``.gz``), ``.parquet`` or ``.csv`` file (relative
+            paths are resolved against the current directory); ``"scheme:name"`` for a source registered
+            with :func:`register_source`; otherwise a hub id such as ``"Anthropic/hh-rlhf"``, optionally
+            with ``":split"`` appended (needs network access).
+        split: the split of a hub dataset or a registered source; ignored for local files.
+
+    Returns:
+        The rows. Bare-string JSON rows become ``{"prompt": s}``.
+
+    Raises:
+        FileNotFoundError: if a local path does not exist.
+        DataFormatError: if the file is malformed (invalid JSON, a field whose type changes between
+            rows, an unsupported extension) or a hub dataset cannot be loaded.
+    """
+    scheme, _, rest = path_or_id.partition(":")
+    if rest and scheme in _SOURCE_LOADERS:
+        return _SOURCE_LOADERS[scheme](rest, split)
+    path = Path(path_or_id).expanduser()
+    if path.is_file():
+        return _load_local(path)
+    if path.exists():
+        raise DataFormatError(f"{path_or_id} is not a data file (resolved to {path.resolve()})")
+    if _looks_local(path_or_id):
+        raise FileNotFoundError(f"data file not found: {path_or_id} (resolved to {path.resolve()})")
+    return _load_hub(path_or_id, split)
+
+
+def _looks_local(spec: str) -> bool:
+    lowered = spec.lower()
+    return (
+        lowered.endswith(DATA_EXTENSIONS)
+        or spec.startswith(("/", "./", "../", "~"))
+        or os.path.exists(os.path.expanduser(spec))
+    )
+
+
+def _load_hub(hub_id: str, split: str) -> datasets.Dataset:
+    if ":" in hub_id:
+        hub_id, split = hub_id.rsplit(":", 1)
+    try:
+        return datasets.load_dataset(hub_id, split=split)
+    except Exception as err:  # network, unknown id, unknown split: all end up here
+        raise DataFormatError(
+            f"could not load {hub_id!r} (split {split!r}): not a local file, and loading it from the hub "
+            f"failed ({type(err).__name__}: {err})"
+        ) from None
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence ``datasets``' own error log while we try a file (we raise one clear error instead)."""
+    logger = logging.getLogger("datasets")
+    old = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
+def _load_local(path: Path) -> datasets.Dataset:
+    lowered = path.name.lower()
+    if lowered.endswith(JSON_EXTENSIONS):
+        return _load_json(path)
+    builder = "parquet" if lowered.endswith(".parquet") else "csv" if lowered.endswith((".csv", ".csv.gz")) else None
+    if builder is None:
+        raise DataFormatError(f"{path}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}")
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:
+        raise DataFormatError(f"malformed {builder} file {path}: {_root_message(err)}") from None
+
+
+def _load_json(path: Path) -> datasets.Dataset:
+    first = _first_json_line(path)
+    if isinstance(first, str):  # bare JSON strings, one per line (the oasst prompt file)
+        return _load_bare_strings(path)
+    try:
+        with _quiet_datasets():
+            ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as err:
+        problem = _diagnose_json(path)
+        raise DataFormatError(problem or f"malformed JSON file {path}: {_root_message(err)}") from None
+    if any(isinstance(feature, datasets.Json) for feature in ds.features.values()):
+        problem = _diagnose_json(path)  # an untyped column: some field changes type between rows
+        if problem:
+            raise DataFormatError(problem)
+    return ds
+
+
+def _open_text(path: Path):
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _first_json_line(path: Path) -> object:
+    """The first non-blank line of a JSON Lines file, parsed (``None`` if it is not valid JSON alone)."""
+    if ".jsonl" not in path.name.lower():
+        return None
+    with _open_text(path) as handle:
+        for line in handle:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    return None
+    return None
+
+
+def _load_bare_strings(path: Path) -> datasets.Dataset:
+    prompts: list[str] = []
+    with _open_text(path) as handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"malformed JSON in {path}: line {lineno}: invalid JSON ({err.msg})") from None
+            if not isinstance(value, str):
+                raise DataFormatError(
+                    f"malformed JSON in {path}: line {lineno}: expected a JSON string like the first line, "
+                    f"got {_type_name(value)}"
+                )
+            prompts.append(value)
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def _iter_json_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """Yield ``(where, value)`` per row; raises DataFormatError on invalid JSON."""
+    if ".jsonl" in path.name.lower():
+        with _open_text(path) as handle:
+            for lineno, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"line {lineno}", json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(
+                        f"malformed JSON in {path}: line {lineno}: invalid JSON ({err.msg}, column {err.colno})"
+                    ) from None
+        return
+    with _open_text(path) as handle:
+        try:
+            document = json.load(handle)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(
+                f"malformed JSON in {path}: invalid JSON at line {err.lineno}, column {err.colno} ({err.msg})"
+            ) from None
+    rows = document if isinstance(document, list) else [document]
+    for index, value in enumerate(rows, 1):
+        yield f"row {index}", value
+
+
+def _diagnose_json(path: Path) -> str | None:
+    """Find the first invalid row or field type change; return the message (None if none found)."""
+    first_types: dict[str, tuple[str, str]] = {}
+    try:
+        for where, row in _iter_json_rows(path):
+            if not isinstance(row, dict):
+                return f"malformed JSON in {path}: {where}: expected a JSON object, got {_type_name(row)}"
+            for field, value in row.items():
+                if value is None:
+                    continue
+                kind = _type_name(value)
+                if field not in first_types:
+                    first_types[field] = (kind, where)
+                elif first_types[field][0] != kind:
+                    seen_kind, seen_where = first_types[field]
+                    return (
+                        f"malformed JSON in {path}: {where}: field {field!r} is {kind}, "
+                        f"but it is {seen_kind} in {seen_where}"
+                    )
+    except DataFormatError as err:
+        return str(err)
+    return None
+
+
+def _type_name(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _root_message(err: BaseException) -> str:
+    """The innermost cause's message (``datasets`` wraps the useful pyarrow message)."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return f"{type(err).__name__}: {err}"

@@ -1,0 +1,218 @@
+"""PromptDataModule: prompts for PPO rollouts, left-padded, in an exactly resumable order.
+
+Resumption (a resumed PPO run must see the prompts an uninterrupted run sees): the training order
+of epoch ``e`` is ``randperm(seed + e)`` (see :class:`~rlhf_lit.data.sampler.ResumableSampler`).
+:meth:`PromptDataModule.state_dict` records ``epoch`` and ``batches_consumed``;
+:meth:`PromptDataModule.load_state_dict` makes the next training pass over that epoch skip them.
+
+* Under ``Trainer.fit`` the PPO module has NOTHING to call: Lightning calls the sampler's
+  ``set_epoch`` at each epoch start, ``datamodule.state_dict()`` when it saves a checkpoint and
+  ``datamodule.load_state_dict()`` when it restores one, and the consumed count is read from the fit
+  loop's batch progress (batches whose ``training_step`` finished, however many PPO updates each did).
+  The PPO module must take exactly one prompt batch per ``training_step`` from the ``batch`` argument.
+* A loop that draws batches itself (outside ``Trainer.fit``) calls ``datamodule.set_epoch(e)`` at
+  each epoch start and ``datamodule.mark_consumed()`` after using each batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from torch.utils.data import DataLoader
+
+from rlhf_lit.data.base import ExampleDataset, RLHFDataModule
+from rlhf_lit.data.collate import PromptCollator
+from rlhf_lit.data.formats import Fields, prompt_records
+from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.data.sampler import ResumableSampler
+from rlhf_lit.data.tokenize import Tokenization
+
+__all__ = ["PromptDataModule"]
+
+_NO_LIMIT = 1 << 30
+
+
+class _PromptLoader(DataLoader):
+    """Tells Lightning the loader resumes exactly (no "not resumable" warning); the state itself is
+    :meth:`PromptDataModule.state_dict`, so this loader's own state is empty."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+class PromptDataModule(RLHFDataModule):
+    """Prompts (and optional references) for rollouts, from one or more files, filtered and split.
+
+    Row formats (``format="auto"`` picks one per file from its first row's keys):
+
+    * ``explicit`` -- a ``prompt`` string field (files of bare JSON strings are read as ``prompt``);
+      optional ``reference_field``.
+    * ``messages`` -- a message list rendered with the chat template and the generation prompt (a
+      trailing assistant message is dropped, so SFT conversations can be reused).
+    * ``hh`` -- the prompt part of the ``chosen`` transcript: up to and including the LAST
+      ``"\\n\\nAssistant:"`` (or the FIRST, with ``hh_first_turn_only``).
+    * ``gsm8k`` -- ``question``, in the HH transcript form ``"\\n\\nHuman: ...\\n\\nAssistant:"``; the
+      reference is the final number after ``"####"`` in ``answer``.
+
+    Prompts longer than ``max_prompt_length`` are cut from the LEFT and counted as ``truncated`` (not
+    skipped); empty prompts are skipped (``empty_prompt``).
+
+    Each batch (see :class:`~rlhf_lit.data.collate.PromptCollator`) holds ``input_ids`` and
+    ``attention_mask`` (B, P) LEFT-padded, ``prompt_index`` (B,) (row in the split), ``reference``
+    and ``prompt_text`` (lists). Training batches are whole (``drop_last``).
+
+    Args:
+        train_files: training files or hub ids (``":test"`` picks a split); one string is accepted.
+        val_files: validation files; when given, ``val_size`` is ignored.
+        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.
+        max_train_samples_per_file: keep at most this many training prompts per file (a fixed,
+            seeded subset); None keeps all.
+        format: the row format; "auto" detects it per file.
+        prompt_field: field holding the prompt (explicit format).
+        messages_field: field holding the message list (messages format).
+        reference_field: optional field holding a reference answer (explicit format).
+        hh_first_turn_only: for hh, keep only the first human turn (as the shared benchmark does).
+        chat_template: render plain prompts as one user message (HH prompts as their turns) with the
+            tokenizer's chat template and generation prompt.
+        max_prompt_length: cut prompts to at most this many tokens, from the left (default:
+            ``pad_to_length``; None and no ``pad_to_length``: no limit).
+        batch_size: prompts per training batch, i.e. per rollout (per rank).
+        val_batch_size: prompts per validation batch (default: ``batch_size``).
+        num_workers: DataLoader worker processes.
+        shuffle: shuffle the training prompts (order = ``randperm(seed + epoch)``).
+        seed: seeds the split, the per-file subset and the order.
+        pad_to_multiple_of: round the padded width P up to a multiple of this.
+        pad_to_length: pad every batch to exactly this width P (e.g. 64 for the shared benchmark).
+        tokenizer: the tokenizer object (linked from the model by the CLI, not set in YAML).
+    """
+
+    stage = "prompt"
+    formats = ("explicit", "messages", "hh", "gsm8k")
+
+    def __init__(
+        self,
+        train_files: list[str] | str,
+        val_files: list[str] | str | None = None,
+        val_size: int | float = 0.05,
+        max_train_samples_per_file: int | None = None,
+        format: Literal["auto", "explicit", "messages", "hh", "gsm8k"] = "auto",
+        prompt_field: str = "prompt",
+        messages_field: str = "messages",
+        reference_field: str | None = None,
+        hh_first_turn_only: bool = False,
+        chat_template: bool = False,
+        max_prompt_length: int | None = None,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad_to_multiple_of: int | None = None,
+        pad_to_length: int | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if pad_to_length is not None and max_prompt_length is not None and max_prompt_length > pad_to_length:
+            raise ValueError(f"max_prompt_length ({max_prompt_length}) > pad_to_length ({pad_to_length})")
+        limit = max_prompt_length if max_prompt_length is not None else pad_to_length
+        fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field)
+        super().__init__(
+            train_files=train_files, val_files=val_files, val_size=val_size,
+            max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
+            chat_template=chat_template, max_length=limit or _NO_LIMIT, max_prompt_length=limit,
+            min_prompt_tokens=1, append_eos=False, batch_size=batch_size, val_batch_size=val_batch_size,
+            num_workers=num_workers, shuffle=shuffle, seed=seed, pad_to_multiple_of=pad_to_multiple_of,
+            tokenizer=tokenizer,
+        )
+        self.hh_first_turn_only, self.pad_to_length = hh_first_turn_only, pad_to_length
+        self._epoch = 0
+        self._manual_consumed = 0
+        self._resume: dict[str, int] | None = None
+        self._sampler: ResumableSampler | None = None
+
+    def _convert(self, rows: Any, fmt: str, source: int, where: str):
+        return prompt_records(rows, fmt, self.fields, self.chat_template, source, where, self.hh_first_turn_only)
+
+    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+        return tok.prompts(records, counter, split)
+
+    def _collator(self) -> PromptCollator:
+        return PromptCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of, self.pad_to_length)
+
+    def _finish(self, examples: list[dict]) -> ExampleDataset:
+        for index, example in enumerate(examples):
+            example["prompt_index"] = index
+        return ExampleDataset(examples)
+
+    def _report_length(self) -> int | None:
+        return None
+
+    # ------------------------------------------------------------------------------- loaders
+    def train_dataloader(self) -> DataLoader:
+        """Whole batches of prompts in the resumable seeded order (``drop_last=True``)."""
+        self._require_setup()
+        sampler = ResumableSampler(self.train_dataset, self.batch_size, self.seed, self.shuffle)
+        sampler.set_epoch(self._epoch)
+        if self._resume is not None:
+            sampler.set_epoch(self._resume["epoch"])
+            sampler.skip(self._resume["epoch"], self._resume["batches_consumed"])
+            self._resume = None
+        self._sampler = sampler
+        return self._loader(self.train_dataset, self.batch_size, _PromptLoader, sampler=sampler, drop_last=True)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` in a loop outside ``Trainer.fit`` (Lightning calls the sampler's own)."""
+        if epoch != self._epoch:
+            self._manual_consumed = 0
+        self._epoch = epoch
+        if self._sampler is not None:
+            self._sampler.set_epoch(epoch)
+
+    def mark_consumed(self, num_batches: int = 1) -> None:
+        """Record that a loop outside ``Trainer.fit`` used ``num_batches`` more training batches."""
+        self._manual_consumed += num_batches
+
+    # ------------------------------------------------------------------------------- resumption
+    def _under_fit(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        return trainer is not None and trainer.state.fn == "fit"
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "batches_consumed", "seed", "batch_size", "num_train_prompts"}`` of the training order.
+
+        Under ``Trainer.fit`` the count is the fit loop's batches processed in the current epoch;
+        otherwise the count given to :meth:`mark_consumed` since the last :meth:`set_epoch`.
+        """
+        if self._under_fit():
+            epoch = self._sampler.epoch if self._sampler is not None else self._epoch
+            consumed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        else:
+            epoch, consumed = self._epoch, self._manual_consumed
+        size = len(self.train_dataset) if self.train_dataset is not None else -1
+        return {"epoch": int(epoch), "batches_consumed": int(consumed), "seed": self.seed,
+                "batch_size": self.batch_size, "num_train_prompts": size}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume: the next training pass over ``state_dict["epoch"]`` skips its consumed batches.
+
+        Raises:
+            ValueError: if seed, batch size or the number of training prompts differ from the saved
+                run (the order could not be reproduced).
+        """
+        if not state_dict:
+            return
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
+                          ("num_train_prompts", len(self.train_dataset) if self.train_dataset is not None else -1)):
+            saved = state_dict.get(key)
+            if saved is not None and mine != -1 and saved != -1 and saved != mine:
+                raise ValueError(
+                    f"cannot resume the prompt order exactly: {key} was {saved} in the checkpoint but is {mine} now"
+                )
+        self._epoch, self._manual_consumed = int(state_dict["epoch"]), int(state_dict["batches_consumed"])
+        self._resume = {"epoch": self._epoch, "batches_consumed": self._manual_consumed}
+        if self._sampler is not None:
+            self._sampler.set_epoch(self._epoch)
+            self._sampler.skip(self._epoch, self._manual_consumed)
+            self._resume = None

@@ -1,0 +1,107 @@
+"""SFTDataModule: prompt/response demonstrations for supervised fine-tuning (loss on responses only)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rlhf_lit.data.base import RLHFDataModule
+from rlhf_lit.data.collate import SFTCollator
+from rlhf_lit.data.formats import Fields, sft_records
+from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.data.tokenize import Tokenization
+
+__all__ = ["SFTDataModule"]
+
+
+class SFTDataModule(RLHFDataModule):
+    """Demonstrations ``(prompt, response)`` from one or more files, filtered and split.
+
+    Row formats (``format="auto"`` picks one per file from its first row's keys):
+
+    * ``explicit`` -- ``prompt``/``response`` strings, used as given.
+    * ``alpaca`` -- ``instruction``, optional ``input``, ``output``.
+    * ``messages`` -- a message list; the LAST assistant message is the response, the messages
+      before it are the prompt (rendered with the tokenizer's chat template).
+    * ``hh`` -- the ``chosen`` HH transcript: prompt up to and including the last
+      ``"\\n\\nAssistant:"``, response after it (with its leading space).
+    * ``gsm8k`` -- ``question``/``answer``.
+
+    Without ``chat_template``, alpaca and gsm8k prompts are written in the HH transcript form
+    (``"\\n\\nHuman: {question}\\n\\nAssistant:"`` + ``" {answer}"``), the same form the prompt and
+    preference stages use, so one policy sees one format in every stage.
+
+    Each batch (see :class:`~rlhf_lit.data.collate.SFTCollator`) holds ``input_ids``,
+    ``attention_mask`` (right-padded) and ``labels`` with -100 on prompt and padding and the response
+    EOS kept, even when pad == EOS (PITFALLS B16), plus ``prompt_len``.
+
+    Args:
+        train_files: training files (``.json``, ``.jsonl``, ``.gz``, ``.parquet``, ``.csv``) or hub
+            ids (``":test"`` picks a split); one string is accepted too.
+        val_files: validation files; when given, ``val_size`` is ignored.
+        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.
+        max_train_samples_per_file: keep at most this many training rows per file (a fixed, seeded
+            subset); None keeps all.
+        format: the row format; "auto" detects it per file.
+        prompt_field: field holding the prompt (explicit format).
+        response_field: field holding the response (explicit format).
+        messages_field: field holding the message list (messages format).
+        chat_template: render text data as a chat with the tokenizer's chat template (plain prompts
+            become one user message; HH transcripts are parsed into turns).
+        max_length: the longest prompt + response in tokens.
+        max_prompt_length: cut prompts to at most this many tokens first (from the left).
+        min_prompt_tokens: skip an example (``response_too_long``) whose response + EOS leaves fewer
+            prompt tokens than this.
+        append_eos: append the tokenizer's EOS to every response that does not end with it.
+        batch_size: examples per training batch.
+        val_batch_size: examples per validation batch (default: ``batch_size``).
+        num_workers: DataLoader worker processes.
+        shuffle: shuffle the training examples (seeded with ``seed``).
+        seed: seeds the split, the per-file subset and the shuffle.
+        pad_to_multiple_of: round the padded length up to a multiple of this.
+        tokenizer: the tokenizer object (linked from the model by the CLI, not set in YAML).
+    """
+
+    stage = "sft"
+    formats = ("explicit", "alpaca", "messages", "hh", "gsm8k")
+
+    def __init__(
+        self,
+        train_files: list[str] | str,
+        val_files: list[str] | str | None = None,
+        val_size: int | float = 0.05,
+        max_train_samples_per_file: int | None = None,
+        format: Literal["auto", "explicit", "alpaca", "messages", "hh", "gsm8k"] = "auto",
+        prompt_field: str = "prompt",
+        response_field: str = "response",
+        messages_field: str = "messages",
+        chat_template: bool = False,
+        max_length: int = 512,
+        max_prompt_length: int | None = None,
+        min_prompt_tokens: int = 1,
+        append_eos: bool = True,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad_to_multiple_of: int | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        fields = Fields(prompt=prompt_field, response=response_field, messages=messages_field)
+        super().__init__(
+            train_files=train_files, val_files=val_files, val_size=val_size,
+            max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
+            chat_template=chat_template, max_length=max_length, max_prompt_length=max_prompt_length,
+            min_prompt_tokens=min_prompt_tokens, append_eos=append_eos, batch_size=batch_size,
+            val_batch_size=val_batch_size, num_workers=num_workers, shuffle=shuffle, seed=seed,
+            pad_to_multiple_of=pad_to_multiple_of, tokenizer=tokenizer,
+        )
+
+    def _convert(self, rows: Any, fmt: str, source: int, where: str):
+        return sft_records(rows, fmt, self.fields, self.chat_template, source, where)
+
+    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+        return tok.sft(records, counter, split)
+
+    def _collator(self) -> SFTCollator:
+        return SFTCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
