@@ -1,0 +1,63 @@
+"""The ``rlhf-lit`` command: LightningCLI over the stage modules and data modules.
+
+    rlhf-lit fit --config configs/<stage>/<name>.yaml      # train a stage
+    rlhf-lit validate --config ... --ckpt_path ...          # evaluate
+    rlhf-lit fit --config ... --print_config                # the full, resolved config
+
+The model and the data are chosen by ``class_path`` in the config (subclass mode), so any
+``LightningModule`` / ``LightningDataModule`` works. The tokenizer belongs to the model: it is built from
+the model's backbone config and handed to the data module when both are instantiated, so a config names it
+once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+
+class RLHFCLI(LightningCLI):
+    """LightningCLI with the tokenizer linked from the model to the data module."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
+
+
+def _quiet_third_party() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("transformers", "datasets", "peft", "httpx", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # bitsandbytes warns on import that an optional CPU kernel package is missing; the fallback is fine.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*gemm_4bit_forward.*")
+
+
+def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
+    """Build (and by default run) the CLI in-process; used by ``main`` and by the tests."""
+    _quiet_third_party()
+    return RLHFCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``rlhf-lit`` console script."""
+    argv = list(sys.argv[1:] if args is None else args)
+    cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()

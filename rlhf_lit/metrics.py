@@ -1,0 +1,119 @@
+"""Every metric rlhf_lit logs: name, meaning and unit, in one place.
+
+Modules log only names defined here (a test checks it, and the README glossary is generated from
+``GLOSSARY``). Groups are TensorBoard sections: ``train/`` and ``val/`` hold losses, ``reward/`` the
+reward model's validation results, ``rollout/`` what PPO's sampling produced, ``ppo/`` the update,
+``critic/`` the value head (never ``val/``, which means validation), ``perf/`` speed and memory, and
+``data/`` what the data modules kept and skipped.
+"""
+
+from __future__ import annotations
+
+# Losses
+TRAIN_LOSS = "train/loss"
+TRAIN_ACCURACY = "train/accuracy"
+VAL_LOSS = "val/loss"
+VAL_PERPLEXITY = "val/perplexity"
+
+# Reward model (validation)
+REWARD_ACCURACY = "reward/accuracy"
+REWARD_MARGIN = "reward/margin"
+REWARD_CHOSEN_MEAN = "reward/chosen_mean"
+REWARD_REJECTED_MEAN = "reward/rejected_mean"
+REWARD_ECE = "reward/ece"
+REWARD_ECE_CALIBRATED = "reward/ece_calibrated"
+REWARD_TEMPERATURE = "reward/temperature"
+REWARD_LENGTH_RULE_ACCURACY = "reward/length_rule_accuracy"
+
+# PPO rollout (one value per iteration)
+ROLLOUT_SCORE_MEAN = "rollout/score_mean"
+ROLLOUT_SCORE_STD = "rollout/score_std"
+ROLLOUT_KL_REF = "rollout/kl_ref"
+ROLLOUT_KL_ESTIMATOR = "rollout/kl_ref_{estimator}"
+ROLLOUT_NON_SCORE_REWARD = "rollout/non_score_reward"
+ROLLOUT_RESPONSE_LEN = "rollout/response_len"
+ROLLOUT_NO_EOS_FRAC = "rollout/no_eos_frac"
+
+# PPO update (means over the iteration's minibatches)
+PPO_POLICY_LOSS = "ppo/policy_loss"
+PPO_VALUE_LOSS = "ppo/value_loss"
+PPO_PTX_LOSS = "ppo/ptx_loss"
+PPO_CLIPFRAC = "ppo/clipfrac"
+PPO_VALUE_CLIPFRAC = "ppo/value_clipfrac"
+PPO_APPROX_KL = "ppo/approx_kl"
+PPO_ENTROPY = "ppo/entropy"
+PPO_RATIO_MEAN = "ppo/ratio_mean"
+PPO_KL_COEF = "ppo/kl_coef"
+PPO_GRAD_NORM = "ppo/grad_norm"
+PPO_ADVANTAGE_MEAN = "ppo/advantage_mean"
+PPO_RETURN_MEAN = "ppo/return_mean"
+PPO_ITERATION = "ppo/iteration"
+CRITIC_EXPLAINED_VARIANCE = "critic/explained_variance"
+CRITIC_VALUE_MEAN = "critic/value_mean"
+
+# Speed and memory
+PERF_GENERATION_S = "perf/generation_s"
+PERF_EXPERIENCE_S = "perf/experience_s"
+PERF_UPDATE_S = "perf/update_s"
+PERF_ITERATION_S = "perf/iteration_s"
+PERF_GENERATION_TOKENS_PER_S = "perf/generation_tokens_per_s"
+PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"
+
+# Data
+DATA_KEPT = "data/{split}/kept"
+DATA_SKIPPED = "data/{split}/skipped_{reason}"
+
+GLOSSARY: dict[str, str] = {
+    TRAIN_LOSS: "training loss of the stage (SFT: NLL per response token, nats; reward: Bradley-Terry loss per pair)",
+    TRAIN_ACCURACY: "reward model: fraction of training pairs with r_chosen > r_rejected (ties count as wrong)",
+    VAL_LOSS: "validation loss, same definition as train/loss",
+    VAL_PERPLEXITY: "SFT: exp(val/loss), per response token",
+    REWARD_ACCURACY: "fraction of validation pairs with r_chosen > r_rejected (ties count as wrong); "
+    "`reward/accuracy/<file>` per input file",
+    REWARD_MARGIN: "mean of r_chosen - r_rejected over validation pairs (reward units)",
+    REWARD_CHOSEN_MEAN: "mean reward of chosen responses (validation)",
+    REWARD_REJECTED_MEAN: "mean reward of rejected responses (validation)",
+    REWARD_ECE: "expected calibration error of sigmoid(r_chosen - r_rejected), 10 bins, both orderings of every pair",
+    REWARD_ECE_CALIBRATED: "the same ECE after dividing rewards by the fitted temperature",
+    REWARD_TEMPERATURE: "calibration temperature T fitted on the validation pairs (scores are divided by T)",
+    REWARD_LENGTH_RULE_ACCURACY: "accuracy of the baseline rule 'the longer response wins' on the same pairs",
+    ROLLOUT_SCORE_MEAN: "mean reward-model score of the sampled responses (calibrated, before normalisation)",
+    ROLLOUT_SCORE_STD: "standard deviation of those scores",
+    ROLLOUT_KL_REF: "KL(policy || reference) per response, summed over its tokens, with the configured estimator (nats)",
+    ROLLOUT_KL_ESTIMATOR: "the same KL with a named estimator (k1, k3)",
+    ROLLOUT_NON_SCORE_REWARD: "mean over responses of the summed KL penalty -kl_coef * KL_t",
+    ROLLOUT_RESPONSE_LEN: "mean number of real response tokens (up to and including the stop token)",
+    ROLLOUT_NO_EOS_FRAC: "fraction of responses that reached max_new_tokens without a stop token",
+    PPO_POLICY_LOSS: "clipped surrogate loss (token-level mean)",
+    PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2) (token-level mean)",
+    PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",
+    PPO_CLIPFRAC: "fraction of response tokens whose ratio fell outside [1-clip_range, 1+clip_range]",
+    PPO_VALUE_CLIPFRAC: "fraction of tokens whose new value left old value +- value_clip_range",
+    PPO_APPROX_KL: "mean (ratio - 1) - log(ratio) between the updated and the rollout policy (nats per token)",
+    PPO_ENTROPY: "mean policy entropy per response token (nats)",
+    PPO_RATIO_MEAN: "mean probability ratio pi_new / pi_old over response tokens",
+    PPO_KL_COEF: "the KL penalty coefficient in force for this iteration",
+    PPO_GRAD_NORM: "global gradient norm before clipping (mean over optimizer steps)",
+    PPO_ADVANTAGE_MEAN: "mean advantage before whitening",
+    PPO_RETURN_MEAN: "mean return (advantages + values)",
+    PPO_ITERATION: "PPO iterations completed (one rollout + its updates)",
+    CRITIC_EXPLAINED_VARIANCE: "1 - Var(returns - values) / Var(returns) over response tokens",
+    CRITIC_VALUE_MEAN: "mean critic value over response tokens",
+    PERF_GENERATION_S: "seconds spent sampling responses, per iteration",
+    PERF_EXPERIENCE_S: "seconds for the old-logprob, reference, value and reward passes plus GAE, per iteration",
+    PERF_UPDATE_S: "seconds for the PPO epochs, per iteration",
+    PERF_ITERATION_S: "seconds per PPO iteration",
+    PERF_GENERATION_TOKENS_PER_S: "sampled tokens per second",
+    PERF_PEAK_MEMORY_MB: "peak accelerator memory (CUDA) or peak resident memory (CPU), MiB",
+    DATA_KEPT: "rows kept by a data module for a split",
+    DATA_SKIPPED: "rows skipped for a reason (empty_chosen, identical_pair, response_too_long, ...)",
+}
+
+
+def is_known(name: str) -> bool:
+    """True if ``name`` is one of the names above, or a per-file / per-reason / per-estimator variant."""
+    if name in GLOSSARY:
+        return True
+    if name.startswith(("reward/accuracy/", "reward/length_rule_accuracy/", "data/", "rollout/kl_ref_")):
+        return True
+    return False

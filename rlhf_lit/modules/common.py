@@ -1,0 +1,81 @@
+"""Pieces the three stage modules share: optimizer settings, schedulers, data reports, peak memory."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning as L
+import torch
+from transformers import get_scheduler
+
+log = logging.getLogger("rlhf_lit")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay (AdamW).
+        betas: Adam betas.
+        eps: Adam epsilon.
+        name: ``adamw`` (torch, fused where available), ``adamw_8bit`` or ``paged_adamw_8bit``
+            (bitsandbytes; CUDA only).
+        scheduler: a transformers schedule name: ``linear``, ``cosine``, ``constant``,
+            ``constant_with_warmup``.
+        warmup_steps: linear warm-up, in optimizer steps.
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    scheduler: str = "linear"
+    warmup_steps: int = 0
+
+
+def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """An optimizer over ``param_groups`` (each a dict with ``params`` and optional ``lr``)."""
+    kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(param_groups, **kwargs)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.AdamW8bit if cfg.name == "adamw_8bit" else bnb.optim.PagedAdamW8bit
+    return cls(param_groups, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
+    """A transformers schedule stepped once per optimizer step, over ``total_steps`` steps."""
+    return get_scheduler(
+        cfg.scheduler,
+        optimizer,
+        num_warmup_steps=cfg.warmup_steps,
+        num_training_steps=max(1, int(total_steps)),
+    )
+
+
+def log_data_report(module: L.LightningModule) -> None:
+    """Log the data module's kept/skipped counts (``data/<split>/...``) once, at the start of fit."""
+    trainer = module.trainer
+    datamodule = getattr(trainer, "datamodule", None)
+    if not hasattr(datamodule, "data_metrics") or trainer.logger is None:
+        return
+    metrics = datamodule.data_metrics()
+    if metrics and trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+
+
+def peak_memory_mb() -> float:
+    """Peak CUDA memory allocated (MiB) on a GPU run, else the process's peak resident set (MiB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024

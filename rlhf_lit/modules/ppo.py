@@ -1,0 +1,539 @@
+"""Stage 3: PPO against a frozen reward model, with a per-token KL penalty to a frozen reference.
+
+One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al. 2022; Stiennon et al.
+2020; Schulman et al. 2017):
+
+1. rollout: the actor adapter samples responses;
+2. reference log-probs with every adapter switched off;
+3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off;
+4. reward-model scores (calibrated), missing-EOS penalty, normalisation and clipping;
+5. shaped token rewards, GAE, advantage whitening;
+6. ``ppo_epochs`` x shuffled minibatches x micro-batches: clipped policy loss + value loss - entropy bonus
+   (+ PTX), one optimizer step per minibatch with global-norm gradient clipping;
+7. the KL controller update and the iteration's metrics.
+
+Manual optimization: Lightning never calls ``optimizer_step`` here; ``trainer.global_step`` counts
+optimizer steps, so ``ppo/iteration`` is our own counter. State that a resumed run needs (iteration, KL
+controller, reward statistics, RNG, PTX position) is saved in the checkpoint, so a resumed run equals an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+
+from rlhf_lit import metrics as M
+from rlhf_lit.functional.advantages import explained_variance, gae
+from rlhf_lit.functional.kl import kl_per_token, shaped_rewards
+from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss, sft_nll
+from rlhf_lit.functional.masked import masked_mean, masked_whiten
+from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
+from rlhf_lit.kl_control import build_kl_controller
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.export import save_causal_lm
+from rlhf_lit.models.policy import ActorCritic
+from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
+from rlhf_lit.modules.common import (
+    OptimizerConfig,
+    build_optimizer,
+    build_scheduler,
+    log_data_report,
+    peak_memory_mb,
+)
+from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, PTXConfig, RewardShapingConfig
+from rlhf_lit.reward_norm import RunningMeanStd, normalize_scores
+
+log = logging.getLogger("rlhf_lit")
+
+
+def _chunks(n: int, size: int | None):
+    size = size or n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class PPOModule(L.LightningModule):
+    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
+
+    Args:
+        backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
+            actor adapter's LoRA settings (required: the reference is the base with adapters off).
+        reward_model: the frozen reward model (a separate model or an adapter on this base).
+        sampling: how responses are sampled.
+        ppo: the PPO update and GAE settings.
+        kl: the KL penalty and its controller.
+        reward: score normalisation, clipping and the missing-EOS penalty.
+        critic: the critic adapter and value head.
+        optimizer: optimizer and schedule (``lr`` is the actor's; ``critic.lr`` the critic's).
+        ptx: the optional pretraining-mix term.
+        log_samples_every: write a table of sampled prompts, responses and scores to TensorBoard text
+            every this many iterations (0 disables).
+        export_dir: where the final policy is written in Hugging Face format at the end of fit.
+        export_mode: ``auto`` | ``merged`` | ``adapter``.
+    """
+
+    def __init__(
+        self,
+        backbone: BackboneConfig,
+        reward_model: RewardModelConfig,
+        sampling: SamplingConfig | None = None,
+        ppo: PPOConfig | None = None,
+        kl: KLConfig | None = None,
+        reward: RewardShapingConfig | None = None,
+        critic: CriticConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        ptx: PTXConfig | None = None,
+        log_samples_every: int = 10,
+        export_dir: str | None = None,
+        export_mode: Literal["auto", "merged", "adapter"] = "auto",
+    ) -> None:
+        super().__init__()
+        if backbone.lora is None:
+            raise ValueError(
+                "PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off"
+            )
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold adapters and heads only, not the frozen base
+        self.backbone_cfg = backbone
+        self.sampling = sampling or SamplingConfig()
+        self.ppo = ppo or PPOConfig()
+        self.kl_cfg = kl or KLConfig()
+        self.shaping = reward or RewardShapingConfig()
+        self.critic_cfg = critic or CriticConfig()
+        self.optim_cfg = optimizer or OptimizerConfig()
+        self.ptx_cfg = ptx or PTXConfig()
+        self.export_dir = export_dir
+        self.export_mode = export_mode
+
+        self.tokenizer = load_backbone_tokenizer(backbone)
+        base = load_backbone(backbone, self.tokenizer)
+        backbone.lora.dropout = 0.0  # log-probs must be exact (B12)
+        critic_lora = None if self.critic_cfg.shared_trunk else self.critic_cfg.lora
+        if critic_lora is not None:
+            critic_lora.dropout = 0.0
+        self.policy = ActorCritic(base, backbone.lora, critic_lora)
+        self.reward_source = RewardSource(reward_model, self.tokenizer, self.policy.lm, backbone)
+        if self.critic_cfg.init_from_reward:
+            self._init_critic_from_reward()
+        self.stop_ids = resolve_stop_ids(self.sampling, self.tokenizer)
+        self.kl_ctl = build_kl_controller(
+            self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
+        )
+        self.score_stats = RunningMeanStd(distributed=True)
+        self.iteration = 0
+        self.history: list[dict[str, float]] = []
+        self._pending_rng: dict | None = None
+        self._ptx: _PTXStream | None = None
+        self._ptx_consumed = 0
+
+    # ------------------------------------------------------------------ setup
+    def _init_critic_from_reward(self) -> None:
+        src = self.reward_source
+        head = src.head if src.scorer is None else src.scorer.head
+        if head.linear.in_features != self.policy.value_head.linear.in_features:
+            raise ValueError(
+                "critic.init_from_reward: the reward model's hidden size differs from the policy's"
+            )
+        self.policy.value_head.load_state_dict(head.state_dict())
+        if src.scorer is None and not self.critic_cfg.shared_trunk:
+            reward_params = dict(self.policy.lm.model.named_parameters())
+            for name, p in list(reward_params.items()):
+                if ".critic." in name and "lora_" in name:
+                    p.data.copy_(reward_params[name.replace(".critic.", ".reward.")].data)
+
+    def _check_batch_sizes(self, rollout_batch_size: int) -> None:
+        mb = self.ppo.ppo_minibatch_size
+        micro = self.ppo.micro_batch_size or mb
+        if rollout_batch_size % mb:
+            raise ValueError(
+                f"rollout_batch_size={rollout_batch_size} (the prompt data module's batch_size) must be a "
+                f"multiple of ppo.ppo_minibatch_size={mb}"
+            )
+        if mb % micro:
+            raise ValueError(
+                f"ppo.ppo_minibatch_size={mb} must be a multiple of ppo.micro_batch_size={micro}"
+            )
+
+    def _total_iterations(self) -> int:
+        if self.ppo.total_iterations:
+            return self.ppo.total_iterations
+        batches = self.trainer.num_training_batches
+        epochs = max(1, self.trainer.max_epochs or 1)
+        return int(batches * epochs) if batches != float("inf") else 1000
+
+    def configure_optimizers(self):
+        groups = [{"params": self.policy.actor_parameters(), "lr": self.optim_cfg.lr}]
+        groups.append(
+            {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
+        )
+        optimizer = build_optimizer(groups, self.optim_cfg)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        rollout = getattr(datamodule, "batch_size", None) or self.ppo.ppo_minibatch_size
+        steps = (
+            self._total_iterations() * self.ppo.ppo_epochs * max(1, rollout // self.ppo.ppo_minibatch_size)
+        )
+        scheduler = build_scheduler(optimizer, self.optim_cfg, steps)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    def on_fit_start(self) -> None:
+        log_data_report(self)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if getattr(datamodule, "batch_size", None):
+            self._check_batch_sizes(datamodule.batch_size)
+        if self.ptx_cfg.coef > 0:
+            self._ptx = _PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
+            if self._ptx_consumed:
+                self._ptx.fast_forward(self._ptx_consumed)
+
+    def on_train_start(self) -> None:
+        if self._pending_rng is not None:
+            _set_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    # ------------------------------------------------------------------ the PPO iteration
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
+        self._check_batch_sizes(prompt_ids.shape[0])
+
+        # 1. rollout: sample responses with the actor adapter
+        with self.policy.lm.adapter("actor"):
+            response_ids, response_mask, has_stop = sample_responses(
+                self.policy.lm.generation_model(),
+                prompt_ids,
+                prompt_mask,
+                self.sampling,
+                self.stop_ids,
+                self.tokenizer.pad_token_id,
+                synced_gpus=self._synced_generation(),
+            )
+        t1 = time.perf_counter()
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+        P = prompt_ids.shape[1]
+
+        # 2-3. reference log-probs (adapters off), old log-probs and values (actor / critic adapters)
+        ref_logprobs, old_logprobs, old_values = self._experience_forwards(input_ids, attention_mask, P)
+
+        # 4. reward-model scores, missing-EOS penalty, normalisation and clipping
+        raw_scores = self.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+        scores = raw_scores.clone()
+        if self.shaping.missing_eos_penalty is not None and self.stop_ids:
+            scores = scores - self.shaping.missing_eos_penalty * (~has_stop).float()
+        if self.shaping.normalize:
+            self.score_stats.update(scores)
+        scores = normalize_scores(
+            scores, self.score_stats if self.shaping.normalize else None, self.shaping.clip
+        )
+
+        # 5. shaped token rewards, GAE, whitening
+        kl = kl_per_token(old_logprobs, ref_logprobs, self.kl_cfg.estimator)
+        kl_coef = self.kl_ctl.value
+        rewards, non_score = shaped_rewards(scores, kl, response_mask, kl_coef)
+        advantages, returns = gae(rewards, old_values, response_mask, self.ppo.gamma, self.ppo.gae_lambda)
+        raw_advantage_mean = masked_mean(advantages, response_mask)
+        if self.ppo.whiten_advantages:
+            advantages = masked_whiten(advantages, response_mask, distributed=self._distributed())
+        t2 = time.perf_counter()
+
+        # 6. PPO epochs over shuffled minibatches
+        update_stats = self._update(
+            input_ids, attention_mask, P, response_mask, old_logprobs, old_values, advantages, returns
+        )
+        t3 = time.perf_counter()
+
+        # 7. KL controller and metrics
+        seq_kl = (kl * response_mask).sum(-1)
+        self.kl_ctl.update(
+            float(self._global_mean(seq_kl.mean())), n_steps=prompt_ids.shape[0] * self.trainer.world_size
+        )
+        self.iteration += 1
+        stats = {
+            M.ROLLOUT_SCORE_MEAN: raw_scores.mean(),
+            M.ROLLOUT_SCORE_STD: raw_scores.std(unbiased=False),
+            M.ROLLOUT_KL_REF: seq_kl.mean(),
+            M.ROLLOUT_KL_ESTIMATOR.format(estimator="k1"): ((old_logprobs - ref_logprobs) * response_mask)
+            .sum(-1)
+            .mean(),
+            M.ROLLOUT_KL_ESTIMATOR.format(estimator="k3"): (
+                kl_per_token(old_logprobs, ref_logprobs, "k3") * response_mask
+            )
+            .sum(-1)
+            .mean(),
+            M.ROLLOUT_NON_SCORE_REWARD: non_score.sum(-1).mean(),
+            M.ROLLOUT_RESPONSE_LEN: response_mask.sum(-1).float().mean(),
+            M.ROLLOUT_NO_EOS_FRAC: (~has_stop).float().mean() if self.stop_ids else torch.tensor(1.0),
+            M.PPO_ADVANTAGE_MEAN: raw_advantage_mean,
+            M.PPO_RETURN_MEAN: masked_mean(returns, response_mask),
+            M.CRITIC_VALUE_MEAN: masked_mean(old_values, response_mask),
+            M.CRITIC_EXPLAINED_VARIANCE: explained_variance(old_values, returns, response_mask),
+            **update_stats,
+        }
+        stats.update(
+            {
+                M.PERF_GENERATION_S: t1 - t0,
+                M.PERF_EXPERIENCE_S: t2 - t1,
+                M.PERF_UPDATE_S: t3 - t2,
+                M.PERF_ITERATION_S: t3 - t0,
+                M.PERF_GENERATION_TOKENS_PER_S: response_ids.numel() / max(t1 - t0, 1e-9),
+                M.PERF_PEAK_MEMORY_MB: peak_memory_mb(),
+                M.PPO_ITERATION: self.iteration,
+            }
+        )
+        stats[M.PPO_KL_COEF] = kl_coef
+        self._log_iteration(stats, batch, response_ids, response_mask, raw_scores)
+        if self.ppo.total_iterations and self.iteration >= self.ppo.total_iterations:
+            self.trainer.should_stop = True
+
+    # ------------------------------------------------------------------ steps 2-3
+    @torch.no_grad()
+    def _experience_forwards(self, input_ids, attention_mask, prompt_len):
+        ref, old, values = [], [], []
+        chunk = self.ppo.logprob_chunk_size
+        T = self.sampling.temperature
+        for rows in _chunks(input_ids.shape[0], self.ppo.rollout_forward_batch_size):
+            ids, mask = input_ids[rows], attention_mask[rows]
+            ref.append(self.policy.reference_logprobs(ids, mask, prompt_len, T, chunk))
+            out = self.policy(ids, mask, prompt_len, T, chunk_size=chunk)
+            old.append(out.logprobs)
+            values.append(out.values)
+        return torch.cat(ref), torch.cat(old), torch.cat(values)
+
+    # ------------------------------------------------------------------ step 6
+    def _update(
+        self,
+        input_ids,
+        attention_mask,
+        prompt_len,
+        response_mask,
+        old_logprobs,
+        old_values,
+        advantages,
+        returns,
+    ) -> dict[str, float]:
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        cfg = self.ppo
+        B = input_ids.shape[0]
+        micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.iteration)
+        sums: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=generator).to(input_ids.device)
+            for start in range(0, B, cfg.ppo_minibatch_size):
+                mb_rows = order[start : start + cfg.ppo_minibatch_size]
+                mb_tokens = response_mask[mb_rows].sum().clamp(min=1)
+                opt.zero_grad()
+                for m in range(0, mb_rows.numel(), micro):
+                    rows = mb_rows[m : m + micro]
+                    mask = response_mask[rows]
+                    weight = mask.sum() / mb_tokens  # token-level mean over the whole minibatch
+                    out = self.policy(
+                        input_ids[rows],
+                        attention_mask[rows],
+                        prompt_len,
+                        self.sampling.temperature,
+                        want_entropy=True,
+                        chunk_size=cfg.logprob_chunk_size,
+                    )
+                    pg_loss, pg_stats = ppo_policy_loss(
+                        out.logprobs,
+                        old_logprobs[rows],
+                        advantages[rows],
+                        mask,
+                        cfg.clip_range,
+                        cfg.dual_clip,
+                    )
+                    vf_loss, vf_stats = ppo_value_loss(
+                        out.values, old_values[rows], returns[rows], mask, cfg.value_clip_range
+                    )
+                    entropy = masked_mean(out.entropy, mask)
+                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
+                    self.manual_backward(loss * weight)
+                    w = float(weight)
+                    for key, value in (
+                        (M.PPO_POLICY_LOSS, pg_loss),
+                        (M.PPO_VALUE_LOSS, vf_loss),
+                        (M.PPO_ENTROPY, entropy),
+                        (M.PPO_CLIPFRAC, pg_stats["clipfrac"]),
+                        (M.PPO_APPROX_KL, pg_stats["approx_kl"]),
+                        (M.PPO_RATIO_MEAN, pg_stats["ratio_mean"]),
+                        (M.PPO_VALUE_CLIPFRAC, vf_stats["value_clipfrac"]),
+                    ):
+                        sums[key] = sums.get(key, 0.0) + w * float(value)
+                if self._ptx is not None:
+                    ptx_batch = {
+                        k: v.to(self.device) for k, v in self._ptx.next_batch().items() if torch.is_tensor(v)
+                    }
+                    with self.policy.lm.adapter("actor"):
+                        hidden = self.policy.lm.hidden_states(
+                            ptx_batch["input_ids"], ptx_batch["attention_mask"]
+                        )
+                        ptx_loss, _ = sft_nll(self.policy.lm.logits(hidden), ptx_batch["labels"])
+                    self.manual_backward(self.ptx_cfg.coef * ptx_loss)
+                    sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + float(ptx_loss)
+                sums[M.PPO_GRAD_NORM] = sums.get(M.PPO_GRAD_NORM, 0.0) + self._clip_gradients(opt)
+                opt.step()
+                sched.step()
+                n_steps += 1
+        return {k: v / n_steps for k, v in sums.items()}
+
+    def _clip_gradients(self, opt) -> float:
+        """Clip the global gradient norm over actor and critic parameters; returns the norm before clipping.
+
+        Owned here (not Lightning's ``clip_gradients``) because Lightning's FSDP precision plugin refuses
+        norm clipping; ``torch.nn.utils.clip_grad_norm_`` handles sharded (DTensor) parameters.
+        """
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return 0.0
+        if "16-mixed" == str(self.trainer.precision):  # fp16 GradScaler: Lightning must unscale first
+            self.clip_gradients(opt, gradient_clip_val=self.ppo.max_grad_norm, gradient_clip_algorithm="norm")
+            return float("nan")
+        max_norm = self.ppo.max_grad_norm if self.ppo.max_grad_norm is not None else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    # ------------------------------------------------------------------ helpers
+    def _distributed(self) -> bool:
+        return self.trainer.world_size > 1
+
+    def _synced_generation(self) -> bool:
+        return self._distributed()
+
+    def _global_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if not self._distributed():
+            return value
+        return self.trainer.strategy.reduce(value.detach(), reduce_op="mean")
+
+    def _log_iteration(self, stats, batch, response_ids, response_mask, scores) -> None:
+        values = {k: float(v) for k, v in stats.items()}
+        self.history.append(values)
+        self.log_dict(
+            {
+                "iter": float(self.iteration),
+                "score": values[M.ROLLOUT_SCORE_MEAN],
+                "kl": values[M.ROLLOUT_KL_REF],
+            },
+            prog_bar=True,
+            logger=False,
+            on_step=True,
+            on_epoch=False,
+        )
+        if not self.trainer.is_global_zero:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(values, step=self.iteration)
+        every = self.hparams.log_samples_every
+        if every and (self.iteration == 1 or self.iteration % every == 0):
+            self._log_samples(batch, response_ids, response_mask, scores)
+
+    def _log_samples(self, batch, response_ids, response_mask, scores, n: int = 4) -> None:
+        rows = ["| prompt | response | score |", "|---|---|---|"]
+        prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(
+            batch["input_ids"], skip_special_tokens=True
+        )
+        for i in range(min(n, response_ids.shape[0])):
+            response = self.tokenizer.decode(
+                response_ids[i][response_mask[i].bool()], skip_special_tokens=True
+            )
+            cell = lambda s: s.replace("|", "\\|").replace("\n", "<br>")[-300:]  # noqa: E731
+            rows.append(f"| {cell(prompts[i])} | {cell(response)} | {float(scores[i]):.3f} |")
+        for logger in self.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("rollout/samples", "\n".join(rows), global_step=self.iteration)
+
+    # ------------------------------------------------------------------ checkpoints and export
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["ppo_state"] = {
+            "iteration": self.iteration,
+            "kl_controller": self.kl_ctl.state_dict(),
+            "score_stats": self.score_stats.state_dict(),
+            "rng": _get_rng_state(),
+            "ptx_consumed": self._ptx.consumed if self._ptx is not None else 0,
+            "history": self.history,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("ppo_state")
+        if state is None:
+            return
+        self.iteration = state["iteration"]
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.score_stats.load_state_dict(state["score_stats"])
+        self.history = list(state.get("history", []))
+        self._pending_rng = state["rng"]  # applied at on_train_start, after everything else has set up
+        self._ptx_consumed = int(state.get("ptx_consumed", 0))
+
+    def on_fit_end(self) -> None:
+        if self.export_dir and self.trainer.is_global_zero:
+            save_causal_lm(
+                self.policy.lm,
+                self.tokenizer,
+                self.export_dir,
+                self.backbone_cfg,
+                self.export_mode,
+                adapter_name="actor",
+                meta={"kind": "policy", "stage": "ppo", "iterations": self.iteration},
+            )
+
+
+class _PTXStream:
+    """An endless, resumable stream of SFT batches for the PTX term."""
+
+    def __init__(self, cfg: PTXConfig, tokenizer, seed: int) -> None:
+        from rlhf_lit.data import SFTDataModule
+
+        self.datamodule = SFTDataModule(
+            train_files=cfg.train_files,
+            format=cfg.format,
+            batch_size=cfg.batch_size,
+            max_length=cfg.max_length,
+            val_size=0,
+            seed=seed,
+            tokenizer=tokenizer,
+        )
+        self.datamodule.setup("fit")
+        self.consumed = 0
+        self._iterator = None
+
+    def next_batch(self) -> dict:
+        while True:
+            if self._iterator is None:
+                self._iterator = iter(self.datamodule.train_dataloader())
+            try:
+                batch = next(self._iterator)
+                self.consumed += 1
+                return batch
+            except StopIteration:
+                self._iterator = None
+
+    def fast_forward(self, consumed: int) -> None:
+        """Skip the batches an interrupted run already used (the loader order is seeded)."""
+        for _ in range(consumed):
+            self.next_batch()
+
+
+def _get_rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

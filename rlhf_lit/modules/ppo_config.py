@@ -1,0 +1,135 @@
+"""PPO settings, grouped the way the field talks about them. Every PPO-Max trick is its own switch.
+
+PPO-Max (Zheng et al. 2023, "Secrets of RLHF in Large Language Models Part I: PPO", section 5.3) is:
+reward normalisation and clipping (``reward.normalize``, ``reward.clip``), a token-level KL penalty
+(``kl.kl_coef``), a critic initialised from the reward model (``critic.init_from_reward``), value clipping
+(``ppo.value_clip_range``), global gradient clipping (``ppo.max_grad_norm``), advantage whitening
+(``ppo.whiten_advantages``) and an optional pretraining loss (``ptx.coef``). ``configs/ppo/ppo_max.yaml``
+turns them all on; every one is recorded in the run's hparams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlhf_lit.models.backbone import LoraSettings
+
+
+@dataclass
+class PPOConfig:
+    """The PPO update (Schulman et al. 2017) and GAE (Schulman et al. 2016).
+
+    Args:
+        ppo_epochs: passes over each rollout batch.
+        ppo_minibatch_size: sequences per optimizer step; must divide the rollout batch size (the
+            number of prompts per batch of the prompt data module).
+        micro_batch_size: sequences per forward/backward inside a minibatch (gradient accumulation);
+            must divide ``ppo_minibatch_size``; default: the whole minibatch.
+        gamma: discount factor.
+        gae_lambda: GAE lambda.
+        clip_range: epsilon of the clipped surrogate objective.
+        dual_clip: c > 1 enables dual-clip PPO (Ye et al. 2020) for negative advantages; null disables.
+        value_clip_range: clip of the value update around the rollout value; null disables.
+        vf_coef: weight of the value loss.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        whiten_advantages: normalise advantages to mean 0, variance 1 over the rollout's response tokens.
+        max_grad_norm: clip the global gradient norm (actor and critic together); null disables.
+        total_iterations: PPO iterations (rollout + update) to run; sets the learning-rate schedule and
+            stops training. Default: one epoch over the prompts.
+        rollout_forward_batch_size: sequences per no-grad forward when scoring a rollout (memory knob);
+            default: the whole rollout batch.
+        logprob_chunk_size: batch rows per chunk of the log-softmax / entropy (memory knob).
+        seed: seed of the minibatch shuffles (mixed with the iteration number).
+    """
+
+    ppo_epochs: int = 4
+    ppo_minibatch_size: int = 4
+    micro_batch_size: int | None = None
+    gamma: float = 1.0
+    gae_lambda: float = 0.95
+    clip_range: float = 0.2
+    dual_clip: float | None = None
+    value_clip_range: float | None = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    whiten_advantages: bool = True
+    max_grad_norm: float | None = 1.0
+    total_iterations: int | None = None
+    rollout_forward_batch_size: int | None = None
+    logprob_chunk_size: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class KLConfig:
+    """The per-token KL penalty to the reference policy, in the reward (Ziegler et al. 2019; Stiennon 2020).
+
+    Args:
+        kl_coef: beta in ``r_t = -beta * KL_t`` (the initial beta when adaptive).
+        estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2``, ``k3``, ``abs`` (Schulman 2020).
+        adaptive: adapt beta towards ``target_kl`` (Ziegler et al. 2019, section 2.2).
+        target_kl: KL per response (nats, summed over its tokens) that the adaptive controller aims at;
+            also reported as the run's KL budget.
+        horizon: adaptive controller horizon, in episodes.
+    """
+
+    kl_coef: float = 0.05
+    estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    adaptive: bool = False
+    target_kl: float | None = None
+    horizon: int = 10000
+
+
+@dataclass
+class RewardShapingConfig:
+    """What happens to a reward-model score before it enters the token rewards.
+
+    Args:
+        normalize: divide (and centre) scores by running statistics of all scores seen so far.
+        clip: clip (normalised) scores to ``[-clip, clip]``; null disables.
+        missing_eos_penalty: subtracted from the score of a response that reached ``max_new_tokens``
+            without a stop token; null disables.
+    """
+
+    normalize: bool = False
+    clip: float | None = None
+    missing_eos_penalty: float | None = None
+
+
+@dataclass
+class CriticConfig:
+    """The critic: a LoRA adapter on the shared base plus a value head.
+
+    Args:
+        lora: the critic adapter's LoRA settings; ignored with ``shared_trunk``.
+        shared_trunk: no critic adapter: the value head reads the actor's hidden states (one forward
+            gives log-probs and values).
+        init_from_reward: initialise the value head from the reward model's head, and the critic adapter
+            from the reward adapter when the reward model is an adapter on this base (PPO-Max).
+        lr: learning rate of the critic parameter group (default: the actor's).
+    """
+
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    shared_trunk: bool = False
+    init_from_reward: bool = False
+    lr: float | None = None
+
+
+@dataclass
+class PTXConfig:
+    """The pretraining-mix (PTX) term: ``coef * NLL`` on SFT data added to the PPO loss (Ouyang et al. 2022).
+
+    Args:
+        coef: weight of the term; 0 disables it.
+        train_files: SFT data files (any format ``SFTDataModule`` reads).
+        format: their format (``auto`` detects).
+        batch_size: sequences per PTX batch (one batch per optimizer step).
+        max_length: token limit of a PTX sequence.
+    """
+
+    coef: float = 0.0
+    train_files: list[str] = field(default_factory=list)
+    format: str = "auto"
+    batch_size: int = 4
+    max_length: int = 256

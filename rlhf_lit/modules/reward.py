@@ -1,0 +1,293 @@
+"""Stage 2: a reward model trained on preference pairs, then calibrated.
+
+Loss per pair (Bradley & Terry 1952; Ouyang et al. 2022 eq. 1), with d = r_chosen - r_rejected - margin:
+
+    loss = -(1 - eps) * log sigmoid(d) - eps * log sigmoid(-d)
+
+``margin`` is the optional per-pair margin (Touvron et al. 2023, eq. 2) and ``eps`` the label smoothing.
+Two optional terms: ``beta_rm * NLL(chosen response)``, the language-modelling imitation term of the
+MOSS-RLHF reward model (Zheng et al. 2023, "Secrets of RLHF ... Part I", section 4), and
+``center_rewards_coef * mean((r_chosen + r_rejected)^2)``, which keeps rewards centred on 0
+(Eisenstein et al. 2023).
+
+Calibration (Guo et al. 2017): at the end of fit a single temperature T > 0 is fitted on the validation
+pairs by minimising the NLL of sigmoid(d / T); T never changes the ranking. ECE before and after, and the
+reliability diagram, go to TensorBoard, to ``eval_results.json`` and to ``reliability.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Literal
+
+import lightning as L
+import torch
+from torchmetrics import CatMetric
+
+from rlhf_lit import metrics as M
+from rlhf_lit.functional.calibration import (
+    expected_calibration_error,
+    fit_temperature,
+    pairwise_calibration_inputs,
+    reliability_bins,
+)
+from rlhf_lit.functional.losses import bt_pairwise_loss, sft_nll
+from rlhf_lit.models.adapters import AdaptedLM
+from rlhf_lit.models.backbone import BackboneConfig, hidden_size, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.export import save_causal_lm, save_reward_head
+from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.modules.common import OptimizerConfig, build_optimizer, build_scheduler, log_data_report
+from rlhf_lit.plots import reliability_figure, save_figure
+
+log = logging.getLogger("rlhf_lit")
+
+
+def _accuracy(margins: torch.Tensor) -> float:
+    """Fraction of pairs with r_chosen > r_rejected; ties count as wrong."""
+    return float((margins > 0).float().mean()) if margins.numel() else float("nan")
+
+
+def _length_rule_accuracy(len_chosen: torch.Tensor, len_rejected: torch.Tensor) -> float:
+    """Accuracy of 'the longer response wins'; a tie is a coin flip (0.5)."""
+    if not len_chosen.numel():
+        return float("nan")
+    wins = (len_chosen > len_rejected).float() + 0.5 * (len_chosen == len_rejected).float()
+    return float(wins.mean())
+
+
+class RewardModule(L.LightningModule):
+    """A scalar reward model on a causal-LM trunk, trained with the Bradley–Terry pairwise loss.
+
+    Args:
+        backbone: the trunk (often the SFT model) and how it is held (LoRA, 4-bit, dtype).
+        optimizer: optimizer and learning-rate schedule (the head and the adapter share it).
+        label_smoothing: eps in the conservative smoothed loss; 0 disables it.
+        beta_rm: weight of the LM-imitation term NLL(chosen response); 0 disables it.
+        center_rewards_coef: weight of mean((r_chosen + r_rejected)^2); 0 disables it.
+        calibrate: fit the temperature on the validation pairs at the end of fit.
+        ece_bins: number of equal-width bins for ECE and the reliability diagram.
+        head_init_std: std of the head's initial weights (default 1/sqrt(H+1)).
+        export_dir: where the Hugging Face-format reward model, ``eval_results.json`` and
+            ``reliability.png`` are written at the end of fit.
+        export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
+    """
+
+    def __init__(
+        self,
+        backbone: BackboneConfig,
+        optimizer: OptimizerConfig | None = None,
+        label_smoothing: float = 0.0,
+        beta_rm: float = 0.0,
+        center_rewards_coef: float = 0.0,
+        calibrate: bool = True,
+        ece_bins: int = 10,
+        head_init_std: float | None = None,
+        export_dir: str | None = None,
+        export_mode: Literal["auto", "merged", "adapter"] = "auto",
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        self.save_hyperparameters()
+        self.backbone_cfg = backbone
+        self.optim_cfg = optimizer or OptimizerConfig()
+        self.tokenizer = load_backbone_tokenizer(backbone)
+        model = load_backbone(backbone, self.tokenizer)
+        self.lm = AdaptedLM(model, {"default": backbone.lora} if backbone.lora is not None else None)
+        self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
+        self.register_buffer("temperature", torch.tensor(1.0))
+        self.val_margins = CatMetric()
+        self.val_sources = CatMetric()
+        self.val_len_chosen = CatMetric()
+        self.val_len_rejected = CatMetric()
+        self.results: dict = {}
+
+    # -- scoring ---------------------------------------------------------------------------------------
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids and mask -> ``(B,)`` uncalibrated float32 rewards at the last real token."""
+        return score_last_token(self.head, self.lm.hidden_states(input_ids, attention_mask), attention_mask)
+
+    def _score_pairs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over chosen and rejected together: (r_chosen (B,), r_rejected (B,), hidden_chosen)."""
+        n = batch["chosen_input_ids"].shape[0]
+        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+        mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+        hidden = self.lm.hidden_states(ids, mask)
+        scores = score_last_token(self.head, hidden, mask)
+        return scores[:n], scores[n:], hidden[:n]
+
+    # -- training --------------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        log_data_report(self)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        chosen, rejected, hidden_chosen = self._score_pairs(batch)
+        hp = self.hparams
+        loss = bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing).mean()
+        if hp.center_rewards_coef > 0:
+            loss = loss + hp.center_rewards_coef * ((chosen + rejected) ** 2).mean()
+        if hp.beta_rm > 0:
+            nll, _ = sft_nll(self.lm.logits(hidden_chosen), batch["chosen_labels"])
+            loss = loss + hp.beta_rm * nll
+        n = chosen.shape[0]
+        self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=n)
+        self.log(M.TRAIN_ACCURACY, (chosen > rejected).float().mean(), prog_bar=True, batch_size=n)
+        return loss
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = build_optimizer([{"params": params}], self.optim_cfg)
+        scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- validation ------------------------------------------------------------------------------------
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        chosen, rejected, _ = self._score_pairs(batch)
+        loss = bt_pairwise_loss(chosen, rejected, batch.get("margin"), self.hparams.label_smoothing)
+        self.log(M.VAL_LOSS, loss.mean(), batch_size=chosen.shape[0], sync_dist=True)
+        self.log(M.REWARD_CHOSEN_MEAN, chosen.mean(), batch_size=chosen.shape[0], sync_dist=True)
+        self.log(M.REWARD_REJECTED_MEAN, rejected.mean(), batch_size=chosen.shape[0], sync_dist=True)
+        self.val_margins.update(chosen - rejected)
+        self.val_sources.update(batch["source"].float())
+        self.val_len_chosen.update(batch["chosen_response_len"].float())
+        self.val_len_rejected.update(batch["rejected_response_len"].float())
+
+    def on_validation_epoch_end(self) -> None:
+        margins = self.val_margins.compute().float().cpu()
+        sources = self.val_sources.compute().long().cpu()
+        len_c, len_r = self.val_len_chosen.compute().cpu(), self.val_len_rejected.compute().cpu()
+        for metric in (self.val_margins, self.val_sources, self.val_len_chosen, self.val_len_rejected):
+            metric.reset()
+        results = self._evaluate(margins, sources, len_c, len_r, float(self.temperature))
+        self.results = results
+        for name, value in results["metrics"].items():
+            self.log(name, value, prog_bar=name == M.REWARD_ACCURACY)
+
+    def _source_names(self) -> list[str]:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        return list(getattr(datamodule, "source_names", []) or [])
+
+    def _evaluate(self, margins, sources, len_c, len_r, temperature: float) -> dict:
+        """Accuracy (overall, per file), length-rule baseline, margin and ECE of a set of pairs."""
+        bins = self.hparams.ece_bins
+        probs, labels = pairwise_calibration_inputs(margins)
+        metrics = {
+            M.REWARD_ACCURACY: _accuracy(margins),
+            M.REWARD_MARGIN: float(margins.mean()),
+            M.REWARD_LENGTH_RULE_ACCURACY: _length_rule_accuracy(len_c, len_r),
+            M.REWARD_ECE: float(expected_calibration_error(probs, labels, n_bins=bins)),
+        }
+        if temperature != 1.0:
+            probs_t, labels_t = pairwise_calibration_inputs(margins, temperature)
+            metrics[M.REWARD_ECE_CALIBRATED] = float(
+                expected_calibration_error(probs_t, labels_t, n_bins=bins)
+            )
+        per_file = {}
+        for index, name in enumerate(self._source_names()):
+            keep = sources == index
+            if keep.any():
+                per_file[name] = {
+                    "pairs": int(keep.sum()),
+                    "accuracy": _accuracy(margins[keep]),
+                    "length_rule_accuracy": _length_rule_accuracy(len_c[keep], len_r[keep]),
+                }
+                metrics[f"{M.REWARD_ACCURACY}/{name}"] = per_file[name]["accuracy"]
+                metrics[f"{M.REWARD_LENGTH_RULE_ACCURACY}/{name}"] = per_file[name]["length_rule_accuracy"]
+        return {
+            "pairs": int(margins.numel()),
+            "metrics": metrics,
+            "per_file": per_file,
+            "chance_accuracy": 0.5,
+        }
+
+    # -- calibration and export ------------------------------------------------------------------------
+    @torch.no_grad()
+    def collect_margins(self, dataloader) -> tuple[torch.Tensor, ...]:
+        """Score every pair of a loader: (margins, sources, len_chosen, len_rejected), on the CPU."""
+        was_training = self.training
+        self.eval()
+        out = {"m": [], "s": [], "c": [], "r": []}
+        for batch in dataloader:
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            chosen, rejected, _ = self._score_pairs(batch)
+            out["m"].append((chosen - rejected).float().cpu())
+            out["s"].append(batch["source"].cpu())
+            out["c"].append(batch["chosen_response_len"].cpu())
+            out["r"].append(batch["rejected_response_len"].cpu())
+        self.train(was_training)
+        return tuple(torch.cat(v) for v in out.values())
+
+    def calibrate_temperature(self, dataloader) -> dict:
+        """Fit T on a loader's pairs, store it in the ``temperature`` buffer, and return the results."""
+        margins, sources, len_c, len_r = self.collect_margins(dataloader)
+        temperature = fit_temperature(margins, torch.ones_like(margins))
+        self.temperature.fill_(temperature)
+        results = self._evaluate(margins, sources, len_c, len_r, temperature)
+        results["temperature"] = temperature
+        bins = self.hparams.ece_bins
+        results["reliability"] = {
+            "uncalibrated": reliability_bins(*pairwise_calibration_inputs(margins), n_bins=bins),
+            "calibrated": reliability_bins(*pairwise_calibration_inputs(margins, temperature), n_bins=bins),
+        }
+        return results
+
+    def on_fit_end(self) -> None:
+        results = None
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if self.hparams.calibrate and datamodule is not None:
+            loader = datamodule.val_dataloader()
+            results = self.calibrate_temperature(loader)
+            self._report_calibration(results)
+        if self.trainer.is_global_zero and self.hparams.export_dir:
+            self.export(self.hparams.export_dir, results)
+
+    def _report_calibration(self, results: dict) -> None:
+        m = results["metrics"]
+        log.info(
+            "reward model: %d validation pairs, accuracy %.4f, ECE %.4f -> %.4f after temperature T=%.4f",
+            results["pairs"],
+            m[M.REWARD_ACCURACY],
+            m[M.REWARD_ECE],
+            m.get(M.REWARD_ECE_CALIBRATED, m[M.REWARD_ECE]),
+            results["temperature"],
+        )
+        if not self.trainer.is_global_zero:
+            return
+        fig = self._reliability_figure(results)
+        for logger in self.trainer.loggers:
+            logger.log_metrics({M.REWARD_TEMPERATURE: results["temperature"], **m}, step=self.global_step)
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_figure"):
+                experiment.add_figure(
+                    "reward/reliability_diagram", fig, global_step=self.global_step, close=False
+                )
+        folder = self.hparams.export_dir or self.trainer.log_dir or self.trainer.default_root_dir
+        results["reliability_png"] = save_figure(fig, os.path.join(folder, "reliability.png"))
+
+    def _reliability_figure(self, results: dict):
+        m = results["metrics"]
+        rel = results["reliability"]
+        curves = {
+            f"uncalibrated (ECE {m[M.REWARD_ECE]:.3f})": rel["uncalibrated"],
+            f"T = {results['temperature']:.2f} (ECE {m.get(M.REWARD_ECE_CALIBRATED, m[M.REWARD_ECE]):.3f})": rel[
+                "calibrated"
+            ],
+        }
+        return reliability_figure(curves, f"reward model reliability, {results['pairs']} validation pairs")
+
+    def export(self, path: str, results: dict | None = None) -> None:
+        """Write the reward model in Hugging Face format (see ``rlhf_lit.models.export``) to ``path``."""
+        meta = {
+            "kind": "reward_model",
+            "hidden_size": self.head.linear.in_features,
+            "temperature": float(self.temperature),
+            "score_position": "last real token (attention_mask == 1)",
+        }
+        save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
+        save_reward_head(self.head, path)
+        if results is not None:
+            summary = {k: v for k, v in results.items() if k != "reliability"}
+            with open(os.path.join(path, "eval_results.json"), "w") as f:
+                json.dump(summary, f, indent=2)

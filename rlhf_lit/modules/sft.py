@@ -1,0 +1,95 @@
+"""Stage 1: supervised fine-tuning on demonstrations, with the loss on response tokens only.
+
+The loss is the mean negative log-likelihood of the response tokens (EOS included) given the prompt
+(Ouyang et al. 2022, section 3.5); prompt and padding tokens carry label -100 (PITFALLS B16).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning as L
+import torch
+import torchmetrics
+
+from rlhf_lit import metrics as M
+from rlhf_lit.functional.losses import sft_nll
+from rlhf_lit.models.adapters import AdaptedLM
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.export import save_causal_lm
+from rlhf_lit.modules.common import OptimizerConfig, build_optimizer, build_scheduler, log_data_report
+
+
+class SFTModule(L.LightningModule):
+    """Supervised fine-tuning of a causal LM (full or LoRA).
+
+    Args:
+        backbone: the model to fine-tune, and how it is held (LoRA, 4-bit, checkpointing, dtype).
+        optimizer: optimizer and learning-rate schedule.
+        export_dir: at the end of fit, the trained model is written here in Hugging Face format
+            (weights with any LoRA adapter merged, the adapter alone in ``adapter/``, the tokenizer).
+        export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
+    """
+
+    def __init__(
+        self,
+        backbone: BackboneConfig,
+        optimizer: OptimizerConfig | None = None,
+        export_dir: str | None = None,
+        export_mode: Literal["auto", "merged", "adapter"] = "auto",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone_cfg = backbone
+        self.optim_cfg = optimizer or OptimizerConfig()
+        self.export_dir = export_dir
+        self.export_mode = export_mode
+        self.tokenizer = load_backbone_tokenizer(backbone)
+        model = load_backbone(backbone, self.tokenizer)
+        adapters = {"default": backbone.lora} if backbone.lora is not None else None
+        self.lm = AdaptedLM(model, adapters)
+        self.val_nll = torchmetrics.MeanMetric()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids and mask -> ``(B, T, V)`` logits."""
+        return self.lm.logits(self.lm.hidden_states(input_ids, attention_mask))
+
+    def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        return sft_nll(logits, batch["labels"])
+
+    def on_fit_start(self) -> None:
+        log_data_report(self)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss, num_tokens = self._loss(batch)
+        # Weighted by response tokens, so val/loss is a per-token mean over the whole split.
+        self.val_nll.update(loss.detach(), weight=num_tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_nll.compute()
+        self.val_nll.reset()
+        self.log(M.VAL_LOSS, loss, prog_bar=True)
+        self.log(M.VAL_PERPLEXITY, torch.exp(loss.clamp(max=50.0)))
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = build_optimizer([{"params": params}], self.optim_cfg)
+        scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.export_dir and self.trainer.is_global_zero:
+            save_causal_lm(
+                self.lm,
+                self.tokenizer,
+                self.export_dir,
+                self.backbone_cfg,
+                self.export_mode,
+                meta={"kind": "policy", "stage": "sft"},
+            )
