@@ -2,13 +2,15 @@
 
 Resumption (a resumed PPO run must see the prompts an uninterrupted run sees): the training order
 of epoch ``e`` is ``randperm(seed + e)`` (see :class:`~rlhf_lit.data.sampler.ResumableSampler`).
-:meth:`PromptDataModule.state_dict` records ``epoch`` and ``batches_consumed``;
-:meth:`PromptDataModule.load_state_dict` makes the next training pass over that epoch skip them.
+:meth:`PromptDataModule.state_dict` records how many training batches the whole run has consumed;
+:meth:`PromptDataModule.load_state_dict` makes the next training pass continue right after them.
 
 * Under ``Trainer.fit`` the PPO module has NOTHING to call: Lightning calls the sampler's
   ``set_epoch`` at each epoch start, ``datamodule.state_dict()`` when it saves a checkpoint and
   ``datamodule.load_state_dict()`` when it restores one, and the consumed count is read from the fit
-  loop's batch progress (batches whose ``training_step`` finished, however many PPO updates each did).
+  loop's batch progress (batches whose ``training_step`` finished, however many PPO updates each did),
+  so a checkpoint written by ``ModelCheckpoint`` mid-epoch and one written by ``trainer.save_checkpoint``
+  after a ``max_steps`` stop resume alike.
   The PPO module must take exactly one prompt batch per ``training_step`` from the ``batch`` argument.
 * A loop that draws batches itself (outside ``Trainer.fit``) calls ``datamodule.set_epoch(e)`` at
   each epoch start and ``datamodule.mark_consumed()`` after using each batch.
@@ -129,7 +131,7 @@ class PromptDataModule(RLHFDataModule):
         self.hh_first_turn_only, self.pad_to_length = hh_first_turn_only, pad_to_length
         self._epoch = 0
         self._manual_consumed = 0
-        self._resume: dict[str, int] | None = None
+        self._resume: int | None = None
         self._sampler: ResumableSampler | None = None
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):
@@ -156,8 +158,7 @@ class PromptDataModule(RLHFDataModule):
         sampler = ResumableSampler(self.train_dataset, self.batch_size, self.seed, self.shuffle)
         sampler.set_epoch(self._epoch)
         if self._resume is not None:
-            sampler.set_epoch(self._resume["epoch"])
-            sampler.skip(self._resume["epoch"], self._resume["batches_consumed"])
+            sampler.resume_at(self._resume)
             self._resume = None
         self._sampler = sampler
         return self._loader(self.train_dataset, self.batch_size, _PromptLoader, sampler=sampler, drop_last=True)
@@ -179,23 +180,26 @@ class PromptDataModule(RLHFDataModule):
         trainer = getattr(self, "trainer", None)
         return trainer is not None and trainer.state.fn == "fit"
 
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "batches_consumed", "seed", "batch_size", "num_train_prompts"}`` of the training order.
+    def _batches_per_epoch(self) -> int:
+        return len(self.train_dataset) // self.batch_size if self.train_dataset is not None else -1
 
-        Under ``Trainer.fit`` the count is the fit loop's batches processed in the current epoch;
-        otherwise the count given to :meth:`mark_consumed` since the last :meth:`set_epoch`.
+    def state_dict(self) -> dict[str, int]:
+        """``{"batches_consumed_total", "seed", "batch_size", "num_train_prompts"}`` of the training order.
+
+        Under ``Trainer.fit`` the count is the fit loop's training batches processed over the whole run;
+        otherwise ``epoch * batches_per_epoch`` plus the count given to :meth:`mark_consumed` since the
+        last :meth:`set_epoch`.
         """
         if self._under_fit():
-            epoch = self._sampler.epoch if self._sampler is not None else self._epoch
-            consumed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            consumed = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
         else:
-            epoch, consumed = self._epoch, self._manual_consumed
+            consumed = self._epoch * max(self._batches_per_epoch(), 0) + self._manual_consumed
         size = len(self.train_dataset) if self.train_dataset is not None else -1
-        return {"epoch": int(epoch), "batches_consumed": int(consumed), "seed": self.seed,
-                "batch_size": self.batch_size, "num_train_prompts": size}
+        return {"batches_consumed_total": int(consumed), "seed": self.seed, "batch_size": self.batch_size,
+                "num_train_prompts": size}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume: the next training pass over ``state_dict["epoch"]`` skips its consumed batches.
+        """Resume: the next training pass continues the order after the saved number of batches.
 
         Raises:
             ValueError: if seed, batch size or the number of training prompts differ from the saved
@@ -210,9 +214,11 @@ class PromptDataModule(RLHFDataModule):
                 raise ValueError(
                     f"cannot resume the prompt order exactly: {key} was {saved} in the checkpoint but is {mine} now"
                 )
-        self._epoch, self._manual_consumed = int(state_dict["epoch"]), int(state_dict["batches_consumed"])
-        self._resume = {"epoch": self._epoch, "batches_consumed": self._manual_consumed}
+        consumed = int(state_dict["batches_consumed_total"])
+        per_epoch = self._batches_per_epoch()
+        if per_epoch > 0:
+            self._epoch, self._manual_consumed = divmod(consumed, per_epoch)
+        self._resume = consumed
         if self._sampler is not None:
-            self._sampler.set_epoch(self._epoch)
-            self._sampler.skip(self._epoch, self._manual_consumed)
+            self._sampler.resume_at(consumed)
             self._resume = None

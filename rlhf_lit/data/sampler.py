@@ -1,4 +1,4 @@
-"""A prompt sampler whose order is a pure function of ``(seed, epoch)`` and that can skip consumed batches.
+"""A prompt sampler whose order is a pure function of ``(seed, epoch)`` and that resumes mid-run exactly.
 
 It subclasses ``DistributedSampler`` so Lightning keeps it under DDP/FSDP instead of wrapping it (a
 wrapper would re-shuffle and break exact resumption); each rank takes every ``num_replicas``-th index
@@ -50,12 +50,23 @@ class ResumableSampler(DistributedSampler):
             raise ValueError(
                 f"{len(dataset)} training prompts do not fill one batch of {batch_size} on each of {num_replicas} ranks"
             )
-        self._skip_epoch: int | None = None
-        self._skip_batches = 0
+        self._anchor: tuple[int, int] | None = None
+        self._offset = 0
 
-    def skip(self, epoch: int, num_batches: int) -> None:
-        """Make the next pass over ``epoch`` start after its first ``num_batches`` batches (per rank)."""
-        self._skip_epoch, self._skip_batches = epoch, num_batches
+    @property
+    def order_epoch(self) -> int:
+        """The epoch whose permutation the current pass uses (``set_epoch``'s value, shifted on resume)."""
+        return self.epoch + self._offset
+
+    def resume_at(self, batches_consumed: int) -> None:
+        """Make the next pass continue the order after ``batches_consumed`` batches of the whole run.
+
+        The position is ``(batches_consumed // batches_per_epoch, batches_consumed % batches_per_epoch)``:
+        epoch and batch within it. Whatever epoch number Lightning sets next (a run stopped by
+        ``max_steps`` is saved as a finished epoch, one stopped mid-epoch is not), that pass uses the saved
+        epoch's permutation from the saved batch on, and later passes follow in order.
+        """
+        self._anchor = divmod(int(batches_consumed), self.batches_per_epoch)
 
     def __len__(self) -> int:
         # The FULL epoch, also on a resumed pass, so that Lightning's restored batch counter and the
@@ -63,14 +74,16 @@ class ResumableSampler(DistributedSampler):
         return self.batches_per_epoch * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
+        skip = 0
+        if self._anchor is not None:
+            anchor_epoch, skip = self._anchor
+            self._offset, self._anchor = anchor_epoch - self.epoch, None  # a skip applies to one pass only
         n = len(self.dataset)
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            generator = torch.Generator().manual_seed(self.seed + self.order_epoch)
             order = torch.randperm(n, generator=generator).tolist()
         else:
             order = list(range(n))
         order = order[: self.batches_per_epoch * self.num_replicas * self.batch_size]
         mine = order[self.rank :: self.num_replicas]
-        skip = self._skip_batches if self._skip_epoch == self.epoch else 0
-        self._skip_epoch, self._skip_batches = None, 0  # a skip applies to one pass only
         return iter(mine[skip * self.batch_size :])

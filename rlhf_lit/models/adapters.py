@@ -24,13 +24,16 @@ from rlhf_lit.functional.sequence import position_ids_from_mask
 from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk
 
 
-def lora_config(settings: LoraSettings) -> LoraConfig:
+def lora_config(settings: LoraSettings, model: nn.Module) -> LoraConfig:
+    """peft's ``LoraConfig`` for ``model`` (GPT-2-style ``Conv1D`` layers store weights transposed)."""
+    conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
         bias="none",
+        fan_in_fan_out=conv1d,
     )
 
 
@@ -54,10 +57,10 @@ class AdaptedLM(nn.Module):
         adapters = dict(adapters or {})
         if adapters:
             names = list(adapters)
-            model = get_peft_model(model, lora_config(adapters[names[0]]), adapter_name=names[0])
+            model = get_peft_model(model, lora_config(adapters[names[0]], model), adapter_name=names[0])
             for name in names[1:]:
-                model.add_adapter(name, lora_config(adapters[name]))
-            model.base_model.set_adapter(names[0])
+                model.add_adapter(name, lora_config(adapters[name], model))
+            model.set_adapter(names[0])
         self.model = model
         self.adapter_names: list[str] = list(adapters)
         self.trainable_adapters: list[str] = list(trainable if trainable is not None else adapters)
@@ -99,7 +102,9 @@ class AdaptedLM(nn.Module):
         if name not in self.adapter_names:
             raise KeyError(f"no adapter named {name!r}; have {self.adapter_names}")
         if self.model.active_adapter != name:
-            self.model.base_model.set_adapter(name)
+            # PeftModel.set_adapter, not base_model.set_adapter: the latter leaves PeftModel.active_adapter
+            # stale, so a later switch back is skipped and the wrong adapter runs.
+            self.model.set_adapter(name)
             self._restore_trainable()
 
     @contextmanager

@@ -24,7 +24,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, disable_dropout, hidden_size
+from rlhf_lit.models.backbone import (
+    BackboneConfig,
+    disable_dropout,
+    hidden_size,
+    load_backbone,
+    load_backbone_tokenizer,
+)
 from rlhf_lit.models.export import HEAD_FILE, META_FILE, RewardScorer, load_reward_model, read_meta
 from rlhf_lit.models.heads import ScalarHead, score_last_token
 from rlhf_lit.models.tokenizer import load_tokenizer
@@ -37,17 +43,30 @@ class RewardModelConfig:
     Args:
         path: a folder exported by the reward stage (``RewardModule.export_dir``), or a Hugging Face
             ``*ForSequenceClassification`` folder (``separate`` mode only).
+        backbone: instead of ``path``, an untrained reward model built from this backbone config with a
+            randomly initialised head (``seed``): smoke tests and benchmarks only.
         mode: ``separate`` (its own backbone) or ``adapter`` (its adapter on the policy's base).
         calibrated: divide scores by the calibration temperature saved with the reward model.
         dtype: backbone dtype override for ``separate`` mode (e.g. ``bfloat16`` on a GPU).
         load_in_4bit: hold a ``separate`` reward model's base in 4-bit NF4.
     """
 
-    path: str
+    path: str | None = None
+    backbone: BackboneConfig | None = None
     mode: Literal["separate", "adapter"] = "separate"
     calibrated: bool = True
     dtype: str | None = None
     load_in_4bit: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backbone, dict):
+            self.backbone = BackboneConfig(**self.backbone)
+        if (self.path is None) == (self.backbone is None):
+            raise ValueError(
+                "reward_model: give exactly one of 'path' (a trained reward model) and 'backbone'"
+            )
+        if self.backbone is not None and self.mode != "separate":
+            raise ValueError("reward_model.backbone builds a separate model; use mode: separate")
 
 
 def load_sequence_classifier(path: str) -> RewardScorer:
@@ -66,6 +85,19 @@ def load_sequence_classifier(path: str) -> RewardScorer:
             head.linear.bias.copy_(score.bias.float())
     model.score = torch.nn.Identity()
     return RewardScorer(AdaptedLM(model), head, load_tokenizer(path)).eval()
+
+
+def untrained_scorer(backbone: BackboneConfig) -> RewardScorer:
+    """A reward model with a random head on a backbone (seeded by ``backbone.seed``): for smoke tests."""
+    tokenizer = load_backbone_tokenizer(backbone)
+    model = load_backbone(backbone, tokenizer)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(backbone.seed)
+    try:
+        head = ScalarHead(hidden_size(model))
+    finally:
+        torch.random.set_rng_state(state)
+    return RewardScorer(AdaptedLM(model), head, tokenizer).eval()
 
 
 def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
@@ -109,11 +141,16 @@ class RewardSource(torch.nn.Module):
             self.register_buffer("temperature", torch.tensor(float(meta.get("temperature", 1.0))))
             self.tokenizer = policy_tokenizer
         else:
-            if os.path.exists(os.path.join(cfg.path, META_FILE)):
+            if cfg.backbone is not None:
+                self.scorer = untrained_scorer(cfg.backbone)
+            elif os.path.exists(os.path.join(cfg.path, META_FILE)):
                 self.scorer = load_reward_model(cfg.path, dtype=cfg.dtype, load_in_4bit=cfg.load_in_4bit)
             else:
                 self.scorer = load_sequence_classifier(cfg.path)
             self.tokenizer = self.scorer.tokenizer
+            # Dropout is 0 in every reward backbone, so train and eval mode compute the same numbers; train
+            # mode keeps the whole module in one mode under Lightning.
+            self.scorer.train()
         self.same_tokenizer = same_vocabulary(self.tokenizer, policy_tokenizer)
 
     @property

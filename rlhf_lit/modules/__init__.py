@@ -1,6 +1,7 @@
 """The stage LightningModules."""
 
+from rlhf_lit.modules.ppo import PPOModule
 from rlhf_lit.modules.reward import RewardModule
 from rlhf_lit.modules.sft import SFTModule
 
-__all__ = ["RewardModule", "SFTModule"]
+__all__ = ["PPOModule", "RewardModule", "SFTModule"]

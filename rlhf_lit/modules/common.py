@@ -5,14 +5,30 @@ from __future__ import annotations
 import logging
 import resource
 import sys
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any, Literal, TypeVar
 
 import lightning as L
 import torch
 from transformers import get_scheduler
 
 log = logging.getLogger("rlhf_lit")
+
+C = TypeVar("C")
+
+
+def as_config(cls: type[C], value: C | dict | None) -> C | None:
+    """Accept a config dataclass or its dict form (as stored in a checkpoint's hparams)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"expected {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def plain_hparams(**kwargs: Any) -> dict[str, Any]:
+    """Hyper-parameters with dataclasses turned into dicts, so checkpoints load with ``weights_only=True``."""
+    return {k: asdict(v) if is_dataclass(v) else v for k, v in kwargs.items()}
 
 
 @dataclass

@@ -42,10 +42,12 @@ from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.modules.common import (
     OptimizerConfig,
+    as_config,
     build_optimizer,
     build_scheduler,
     log_data_report,
     peak_memory_mb,
+    plain_hparams,
 )
 from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, PTXConfig, RewardShapingConfig
 from rlhf_lit.reward_norm import RunningMeanStd, normalize_scores
@@ -94,21 +96,39 @@ class PPOModule(L.LightningModule):
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
     ) -> None:
         super().__init__()
+        backbone = as_config(BackboneConfig, backbone)
         if backbone.lora is None:
             raise ValueError(
                 "PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off"
             )
-        self.save_hyperparameters()
+        self.backbone_cfg = backbone
+        self.reward_model_cfg = as_config(RewardModelConfig, reward_model)
+        self.sampling = as_config(SamplingConfig, sampling) or SamplingConfig()
+        self.ppo = as_config(PPOConfig, ppo) or PPOConfig()
+        self.kl_cfg = as_config(KLConfig, kl) or KLConfig()
+        self.shaping = as_config(RewardShapingConfig, reward) or RewardShapingConfig()
+        self.critic_cfg = as_config(CriticConfig, critic) or CriticConfig()
+        self.optim_cfg = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
+        self.ptx_cfg = as_config(PTXConfig, ptx) or PTXConfig()
+        # Every switch (PPO-Max tricks included) is recorded, as plain dicts so checkpoints load weights-only.
+        self.save_hyperparameters(
+            plain_hparams(
+                backbone=backbone,
+                reward_model=self.reward_model_cfg,
+                sampling=self.sampling,
+                ppo=self.ppo,
+                kl=self.kl_cfg,
+                reward=self.shaping,
+                critic=self.critic_cfg,
+                optimizer=self.optim_cfg,
+                ptx=self.ptx_cfg,
+                log_samples_every=log_samples_every,
+                export_dir=export_dir,
+                export_mode=export_mode,
+            )
+        )
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold adapters and heads only, not the frozen base
-        self.backbone_cfg = backbone
-        self.sampling = sampling or SamplingConfig()
-        self.ppo = ppo or PPOConfig()
-        self.kl_cfg = kl or KLConfig()
-        self.shaping = reward or RewardShapingConfig()
-        self.critic_cfg = critic or CriticConfig()
-        self.optim_cfg = optimizer or OptimizerConfig()
-        self.ptx_cfg = ptx or PTXConfig()
         self.export_dir = export_dir
         self.export_mode = export_mode
 
@@ -119,7 +139,7 @@ class PPOModule(L.LightningModule):
         if critic_lora is not None:
             critic_lora.dropout = 0.0
         self.policy = ActorCritic(base, backbone.lora, critic_lora)
-        self.reward_source = RewardSource(reward_model, self.tokenizer, self.policy.lm, backbone)
+        self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
         if self.critic_cfg.init_from_reward:
             self._init_critic_from_reward()
         self.stop_ids = resolve_stop_ids(self.sampling, self.tokenizer)
@@ -368,7 +388,7 @@ class PPOModule(L.LightningModule):
                         (M.PPO_RATIO_MEAN, pg_stats["ratio_mean"]),
                         (M.PPO_VALUE_CLIPFRAC, vf_stats["value_clipfrac"]),
                     ):
-                        sums[key] = sums.get(key, 0.0) + w * float(value)
+                        sums[key] = sums.get(key, 0.0) + w * float(value.detach())
                 if self._ptx is not None:
                     ptx_batch = {
                         k: v.to(self.device) for k, v in self._ptx.next_batch().items() if torch.is_tensor(v)
@@ -379,7 +399,7 @@ class PPOModule(L.LightningModule):
                         )
                         ptx_loss, _ = sft_nll(self.policy.lm.logits(hidden), ptx_batch["labels"])
                     self.manual_backward(self.ptx_cfg.coef * ptx_loss)
-                    sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + float(ptx_loss)
+                    sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + float(ptx_loss.detach())
                 sums[M.PPO_GRAD_NORM] = sums.get(M.PPO_GRAD_NORM, 0.0) + self._clip_gradients(opt)
                 opt.step()
                 sched.step()
@@ -525,7 +545,15 @@ class _PTXStream:
 
 
 def _get_rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """RNG states in types a weights-only ``torch.load`` accepts (tensors, lists, ints, strings)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss_next],
+        "numpy": numpy_state,
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -533,7 +561,9 @@ def _get_rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

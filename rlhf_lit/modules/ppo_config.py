@@ -115,6 +115,10 @@ class CriticConfig:
     init_from_reward: bool = False
     lr: float | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+
 
 @dataclass
 class PTXConfig:

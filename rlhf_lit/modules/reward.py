@@ -38,7 +38,14 @@ from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, hidden_size, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import ScalarHead, score_last_token
-from rlhf_lit.modules.common import OptimizerConfig, build_optimizer, build_scheduler, log_data_report
+from rlhf_lit.modules.common import (
+    OptimizerConfig,
+    as_config,
+    build_optimizer,
+    build_scheduler,
+    log_data_report,
+    plain_hparams,
+)
 from rlhf_lit.plots import reliability_figure, save_figure
 
 log = logging.getLogger("rlhf_lit")
@@ -90,9 +97,24 @@ class RewardModule(L.LightningModule):
         super().__init__()
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        self.save_hyperparameters()
+        backbone = as_config(BackboneConfig, backbone)
+        optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
+        self.save_hyperparameters(
+            plain_hparams(
+                backbone=backbone,
+                optimizer=optimizer,
+                label_smoothing=label_smoothing,
+                beta_rm=beta_rm,
+                center_rewards_coef=center_rewards_coef,
+                calibrate=calibrate,
+                ece_bins=ece_bins,
+                head_init_std=head_init_std,
+                export_dir=export_dir,
+                export_mode=export_mode,
+            )
+        )
         self.backbone_cfg = backbone
-        self.optim_cfg = optimizer or OptimizerConfig()
+        self.optim_cfg = optimizer
         self.tokenizer = load_backbone_tokenizer(backbone)
         model = load_backbone(backbone, self.tokenizer)
         self.lm = AdaptedLM(model, {"default": backbone.lora} if backbone.lora is not None else None)

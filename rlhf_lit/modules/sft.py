@@ -17,7 +17,14 @@ from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
-from rlhf_lit.modules.common import OptimizerConfig, build_optimizer, build_scheduler, log_data_report
+from rlhf_lit.modules.common import (
+    OptimizerConfig,
+    as_config,
+    build_optimizer,
+    build_scheduler,
+    log_data_report,
+    plain_hparams,
+)
 
 
 class SFTModule(L.LightningModule):
@@ -39,9 +46,15 @@ class SFTModule(L.LightningModule):
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        backbone = as_config(BackboneConfig, backbone)
+        optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
+        self.save_hyperparameters(
+            plain_hparams(
+                backbone=backbone, optimizer=optimizer, export_dir=export_dir, export_mode=export_mode
+            )
+        )
         self.backbone_cfg = backbone
-        self.optim_cfg = optimizer or OptimizerConfig()
+        self.optim_cfg = optimizer
         self.export_dir = export_dir
         self.export_mode = export_mode
         self.tokenizer = load_backbone_tokenizer(backbone)

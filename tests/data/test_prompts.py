@@ -97,7 +97,8 @@ def test_resume_manual_loop_skips_exactly_the_consumed_batches(tok, write_jsonl)
         next(iterator)
         first.mark_consumed()
     state = first.state_dict()
-    assert state == {"epoch": 1, "batches_consumed": 3, "seed": 3, "batch_size": 4, "num_train_prompts": 30}
+    # 30 prompts / 4 = 7 batches per epoch: all of epoch 0 and 3 of epoch 1
+    assert state == {"batches_consumed_total": 10, "seed": 3, "batch_size": 4, "num_train_prompts": 30}
 
     resumed = build(path, tok, batch_size=4, seed=3)
     resumed.load_state_dict(state)
@@ -147,9 +148,25 @@ def test_resume_under_trainer_fit_equals_an_uninterrupted_run(tmp_path, tok, wri
     assert first == full[:stop_step]
     (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
     saved = torch.load(ckpt, weights_only=False)["PromptDataModule"]
-    assert (saved["epoch"], saved["batches_consumed"]) == {3: (0, 3), 4: (1, 1)}[stop_step]
+    assert saved["batches_consumed_total"] == stop_step
     resumed = _fit(tmp_path / "resumed", path, tok, max_epochs=3, enable_checkpointing=False, ckpt_path=str(ckpt))
     assert resumed == full[stop_step:]
+
+
+@pytest.mark.filterwarnings("ignore:.*validation_step:UserWarning")
+def test_resume_from_a_checkpoint_saved_after_a_max_steps_stop(tmp_path, tok, write_jsonl):
+    """Lightning records a max_steps stop as a finished epoch; the order must still continue mid-epoch."""
+    path = write_jsonl([{"prompt": f"P{i}"} for i in range(10)])  # 3 batches per epoch
+    full = _fit(tmp_path / "full", path, tok, max_steps=7, enable_checkpointing=False)
+    model = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, max_steps=2,
+                        enable_checkpointing=False)
+    trainer.fit(model, datamodule=PromptDataModule(train_files=path, tokenizer=tok, val_size=0, batch_size=3, seed=5))
+    trainer.save_checkpoint(tmp_path / "after_stop.ckpt")
+    resumed = _fit(tmp_path / "resumed", path, tok, max_steps=7, enable_checkpointing=False,
+                   ckpt_path=str(tmp_path / "after_stop.ckpt"))
+    assert model.seen + resumed == full
 
 
 def test_sampler_shards_ranks_without_overlap():

@@ -111,9 +111,13 @@ def test_reference_context_equals_the_base_and_adapters_switch():
         actor = lm.logits(lm.hidden_states(ids, mask))
     with lm.adapter("critic"), torch.no_grad():
         critic = lm.logits(lm.hidden_states(ids, mask))
+    with torch.no_grad():  # back on the actor, after a switch away and back
+        actor_again = lm.logits(lm.hidden_states(ids, mask))
+    assert lm.active_adapter == "actor"
     torch.testing.assert_close(ref, bare)
     torch.testing.assert_close(critic, bare)  # critic's lora_B is still 0
     assert (actor - bare).abs().max() > 1e-3
+    torch.testing.assert_close(actor_again, actor)
     # both adapters stay trainable whichever is active (peft's set_adapter alone would freeze one)
     assert all(p.requires_grad for p in lm.adapter_parameters("actor") + lm.adapter_parameters("critic"))
     frozen = [n for n, p in lm.named_parameters() if p.requires_grad and "lora_" not in n]
