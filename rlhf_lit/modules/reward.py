@@ -260,8 +260,11 @@ class RewardModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if self.hparams.calibrate and datamodule is not None:
             loader = datamodule.val_dataloader()
-            results = self.calibrate_temperature(loader)
-            self._report_calibration(results)
+            if isinstance(loader, (list, tuple)) and not loader:  # no validation split: nothing to fit T on
+                log.warning("reward model: no validation pairs, so no temperature calibration (T stays 1)")
+            else:
+                results = self.calibrate_temperature(loader)
+                self._report_calibration(results)
         if self.trainer.is_global_zero and self.hparams.export_dir:
             self.export(self.hparams.export_dir, results)
 

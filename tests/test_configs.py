@@ -1,0 +1,111 @@
+"""Every YAML under ``configs/`` parses with the CLI; every ``tiny.yaml`` trains; ``--help`` shows docstrings.
+
+Parsing alone checks every key against the signatures (LightningCLI rejects unknown keys) without
+instantiating anything, so configs of big models are checked without loading, or downloading, a model.
+A trainer preset (a YAML without a ``model`` section, e.g. ``configs/trainer/cpu.yaml``) is stacked on
+``configs/sft/tiny.yaml``, the way it is meant to be used.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_lit.cli import RLHFCLI, cli_main
+from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, run_tiny, tiny_configs
+
+ALL_CONFIGS = sorted(p.relative_to(REPO_ROOT) for p in CONFIGS_DIR.rglob("*.yaml"))
+BASE_FOR_PRESETS = Path("configs/sft/tiny.yaml")
+
+
+def _parse_only(monkeypatch, configs: list[Path]):
+    """Build the CLI on ``configs`` (stacked in order): parse and validate, instantiate nothing."""
+    monkeypatch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
+    args = [arg for config in configs for arg in ("--config", str(config))]
+    with in_repo_root():
+        return cli_main(args, run=False)
+
+
+def test_there_are_configs_for_every_stage():
+    stages = {p.parts[1] for p in ALL_CONFIGS}
+    assert {"sft", "reward", "ppo"} <= stages
+    assert {p.parts[1] for p in tiny_configs()} >= {"sft", "reward", "ppo"}
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
+def test_config_parses_with_valid_keys(config, monkeypatch):
+    spec = yaml.safe_load((REPO_ROOT / config).read_text())
+    assert isinstance(spec, dict) and spec, f"{config} is empty"
+    stack = [config] if "model" in spec else [BASE_FOR_PRESETS, config]
+    cli = _parse_only(monkeypatch, stack)
+    model = cli.config["model"]
+    assert model["class_path"].startswith("rlhf_lit.modules.")
+    if "model" in spec:
+        assert model["class_path"].endswith(spec["model"]["class_path"].rsplit(".", 1)[-1])
+        assert cli.config["data"]["class_path"].startswith("rlhf_lit.data.")
+
+
+@pytest.mark.parametrize(
+    "path, key",
+    [(("model", "init_args"), "label_smoothin"), (("model", "init_args", "backbone"), "n_layers")],
+    ids=["module_arg", "backbone_field"],
+)
+def test_an_unknown_key_is_rejected(path, key, tmp_path, monkeypatch, capsys):
+    """The parse check can fail: a misspelled key makes the parse exit with an error naming it."""
+    spec = yaml.safe_load((REPO_ROOT / "configs/reward/tiny.yaml").read_text())
+    section = spec
+    for part in path:
+        section = section[part]
+    section[key] = 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_only(monkeypatch, [bad])
+    assert exit_info.value.code != 0
+    assert key in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", tiny_configs(), ids=str)
+def test_tiny_config_fits_on_cpu_with_outputs_in_tmp(config, tmp_path_factory):
+    run = run_tiny(config, tmp_path_factory)
+    trainer = run.cli.trainer
+    assert trainer.state.finished and not trainer.interrupted
+    spec = yaml.safe_load((REPO_ROOT / config).read_text())
+    if "ppo" in spec["model"]["init_args"]:
+        assert run.cli.model.iteration == 2  # each PPO iteration takes several optimizer steps
+    else:
+        assert trainer.global_step == 2
+    assert run.log_dir.is_relative_to(run.root)
+    assert trainer.default_root_dir == str(run.root)
+    assert list(run.log_dir.glob("events.out.tfevents.*"))
+    if "export_dir" in spec["model"]["init_args"]:
+        assert (run.export_dir / "rlhf_lit.json").is_file()
+        assert (run.export_dir / "tokenizer.json").is_file()
+
+
+def _normalized(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def test_fit_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exit_info, in_repo_root():
+        cli_main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config" in out and "--trainer.max_steps" in out and "--model" in out
+
+
+def test_model_help_shows_the_docstring_of_each_argument(capsys):
+    with pytest.raises(SystemExit) as exit_info, in_repo_root():
+        cli_main(["fit", "--model.help", "rlhf_lit.modules.RewardModule"])
+    assert exit_info.value.code == 0
+    out = _normalized(capsys.readouterr().out)
+    # text from RewardModule's Args: section (needs the docstring-parser package)
+    assert "--model.label_smoothing" in out
+    assert "eps in the conservative smoothed loss; 0 disables it." in out
+    assert "weight of mean((r_chosen + r_rejected)^2); 0 disables it." in out
+    # and from the nested BackboneConfig dataclass
+    assert "hold the base weights in 4-bit NF4" in out
