@@ -20,6 +20,8 @@ import warnings
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
+from rlhf_lit.callbacks import StageProgressBar
+
 
 class RLHFCLI(LightningCLI):
     """LightningCLI with the tokenizer linked from the model to the data module."""
@@ -37,6 +39,14 @@ def _quiet_third_party() -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*gemm_4bit_forward.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*val_dataloader.*but have no .validation_step.*")
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
@@ -50,12 +60,19 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
         args=args,
         run=run,
         save_config_kwargs={"overwrite": True},
+        trainer_defaults={"callbacks": [StageProgressBar()]},
     )
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlhf-lit`` console script."""
     argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] == "demo":
+        _quiet_third_party()
+        from rlhf_lit.demo import main as demo_main
+
+        demo_main(argv[1:])
+        return
     cli_main(argv)
 
 

@@ -59,6 +59,9 @@ PERF_ITERATION_S = "perf/iteration_s"
 PERF_GENERATION_TOKENS_PER_S = "perf/generation_tokens_per_s"
 PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"
 
+# The demo's evaluation-only gold scorer
+DEMO_GOLD_SCORE = "demo/gold_score"
+
 # Data
 DATA_KEPT = "data/{split}/kept"
 DATA_SKIPPED = "data/{split}/skipped_{reason}"
@@ -105,6 +108,7 @@ GLOSSARY: dict[str, str] = {
     PERF_ITERATION_S: "seconds per PPO iteration",
     PERF_GENERATION_TOKENS_PER_S: "sampled tokens per second",
     PERF_PEAK_MEMORY_MB: "peak accelerator memory (CUDA) or peak resident memory (CPU), MiB",
+    DEMO_GOLD_SCORE: "demo only: mean gold score of an iteration's samples (hidden scorer, evaluation only)",
     DATA_KEPT: "rows kept by a data module for a split",
     DATA_SKIPPED: "rows skipped for a reason (empty_chosen, identical_pair, response_too_long, ...)",
 }

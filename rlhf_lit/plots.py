@@ -35,6 +35,19 @@ def reliability_figure(curves: dict[str, tuple[torch.Tensor, torch.Tensor, torch
     return fig
 
 
+def scatter_by_step_figure(x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str, title: str):
+    """One panel per series: points (x, y) coloured by their index (e.g. the PPO iteration)."""
+    fig, axes = plt.subplots(1, len(series), figsize=(4.8 * len(series), 3.8), squeeze=False)
+    for ax, (name, values) in zip(axes[0], series.items()):
+        points = ax.scatter(list(x)[: len(values)], list(values), c=range(len(values)), cmap="viridis", s=18)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    fig.colorbar(points, ax=list(axes[0]), label="iteration")
+    fig.suptitle(title)
+    return fig
+
+
 def curves_figure(x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str, title: str):
     """Line plot of several series against one x axis (one panel per series)."""
     fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.5), squeeze=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import asdict
 from typing import Literal
 
 import lightning as L
@@ -149,6 +150,7 @@ class PPOModule(L.LightningModule):
         self.score_stats = RunningMeanStd(distributed=True)
         self.iteration = 0
         self.history: list[dict[str, float]] = []
+        self.last_rollout: dict[str, list] = {}
         self._pending_rng: dict | None = None
         self._ptx: _PTXStream | None = None
         self._ptx_consumed = 0
@@ -436,36 +438,33 @@ class PPOModule(L.LightningModule):
     def _log_iteration(self, stats, batch, response_ids, response_mask, scores) -> None:
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
-        self.log_dict(
-            {
-                "iter": float(self.iteration),
-                "score": values[M.ROLLOUT_SCORE_MEAN],
-                "kl": values[M.ROLLOUT_KL_REF],
-            },
-            prog_bar=True,
-            logger=False,
-            on_step=True,
-            on_epoch=False,
-        )
+        prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+        # The iteration's samples as text, for callbacks (e.g. an evaluation-only gold scorer) and TensorBoard.
+        self.last_rollout = {
+            "prompt_text": list(prompts),
+            "response_text": [
+                self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                for ids, mask in zip(response_ids, response_mask)
+            ],
+            "score": [float(x) for x in scores],
+        }
+        progress = {"iter": float(self.iteration), "score": values[M.ROLLOUT_SCORE_MEAN], "kl": values[M.ROLLOUT_KL_REF]}
+        self.log_dict(progress, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         if not self.trainer.is_global_zero:
             return
         for logger in self.loggers:
             logger.log_metrics(values, step=self.iteration)
         every = self.hparams.log_samples_every
         if every and (self.iteration == 1 or self.iteration % every == 0):
-            self._log_samples(batch, response_ids, response_mask, scores)
+            self._log_samples()
 
-    def _log_samples(self, batch, response_ids, response_mask, scores, n: int = 4) -> None:
+    def _log_samples(self, n: int = 4) -> None:
+        """A markdown table of the first ``n`` prompts, responses and scores, to TensorBoard text."""
+        cell = lambda text: text.replace("|", "\\|").replace("\n", "<br>")[-300:]  # noqa: E731
         rows = ["| prompt | response | score |", "|---|---|---|"]
-        prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(
-            batch["input_ids"], skip_special_tokens=True
-        )
-        for i in range(min(n, response_ids.shape[0])):
-            response = self.tokenizer.decode(
-                response_ids[i][response_mask[i].bool()], skip_special_tokens=True
-            )
-            cell = lambda s: s.replace("|", "\\|").replace("\n", "<br>")[-300:]  # noqa: E731
-            rows.append(f"| {cell(prompts[i])} | {cell(response)} | {float(scores[i]):.3f} |")
+        sample = self.last_rollout
+        for prompt, response, score in list(zip(sample["prompt_text"], sample["response_text"], sample["score"]))[:n]:
+            rows.append(f"| {cell(prompt)} | {cell(response)} | {score:.3f} |")
         for logger in self.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_text"):
@@ -504,7 +503,13 @@ class PPOModule(L.LightningModule):
                 self.backbone_cfg,
                 self.export_mode,
                 adapter_name="actor",
-                meta={"kind": "policy", "stage": "ppo", "iterations": self.iteration},
+                meta={
+                    "kind": "policy",
+                    "stage": "ppo",
+                    "iterations": self.iteration,
+                    "sampling": asdict(self.sampling),
+                    "target_kl": self.kl_cfg.target_kl,
+                },
             )
 
 

@@ -1,0 +1,31 @@
+"""Lightning callbacks: a progress bar that names the stage."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+_STAGES = {"SFTModule": "sft", "RewardModule": "reward", "PPOModule": "ppo"}
+
+
+class StageProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar, with the stage in its description (``[sft] epoch 0``, ``[ppo] iterations``).
+
+    PPO's bar counts iterations (one prompt batch each) and shows ``iter``, ``score`` and ``kl``.
+    """
+
+    def _stage(self, pl_module) -> str:
+        return _STAGES.get(type(pl_module).__name__, type(pl_module).__name__)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        stage = self._stage(pl_module)
+        if stage == "ppo" and pl_module.ppo.total_iterations:
+            remaining = pl_module.ppo.total_iterations - pl_module.iteration
+            self.train_progress_bar.reset(min(self.total_train_batches, remaining))
+        what = "iterations" if stage == "ppo" else f"epoch {trainer.current_epoch}"
+        self.train_progress_bar.set_description(f"[{stage}] {what}")
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
