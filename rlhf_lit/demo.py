@@ -275,8 +275,10 @@ def write_report(
         "target_kl": target_kl,
         "reward_model": {
             **rm_acc,
-            "ece": rm_eval["metrics"].get("reward/ece"),
-            "ece_calibrated": rm_eval["metrics"].get("reward/ece_calibrated"),
+            **{
+                key: rm_eval["metrics"].get(f"reward/{key}")
+                for key in ("ece", "ece_calibrated", "nll", "nll_calibrated")
+            },
             "temperature": rm_meta.get("temperature"),
         },
         "stage_seconds": stage_seconds or {},
@@ -334,9 +336,12 @@ def _markdown(s: dict, prompts, sft: PolicyEval, ppo: PolicyEval, has_history: b
         f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
         f"labels (their disagreement with gold: {rm['label_noise_rate']:.1%}), **{rm['accuracy_gold']:.3f}** "
         f"against the gold scorer ({rm['gold_decided_pairs']} pairs with a gold difference)",
-        f"- ECE {rm['ece']:.4f} before, {rm['ece_calibrated']:.4f} after temperature scaling (T = {rm['temperature']:.3f})"
+        (
+            f"- temperature scaling (T = {rm['temperature']:.3f}, fitted on the validation pairs): ECE "
+            f"{rm['ece']:.4f} -> {rm['ece_calibrated']:.4f}, NLL {rm['nll']:.4f} -> {rm['nll_calibrated']:.4f} nats"
+        )
         if rm["ece_calibrated"] is not None
-        else f"- ECE {rm['ece']}",
+        else f"- ECE {rm['ece']} (temperature 1: no calibration)",
         "",
         "![reliability diagram](reliability.png)",
         "",

@@ -22,6 +22,8 @@ REWARD_CHOSEN_MEAN = "reward/chosen_mean"
 REWARD_REJECTED_MEAN = "reward/rejected_mean"
 REWARD_ECE = "reward/ece"
 REWARD_ECE_CALIBRATED = "reward/ece_calibrated"
+REWARD_NLL = "reward/nll"
+REWARD_NLL_CALIBRATED = "reward/nll_calibrated"
 REWARD_TEMPERATURE = "reward/temperature"
 REWARD_LENGTH_RULE_ACCURACY = "reward/length_rule_accuracy"
 
@@ -78,6 +80,8 @@ GLOSSARY: dict[str, str] = {
     REWARD_REJECTED_MEAN: "mean reward of rejected responses (validation)",
     REWARD_ECE: "expected calibration error of sigmoid(r_chosen - r_rejected), 10 bins, both orderings of every pair",
     REWARD_ECE_CALIBRATED: "the same ECE after dividing rewards by the fitted temperature",
+    REWARD_NLL: "mean -log sigmoid(r_chosen - r_rejected) over validation pairs (nats), what the temperature fit minimises",
+    REWARD_NLL_CALIBRATED: "the same NLL with rewards divided by the fitted temperature (never above reward/nll)",
     REWARD_TEMPERATURE: "calibration temperature T fitted on the validation pairs (scores are divided by T)",
     REWARD_LENGTH_RULE_ACCURACY: "accuracy of the baseline rule 'the longer response wins' on the same pairs",
     ROLLOUT_SCORE_MEAN: "mean reward-model score of the sampled responses (calibrated, before normalisation)",
@@ -121,3 +125,14 @@ def is_known(name: str) -> bool:
     if name.startswith(("reward/accuracy/", "reward/length_rule_accuracy/", "data/", "rollout/kl_ref_")):
         return True
     return False
+
+
+def glossary_markdown() -> str:
+    """The README's metric glossary (a test checks that the README holds exactly this table)."""
+    rows = ["| metric | meaning |", "|---|---|"]
+    rows += [f"| `{name}` | {text} |" for name, text in GLOSSARY.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(glossary_markdown())

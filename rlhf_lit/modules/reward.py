@@ -28,6 +28,7 @@ from torchmetrics import CatMetric
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.calibration import (
+    binary_nll,
     expected_calibration_error,
     fit_temperature,
     pairwise_calibration_inputs,
@@ -125,6 +126,7 @@ class RewardModule(L.LightningModule):
         self.val_len_chosen = CatMetric()
         self.val_len_rejected = CatMetric()
         self.results: dict = {}
+        self._last_val_pass: tuple | None = None
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -184,6 +186,11 @@ class RewardModule(L.LightningModule):
             metric.reset()
         results = self._evaluate(margins, sources, len_c, len_r, float(self.temperature))
         self.results = results
+        trainer = self._trainer
+        limit = trainer.limit_val_batches if trainer is not None else None
+        if trainer is not None and not trainer.sanity_checking and isinstance(limit, float) and limit == 1.0:
+            # a whole pass, kept so that calibration at the end of fit needs no second pass over the same weights
+            self._last_val_pass = (self.global_step, margins, sources, len_c, len_r)
         for name, value in results["metrics"].items():
             self.log(name, value, prog_bar=name == M.REWARD_ACCURACY)
 
@@ -200,11 +207,15 @@ class RewardModule(L.LightningModule):
             M.REWARD_MARGIN: float(margins.mean()),
             M.REWARD_LENGTH_RULE_ACCURACY: _length_rule_accuracy(len_c, len_r),
             M.REWARD_ECE: float(expected_calibration_error(probs, labels, n_bins=bins)),
+            M.REWARD_NLL: float(binary_nll(margins, torch.ones_like(margins))),
         }
         if temperature != 1.0:
             probs_t, labels_t = pairwise_calibration_inputs(margins, temperature)
             metrics[M.REWARD_ECE_CALIBRATED] = float(
                 expected_calibration_error(probs_t, labels_t, n_bins=bins)
+            )
+            metrics[M.REWARD_NLL_CALIBRATED] = float(
+                binary_nll(margins, torch.ones_like(margins), temperature)
             )
         per_file = {}
         for index, name in enumerate(self._source_names()):
@@ -242,8 +253,16 @@ class RewardModule(L.LightningModule):
         return tuple(torch.cat(v) for v in out.values())
 
     def calibrate_temperature(self, dataloader) -> dict:
-        """Fit T on a loader's pairs, store it in the ``temperature`` buffer, and return the results."""
-        margins, sources, len_c, len_r = self.collect_margins(dataloader)
+        """Fit T on a loader's pairs, store it in the ``temperature`` buffer, and return the results.
+
+        When the last validation pass ran on the current weights (same optimizer step), its scores are
+        reused instead of scoring the loader again.
+        """
+        cached = self._last_val_pass
+        if cached is not None and self._trainer is not None and cached[0] == self.global_step:
+            margins, sources, len_c, len_r = cached[1:]
+        else:
+            margins, sources, len_c, len_r = self.collect_margins(dataloader)
         temperature = fit_temperature(margins, torch.ones_like(margins))
         self.temperature.fill_(temperature)
         results = self._evaluate(margins, sources, len_c, len_r, temperature)
