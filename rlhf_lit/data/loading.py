@@ -60,7 +60,9 @@ def source_name(path_or_id: str) -> str:
     """A short name for a data source: the file stem without data extensions, or the hub id."""
     scheme, _, rest = path_or_id.partition(":")
     if rest and scheme in _SOURCE_LOADERS:
-        return path_or_id.split("?", 1)[0]
+        kind, _, query = rest.partition("?")
+        split = dict(p.partition("=")[::2] for p in query.split("&") if p).get("split")
+        return f"{scheme}_{kind}" + (f"_{split}" if split else "")
     name = os.path.basename(path_or_id.rstrip("/\\")) if _looks_local(path_or_id) else path_or_id
     for ext in sorted(DATA_EXTENSIONS, key=len, reverse=True):
         if name.endswith(ext):

@@ -87,7 +87,7 @@ def test_unsupported_extension(tmp_path):
 def test_registered_source_hook():
     register_source("unit", lambda name, split: datasets.Dataset.from_list([{"prompt": f"{name}/{split}"}]))
     assert load_rows("unit:abc", split="val").to_list() == [{"prompt": "abc/val"}]
-    assert source_name("unit:abc") == "unit:abc"
+    assert source_name("unit:abc") == "unit_abc"
 
 
 def test_source_and_display_names():
@@ -102,4 +102,4 @@ def test_demo_scheme_reads_the_synthetic_demo_task():
         pytest.skip("demo_task has no rows_from_spec")
     rows = load_rows("demo:preference?n=5&seed=1&split=val")
     assert len(rows) == 5 and {"prompt", "chosen", "rejected"} <= set(rows.column_names)
-    assert source_name("demo:preference?n=5&seed=1&split=val") == "demo:preference"
+    assert source_name("demo:preference?n=5&seed=1&split=val") == "demo_preference_val"  # scheme, kind and split: a metric-friendly name
