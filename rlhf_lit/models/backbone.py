@@ -187,6 +187,11 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
     else:
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
         model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.name_or_path), dtype=dtype, **kwargs)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if cfg.gguf_file and quantizer is not None:
+            # transformers de-quantized the GGUF tensors to `dtype` but still marks the model as GGUF-quantized,
+            # which makes save_pretrained refuse it; the weights are plain tensors, so drop the marker.
+            quantizer.remove_quantization_config(model)
     if cfg.disable_dropout:
         disable_dropout(model)
     if cfg.load_in_4bit:
