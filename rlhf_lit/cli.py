@@ -3,6 +3,7 @@
     rlhf-lit fit --config configs/<stage>/<name>.yaml      # train a stage
     rlhf-lit validate --config ... --ckpt_path ...          # evaluate
     rlhf-lit fit --config ... --print_config                # the full, resolved config
+    rlhf-lit plan --config ... [--device-memory-gb 24]      # peak-memory estimate (rlhf_lit.planner)
 
 The model and the data are chosen by ``class_path`` in the config (subclass mode), so any
 ``LightningModule`` / ``LightningDataModule`` works. The tokenizer belongs to the model: it is built from
@@ -67,6 +68,11 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlhf-lit`` console script."""
     argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] == "plan":  # the memory planner: reads configs, loads no weights
+        from rlhf_lit.planner import main as plan_main
+
+        plan_main(argv[1:])
+        return
     if argv and argv[0] == "demo":
         _quiet_third_party()
         from rlhf_lit.demo import main as demo_main

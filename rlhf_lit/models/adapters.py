@@ -79,7 +79,11 @@ class AdaptedLM(nn.Module):
         if not self.is_peft:
             raise ValueError("a saved adapter can only be added to a model that already has LoRA adapters")
         active = self.active_adapter
+        was_training = self.model.training
         self.model.load_adapter(path, adapter_name=name, is_trainable=trainable)
+        # peft puts the WHOLE model in eval mode after loading a frozen adapter; that would switch off
+        # gradient checkpointing for the policy's training forwards (PITFALLS B12). Dropout is 0 anyway.
+        self.model.train(was_training)
         self.adapter_names.append(name)
         if trainable:
             self.trainable_adapters.append(name)
@@ -143,3 +147,11 @@ class AdaptedLM(nn.Module):
     def generation_model(self) -> nn.Module:
         """The module to call ``generate`` on (the peft wrapper routes it through the active adapter)."""
         return self.model
+
+    def generate(self, **kwargs):
+        """``generate`` of the wrapped model, with the active adapter.
+
+        A method of this module (not of ``self.model``) so that FSDP2 can gather this unit's parameters
+        around the whole decode loop (``rlhf_lit.models.sharding`` registers it as a forward method).
+        """
+        return self.model.generate(**kwargs)

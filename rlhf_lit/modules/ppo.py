@@ -13,7 +13,14 @@ One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al
 7. the KL controller update and the iteration's metrics.
 
 Manual optimization: Lightning never calls ``optimizer_step`` here; ``trainer.global_step`` counts
-optimizer steps, so ``ppo/iteration`` is our own counter. State that a resumed run needs (iteration, KL
+optimizer steps, so ``ppo/iteration`` is our own counter.
+
+Several processes (``ddp``, or FSDP2 via ``ModelParallelStrategy`` / ``FSDP2Strategy``; each rank holds
+its own slice of the rollout): advantage whitening, reward normalisation and the KL controller's input
+use statistics of all ranks; the loss of a minibatch is the token mean over the GLOBAL minibatch (see
+``_update``); generation keeps every rank stepping until all have finished (``synced_gpus``); gradient
+clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences make the same update as
+1 rank x 8. State that a resumed run needs (iteration, KL
 controller, reward statistics, RNG, PTX position) is saved in the checkpoint, so a resumed run equals an
 uninterrupted one.
 """
@@ -21,6 +28,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import asdict
@@ -41,6 +49,13 @@ from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbon
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
+from rlhf_lit.models.sharding import (
+    data_parallel_mesh,
+    gathered_parameters,
+    grad_norm_value,
+    shard_head,
+    shard_lm,
+)
 from rlhf_lit.modules.common import (
     OptimizerConfig,
     as_config,
@@ -51,6 +66,7 @@ from rlhf_lit.modules.common import (
     plain_hparams,
 )
 from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, PTXConfig, RewardShapingConfig
+from rlhf_lit.plots import curves_figure, save_figure
 from rlhf_lit.reward_norm import RunningMeanStd, normalize_scores
 
 log = logging.getLogger("rlhf_lit")
@@ -170,6 +186,20 @@ class PPOModule(L.LightningModule):
                 if ".critic." in name and "lora_" in name:
                     p.data.copy_(reward_params[name.replace(".critic.", ".reward.")].data)
 
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model.
+
+        Does nothing under other strategies (DDP wraps the whole module itself). Units and their forward
+        methods: ``rlhf_lit.models.sharding``.
+        """
+        mesh = data_parallel_mesh(self.device_mesh)
+        if mesh is None:
+            return
+        shard_lm(self.policy.lm, mesh)
+        shard_head(self.policy.value_head, mesh)
+        if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
+            shard_lm(self.reward_source.scorer.lm, mesh)
+
     def _check_batch_sizes(self, rollout_batch_size: int) -> None:
         mb = self.ppo.ppo_minibatch_size
         micro = self.ppo.micro_batch_size or mb
@@ -228,7 +258,7 @@ class PPOModule(L.LightningModule):
         # 1. rollout: sample responses with the actor adapter
         with self.policy.lm.adapter("actor"):
             response_ids, response_mask, has_stop = sample_responses(
-                self.policy.lm.generation_model(),
+                self.policy.lm,  # AdaptedLM.generate: an FSDP forward method when sharded
                 prompt_ids,
                 prompt_mask,
                 self.sampling,
@@ -260,7 +290,7 @@ class PPOModule(L.LightningModule):
         kl_coef = self.kl_ctl.value
         rewards, non_score = shaped_rewards(scores, kl, response_mask, kl_coef)
         advantages, returns = gae(rewards, old_values, response_mask, self.ppo.gamma, self.ppo.gae_lambda)
-        raw_advantage_mean = masked_mean(advantages, response_mask)
+        raw_advantage_mean = masked_mean(advantages, response_mask, distributed=self._distributed())
         if self.ppo.whiten_advantages:
             advantages = masked_whiten(advantages, response_mask, distributed=self._distributed())
         t2 = time.perf_counter()
@@ -271,10 +301,11 @@ class PPOModule(L.LightningModule):
         )
         t3 = time.perf_counter()
 
-        # 7. KL controller and metrics
+        # 7. KL controller (fed the KL of the global batch, so every rank moves beta identically) and metrics
         seq_kl = (kl * response_mask).sum(-1)
+        num_sequences = self._global_sum(torch.tensor(float(seq_kl.numel()), device=seq_kl.device))
         self.kl_ctl.update(
-            float(self._global_mean(seq_kl.mean())), n_steps=prompt_ids.shape[0] * self.trainer.world_size
+            float(self._global_sum(seq_kl.detach().sum()) / num_sequences), n_steps=int(num_sequences)
         )
         self.iteration += 1
         stats = {
@@ -293,11 +324,12 @@ class PPOModule(L.LightningModule):
             M.ROLLOUT_RESPONSE_LEN: response_mask.sum(-1).float().mean(),
             M.ROLLOUT_NO_EOS_FRAC: (~has_stop).float().mean() if self.stop_ids else torch.tensor(1.0),
             M.PPO_ADVANTAGE_MEAN: raw_advantage_mean,
-            M.PPO_RETURN_MEAN: masked_mean(returns, response_mask),
-            M.CRITIC_VALUE_MEAN: masked_mean(old_values, response_mask),
+            M.PPO_RETURN_MEAN: masked_mean(returns, response_mask, distributed=self._distributed()),
+            M.CRITIC_VALUE_MEAN: masked_mean(old_values, response_mask, distributed=self._distributed()),
             M.CRITIC_EXPLAINED_VARIANCE: explained_variance(old_values, returns, response_mask),
             **update_stats,
         }
+        stats = self._global_stats(stats, raw_scores)
         stats.update(
             {
                 M.PERF_GENERATION_S: t1 - t0,
@@ -345,6 +377,7 @@ class PPOModule(L.LightningModule):
         cfg = self.ppo
         B = input_ids.shape[0]
         micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
+        world_size = self.trainer.world_size
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.iteration)
         sums: dict[str, float] = {}
         n_steps = 0
@@ -352,12 +385,18 @@ class PPOModule(L.LightningModule):
             order = torch.randperm(B, generator=generator).to(input_ids.device)
             for start in range(0, B, cfg.ppo_minibatch_size):
                 mb_rows = order[start : start + cfg.ppo_minibatch_size]
-                mb_tokens = response_mask[mb_rows].sum().clamp(min=1)
+                mb_tokens = response_mask[mb_rows].sum()
+                # The loss is the token-level mean over the GLOBAL minibatch (this rank's rows and the
+                # same-numbered minibatch of every other rank). DDP and FSDP average gradients over ranks,
+                # so a micro-batch's mean loss is weighted by world_size * its tokens / global tokens: the
+                # average of the ranks' gradients is then sum(token losses) / global tokens however unevenly
+                # the tokens are spread (a per-rank mean, averaged, would not be). One rank: n / N.
+                global_tokens = self._global_sum(mb_tokens.float()).clamp(min=1.0)
                 opt.zero_grad()
                 for m in range(0, mb_rows.numel(), micro):
                     rows = mb_rows[m : m + micro]
                     mask = response_mask[rows]
-                    weight = mask.sum() / mb_tokens  # token-level mean over the whole minibatch
+                    weight = world_size * mask.sum().float() / global_tokens
                     out = self.policy(
                         input_ids[rows],
                         attention_mask[rows],
@@ -380,6 +419,8 @@ class PPOModule(L.LightningModule):
                     entropy = masked_mean(out.entropy, mask)
                     loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
                     self.manual_backward(loss * weight)
+                    # the same weights for the logged losses and fractions: their mean over ranks
+                    # (_global_stats) is then the token mean over the global minibatch, as on one rank
                     w = float(weight)
                     for key, value in (
                         (M.PPO_POLICY_LOSS, pg_loss),
@@ -421,7 +462,10 @@ class PPOModule(L.LightningModule):
             self.clip_gradients(opt, gradient_clip_val=self.ppo.max_grad_norm, gradient_clip_algorithm="norm")
             return float("nan")
         max_norm = self.ppo.max_grad_norm if self.ppo.max_grad_norm is not None else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # With FSDP2 the gradients are DTensor shards: clip_grad_norm_ reduces the partial norms over the
+        # ranks (the norm it returns is a DTensor), so the norm is the global one and every rank scales
+        # its shard by the same factor. Under DDP the gradients are already averaged, the same on each rank.
+        return grad_norm_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     # ------------------------------------------------------------------ helpers
     def _distributed(self) -> bool:
@@ -430,10 +474,31 @@ class PPOModule(L.LightningModule):
     def _synced_generation(self) -> bool:
         return self._distributed()
 
-    def _global_mean(self, value: torch.Tensor) -> torch.Tensor:
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of a (detached) tensor over all ranks; the tensor itself on one process."""
         if not self._distributed():
             return value
-        return self.trainer.strategy.reduce(value.detach(), reduce_op="mean")
+        return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
+
+    def _global_stats(self, stats: dict, raw_scores: torch.Tensor) -> dict:
+        """The iteration's statistics over all ranks (one all-reduce), for the logs of rank 0.
+
+        Every rank holds the same number of sequences, so the mean over ranks of a per-sequence mean is the
+        global mean; token means (advantages, returns, values) are already global (``distributed=True``);
+        the losses and clip fractions of ``_update`` are weighted so that their mean over ranks is the token
+        mean of the global minibatch; the score's mean and std come from all scores (all-gather). Only
+        ``critic/explained_variance`` is a mean of per-rank values.
+        """
+        if not self._distributed():
+            return stats
+        keys = list(stats)
+        values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float64).detach().cpu() for k in keys])
+        values = self.trainer.strategy.reduce(values.to(raw_scores.device), reduce_op="mean").cpu()
+        out = dict(zip(keys, values.unbind()))
+        scores = self.all_gather(raw_scores.detach()).flatten().double()
+        out[M.ROLLOUT_SCORE_MEAN] = scores.mean()
+        out[M.ROLLOUT_SCORE_STD] = scores.std(unbiased=False)
+        return out
 
     def _log_iteration(self, stats, batch, response_ids, response_mask, scores) -> None:
         values = {k: float(v) for k, v in stats.items()}
@@ -495,22 +560,42 @@ class PPOModule(L.LightningModule):
         self._ptx_consumed = int(state.get("ptx_consumed", 0))
 
     def on_fit_end(self) -> None:
-        if self.export_dir and self.trainer.is_global_zero:
-            save_causal_lm(
-                self.policy.lm,
-                self.tokenizer,
-                self.export_dir,
-                self.backbone_cfg,
-                self.export_mode,
-                adapter_name="actor",
-                meta={
-                    "kind": "policy",
-                    "stage": "ppo",
-                    "iterations": self.iteration,
-                    "sampling": asdict(self.sampling),
-                    "target_kl": self.kl_cfg.target_kl,
-                },
-            )
+        if not self.export_dir:
+            return
+        with gathered_parameters(self.policy.lm):  # a collective under FSDP2; nothing otherwise
+            if self.trainer.is_global_zero:
+                save_causal_lm(
+                    self.policy.lm,
+                    self.tokenizer,
+                    self.export_dir,
+                    self.backbone_cfg,
+                    self.export_mode,
+                    adapter_name="actor",
+                    meta={
+                        "kind": "policy",
+                        "stage": "ppo",
+                        "iterations": self.iteration,
+                        "sampling": asdict(self.sampling),
+                        "target_kl": self.kl_cfg.target_kl,
+                    },
+                )
+        if self.trainer.is_global_zero:  # one writer
+            self._plot_curves(os.path.join(self.export_dir, "ppo_curves.png"))
+
+    def _plot_curves(self, path: str) -> None:
+        """Score and KL per iteration (the whole run, resumed parts included), with the KL budget."""
+        if not self.history:
+            return
+        steps = [h[M.PPO_ITERATION] for h in self.history]
+        series = {
+            "RM score (rollout/score_mean)": [h[M.ROLLOUT_SCORE_MEAN] for h in self.history],
+            "KL to reference (rollout/kl_ref, nats)": [h[M.ROLLOUT_KL_REF] for h in self.history],
+        }
+        fig = curves_figure(steps, series, "PPO iteration", "PPO: reward-model score and KL per iteration")
+        if self.kl_cfg.target_kl is not None:
+            fig.axes[1].axhline(self.kl_cfg.target_kl, color="red", linestyle="--", label="kl.target_kl")
+            fig.axes[1].legend()
+        save_figure(fig, path)
 
 
 class _PTXStream:

@@ -124,6 +124,9 @@ class CriticConfig:
 class PTXConfig:
     """The pretraining-mix (PTX) term: ``coef * NLL`` on SFT data added to the PPO loss (Ouyang et al. 2022).
 
+    Its backward reaches the actor adapter only; under ``strategy: ddp`` use
+    ``ddp_find_unused_parameters_true`` (DDP otherwise waits for the critic's gradients). FSDP2 needs nothing.
+
     Args:
         coef: weight of the term; 0 disables it.
         train_files: SFT data files (any format ``SFTDataModule`` reads).

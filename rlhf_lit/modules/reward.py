@@ -39,6 +39,7 @@ from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, hidden_size, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
 from rlhf_lit.modules.common import (
     OptimizerConfig,
     as_config,
@@ -143,6 +144,13 @@ class RewardModule(L.LightningModule):
         return scores[:n], scores[n:], hidden[:n]
 
     # -- training --------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.models.sharding``); nothing otherwise."""
+        mesh = data_parallel_mesh(self.device_mesh)
+        if mesh is not None:
+            shard_lm(self.lm, mesh)
+            shard_head(self.head, mesh)
+
     def on_fit_start(self) -> None:
         log_data_report(self)
 
@@ -284,8 +292,10 @@ class RewardModule(L.LightningModule):
             else:
                 results = self.calibrate_temperature(loader)
                 self._report_calibration(results)
-        if self.trainer.is_global_zero and self.hparams.export_dir:
-            self.export(self.hparams.export_dir, results)
+        if self.hparams.export_dir:
+            with gathered_parameters(self):  # a collective under FSDP2; nothing otherwise
+                if self.trainer.is_global_zero:
+                    self.export(self.hparams.export_dir, results)
 
     def _report_calibration(self, results: dict) -> None:
         m = results["metrics"]

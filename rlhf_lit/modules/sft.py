@@ -6,6 +6,7 @@ The loss is the mean negative log-likelihood of the response tokens (EOS include
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import lightning as L
@@ -17,6 +18,7 @@ from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
+from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_lm
 from rlhf_lit.modules.common import (
     OptimizerConfig,
     as_config,
@@ -25,6 +27,8 @@ from rlhf_lit.modules.common import (
     log_data_report,
     plain_hparams,
 )
+
+log = logging.getLogger("rlhf_lit")
 
 
 class SFTModule(L.LightningModule):
@@ -71,13 +75,52 @@ class SFTModule(L.LightningModule):
         logits = self(batch["input_ids"], batch["attention_mask"])
         return sft_nll(logits, batch["labels"])
 
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.models.sharding``); nothing otherwise."""
+        mesh = data_parallel_mesh(self.device_mesh)
+        if mesh is not None:
+            shard_lm(self.lm, mesh)
+
     def on_fit_start(self) -> None:
         log_data_report(self)
 
+    def on_train_start(self) -> None:
+        """Log ``val/loss`` of the untrained model at step 0, so the curve shows where training started."""
+        if self.global_step > 0:  # a resumed run
+            return
+        loaders = self.trainer.val_dataloaders  # every rank scores its share; val_nll syncs them
+        if not loaders:
+            return
+        was_training = self.training
+        self.eval()
+        with torch.no_grad():
+            for batch in loaders:
+                batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                with self.trainer.precision_plugin.forward_context():
+                    loss, num_tokens = self._loss(batch)
+                self.val_nll.update(loss.detach().float(), weight=num_tokens)
+        self.train(was_training)
+        loss = self.val_nll.compute()
+        self.val_nll.reset()
+        for logger in self.loggers:  # loggers write on rank 0 only
+            logger.log_metrics(
+                {M.VAL_LOSS: float(loss), M.VAL_PERPLEXITY: float(torch.exp(loss.clamp(max=50)))}, step=0
+            )
+        log.info("SFT: validation loss before training %.4f", float(loss))
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, _ = self._loss(batch)
+        loss, num_tokens = self._loss(batch)
         self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return loss
+        world_size = self._trainer.world_size if self._trainer is not None else 1
+        if world_size == 1:
+            return loss
+        # Token mean over the GLOBAL batch: DDP/FSDP average the ranks' gradients, so this rank's token mean
+        # is weighted by world_size * its label tokens / all ranks' label tokens (ranks' batches hold
+        # different numbers of response tokens; a plain average of per-rank means would over-weight the
+        # rank with fewer). PPOModule._update does the same.
+        tokens = torch.tensor(float(num_tokens), device=loss.device)
+        global_tokens = self.trainer.strategy.reduce(tokens.clone(), reduce_op="sum").clamp(min=1.0)
+        return loss * (world_size * tokens / global_tokens)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, num_tokens = self._loss(batch)
@@ -97,12 +140,15 @@ class SFTModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:
-        if self.export_dir and self.trainer.is_global_zero:
-            save_causal_lm(
-                self.lm,
-                self.tokenizer,
-                self.export_dir,
-                self.backbone_cfg,
-                self.export_mode,
-                meta={"kind": "policy", "stage": "sft"},
-            )
+        if not self.export_dir:
+            return
+        with gathered_parameters(self.lm):  # a collective under FSDP2; nothing otherwise
+            if self.trainer.is_global_zero:
+                save_causal_lm(
+                    self.lm,
+                    self.tokenizer,
+                    self.export_dir,
+                    self.backbone_cfg,
+                    self.export_mode,
+                    meta={"kind": "policy", "stage": "sft"},
+                )

@@ -1,0 +1,150 @@
+"""What the 2-process CPU tests run: shared by the worker script (both ranks) and the 1-rank reference runs.
+
+Every scenario is a plain function of an output folder, so the worker (``worker.py``, started once per
+strategy and re-started by Lightning's launcher as rank 1) and pytest's own process run the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from rlhf_lit.models.sharding import gathered_parameters
+from rlhf_lit.modules.common import OptimizerConfig
+from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
+
+# The equality scenario: one global batch of 8 prompts, as 1 rank x 8 or 2 ranks x 4.
+GLOBAL_BATCH = 8
+EQUALITY_ITERATIONS = 2
+# Adam with eps = 1 takes a step of ~ lr * g for |g| << 1: linear in the gradient, so parameter changes
+# compare like gradients (with the default eps a first step is ~ lr * sign(g), and the sign of a gradient
+# that is 0 up to rounding would decide it).
+EQUALITY_OPTIMIZER = OptimizerConfig(lr=1e-2, eps=1.0, scheduler="constant")
+EQUALITY_MAX_GRAD_NORM = 0.05  # small, so clipping by the global norm is active and part of the check
+
+
+def strategy_for(name: str):
+    """A Trainer ``strategy`` for ``ddp`` or ``fsdp2`` (FSDP2 through ModelParallelStrategy)."""
+    if name == "ddp":
+        return "ddp"
+    if name == "fsdp2":
+        from rlhf_lit.models.sharding import FSDP2Strategy
+
+        return FSDP2Strategy()
+    if name == "fsdp2_full":
+        from rlhf_lit.models.sharding import FSDP2Strategy
+
+        return FSDP2Strategy(save_distributed_checkpoint=False)
+    raise ValueError(name)
+
+
+def cli_strategy_args(name: str) -> list[str]:
+    if name == "ddp":
+        return ["--trainer.strategy=ddp"]
+    return ['--trainer.strategy={"class_path": "rlhf_lit.models.sharding.FSDP2Strategy"}']
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+ROLLOUT_TOKENS: list[int] = []  # response tokens of each fixed rollout on this rank
+
+
+def fixed_rollout(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, synced_gpus=False):
+    """A deterministic stand-in for ``sample_responses``: each response is a function of its prompt alone.
+
+    Lengths 1..5 (the ranks of the equality test hold 6 and 12, then 17 and 14 response tokens), a stop
+    token on two rows in three, pad after it. The same prompt gets the same response on any rank and in any
+    batch.
+    """
+    rows, lengths, stops = [], [], []
+    for ids, mask in zip(prompt_ids, prompt_mask.bool()):
+        s = int(ids[mask].sum())
+        length, has_stop = 1 + s % 5, s % 3 != 0
+        tokens = [(s * 31 + 7 * j) % 200 + 40 for j in range(length)]
+        if has_stop:
+            tokens[-1] = stop_ids[0]
+        rows.append(tokens)
+        lengths.append(length)
+        stops.append(has_stop)
+    ROLLOUT_TOKENS.append(sum(lengths))
+    width = max(lengths)
+    response = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, tokens in enumerate(rows):
+        response[i, : len(tokens)] = torch.tensor(tokens)
+        mask[i, : len(tokens)] = True
+    return response.to(prompt_ids.device), mask.to(prompt_ids.device), torch.tensor(stops)
+
+
+def equality_module(batch_per_rank: int):
+    from tests.ppo.helpers import make_module
+
+    torch.manual_seed(0)  # the LoRA init: identical on every rank (FSDP2 keeps each rank's own slice)
+    return make_module(
+        ppo=PPOConfig(
+            ppo_epochs=2,
+            ppo_minibatch_size=batch_per_rank,  # one minibatch = this rank's share of the global batch
+            micro_batch_size=2,
+            total_iterations=EQUALITY_ITERATIONS,
+            max_grad_norm=EQUALITY_MAX_GRAD_NORM,
+        ),
+        kl=KLConfig(kl_coef=0.05, adaptive=True, target_kl=0.01, horizon=100),
+        reward=RewardShapingConfig(normalize=True, clip=5.0, missing_eos_penalty=0.5),
+        optimizer=EQUALITY_OPTIMIZER,
+    )
+
+
+def trainable_state(module) -> dict[str, torch.Tensor]:
+    """Full copies of the trainable parameters (gathered from the shards under FSDP2; every rank calls)."""
+    with gathered_parameters(module):
+        return {n: p.detach().clone().cpu() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
+    """PPO iterations on fixed responses; returns (and, on rank 0, saves) the update and the statistics."""
+    import rlhf_lit.modules.ppo as ppo_mod
+    from tests.ppo.helpers import make_data, make_trainer
+
+    batch = GLOBAL_BATCH // world_size
+    module = equality_module(batch)
+    before = trainable_state(module)
+    original = ppo_mod.sample_responses
+    ppo_mod.sample_responses = fixed_rollout
+    ROLLOUT_TOKENS.clear()
+    try:
+        kwargs = {} if strategy is None else {"devices": world_size, "strategy": strategy_for(strategy)}
+        trainer = make_trainer(out / "run", **kwargs)
+        trainer.fit(module, datamodule=make_data(module, batch_size=batch))
+    finally:
+        ppo_mod.sample_responses = original
+    after = trainable_state(module)
+    result = {
+        "delta": {n: after[n] - before[n] for n in after},
+        "history": module.history,
+        "kl_coef": module.kl_ctl.value,
+        "score_stats": module.score_stats.state_dict(),
+        "iteration": module.iteration,
+    }
+    if world_size > 1:
+        write_json(
+            out / f"tokens_rank{rank()}.json",
+            {
+                "tokens": list(ROLLOUT_TOKENS),
+                "kl_coef": module.kl_ctl.value,
+                "score_stats": module.score_stats.state_dict(),
+            },
+        )
+    if rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / "equality.pt")
+    return result
+
+
+def write_json(path: Path, data: dict) -> None:
+    os.makedirs(path.parent, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))

@@ -1,0 +1,163 @@
+"""Runs the 2-process CPU scenarios of one strategy: ``python worker.py <ddp|fsdp2> <out_dir> <scenario>...``.
+
+Started by ``test_two_processes.py`` as an ordinary script. Its first ``Trainer.fit`` makes Lightning's
+launcher start this same command again as rank 1 (``LOCAL_RANK=1``); later fits in the same processes
+reuse the process group. Each rank runs the scenarios in the same order; results go to ``<out_dir>``
+(rank 0's files, plus per-rank ``*_rank<r>.json`` where a scenario records something per rank).
+
+Scenarios:
+    reward_tiny  ``configs/reward/tiny.yaml`` through the CLI, 2 steps, outputs in ``<out_dir>``.
+    ppo_tiny     ``configs/ppo/tiny.yaml`` through the CLI, 2 iterations, with rank 0 forced to emit its
+                 stop token first (PITFALLS B19: it must keep stepping until rank 1 finishes).
+    equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts.
+    resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from tests.distributed import scenarios as S  # noqa: E402
+
+
+def _cli_fit(config: str, root: Path, strategy: str, *extra: str) -> object:
+    from rlhf_lit.cli import cli_main
+    from tests.tiny_runs import tiny_overrides
+
+    args = ["fit", "--config", config, *tiny_overrides(Path(config), root), "--trainer.devices=2", *extra]
+    args += S.cli_strategy_args(strategy)
+    return cli_main(args)
+
+
+def reward_tiny(out: Path, strategy: str) -> None:
+    # 8 validation pairs per file (not 32): calibration scores them on every rank; the run stays the config's
+    cli = _cli_fit("configs/reward/tiny.yaml", out / "reward_tiny", strategy, "--data.init_args.val_size=8")
+    if S.rank() == 0:
+        S.write_json(
+            out / "reward_tiny.json",
+            {
+                "global_step": cli.trainer.global_step,
+                "world_size": cli.trainer.world_size,
+                "finished": cli.trainer.state.finished,
+                "export": sorted(os.listdir(out / "reward_tiny" / "hf")),
+                "temperature": float(cli.model.temperature),
+            },
+        )
+
+
+def ppo_tiny(out: Path, strategy: str) -> None:
+    """The tiny PPO config; rank 0's policy is forced to emit its stop token first (B19)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    import rlhf_lit.modules.ppo as ppo_mod
+    from rlhf_lit.models.adapters import AdaptedLM
+
+    class StopNow(LogitsProcessor):
+        def __init__(self, stop_id: int) -> None:
+            self.stop_id = stop_id
+
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, self.stop_id] = 0.0
+            return forced
+
+    original_generate, original_sample = AdaptedLM.generate, ppo_mod.sample_responses
+    lengths: list[list[int]] = []
+
+    def generate(self, **kwargs):
+        if S.rank() == 0:
+            stop_id = kwargs["generation_config"].eos_token_id[0]
+            kwargs["logits_processor"] = LogitsProcessorList([StopNow(stop_id)])
+        return original_generate(self, **kwargs)
+
+    def sample(*args, **kwargs):
+        response_ids, response_mask, has_stop = original_sample(*args, **kwargs)
+        lengths.append(response_mask.sum(-1).tolist())
+        return response_ids, response_mask, has_stop
+
+    AdaptedLM.generate, ppo_mod.sample_responses = generate, sample
+    try:
+        cli = _cli_fit("configs/ppo/tiny.yaml", out / "ppo_tiny", strategy)
+    finally:
+        AdaptedLM.generate, ppo_mod.sample_responses = original_generate, original_sample
+    S.write_json(out / f"ppo_tiny_rank{S.rank()}.json", {"response_lengths": lengths})
+    if S.rank() == 0:
+        S.write_json(
+            out / "ppo_tiny.json",
+            {
+                "iteration": cli.model.iteration,
+                "world_size": cli.trainer.world_size,
+                "finished": cli.trainer.state.finished,
+                "export": sorted(os.listdir(out / "ppo_tiny" / "hf")),
+                "history": cli.model.history,
+            },
+        )
+
+
+def equality(out: Path, strategy: str) -> None:
+    S.run_equality(out / "equality", strategy, world_size=2)
+
+
+def resume(out: Path, strategy: str) -> None:
+    """Exact resume through sharded and full FSDP2 checkpoints (save_distributed_checkpoint True / False)."""
+    from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
+    from tests.ppo.helpers import make_data, make_module, make_trainer
+
+    def module():
+        torch.manual_seed(0)
+        return make_module(
+            ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=2),
+            kl=KLConfig(kl_coef=0.05, adaptive=True, target_kl=0.01, horizon=100),
+            reward=RewardShapingConfig(normalize=True, clip=3.0),
+        )
+
+    def fit(name, strategy_name, ckpt_path=None, **kwargs):
+        torch.manual_seed(123)  # the sampling RNG, identical on both ranks and in every run
+        m = module()
+        trainer = make_trainer(out / name, devices=2, strategy=S.strategy_for(strategy_name), **kwargs)
+        trainer.fit(m, datamodule=make_data(m, batch_size=4), ckpt_path=ckpt_path)
+        return m, trainer
+
+    straight, _ = fit("straight", "fsdp2")
+    results = {"straight": S.trainable_state(straight), "straight_kl": straight.kl_ctl.value}
+    for kind in ("fsdp2", "fsdp2_full"):
+        _, trainer = fit(f"{kind}_first", kind, max_steps=2)  # 1 iteration = 2 optimizer steps
+        ckpt = out / f"{kind}.ckpt"
+        trainer.save_checkpoint(ckpt)
+        resumed, _ = fit(f"{kind}_resumed", kind, ckpt_path=str(ckpt))
+        results[kind] = S.trainable_state(resumed)
+        results[f"{kind}_kl"] = resumed.kl_ctl.value
+        results[f"{kind}_iteration"] = resumed.iteration
+        results[f"{kind}_is_dir"] = ckpt.is_dir()
+    if S.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(results, out / "resume.pt")
+
+
+SCENARIOS = {"reward_tiny": reward_tiny, "ppo_tiny": ppo_tiny, "equality": equality, "resume": resume}
+
+
+def main(argv: list[str]) -> None:
+    strategy, out, names = argv[0], Path(argv[1]), argv[2:]
+    os.chdir(REPO_ROOT)  # configs name their data as ../shared/data/...
+    torch.set_num_threads(1)
+    for name in names:
+        start = time.perf_counter()
+        SCENARIOS[name](out, strategy)
+        if S.rank() == 0:
+            S.write_json(out / f"{name}.time.json", {"seconds": time.perf_counter() - start})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
