@@ -30,9 +30,10 @@ Formulae (bytes; every figure per device):
   (saved-tensor hooks on 1- and 3-layer models, H = 128; attention by SDPA, which keeps no T x T matrix):
   Llama-style blocks (RMSNorm, gated MLP): ``7H`` elements in fp32 (RMSNorm upcasts) + ``H + 2kv + 4I``
   at s_a; GPT-2-style blocks (LayerNorm, GELU MLP): ``2H`` at 4 bytes under autocast (else s_a) +
-  ``10H + 4I`` at s_a. Whole model: ``B * T * L * per_layer``. With gradient checkpointing only each
-  block's input is kept, ``B * T * L * H * s_r`` (s_r: the residual stream's bytes), plus one block
-  recomputed in full: ``B * T * per_layer``.
+  ``10H + 4I`` at s_a, ``10H + I`` when the tanh GELU runs as one kernel (``fused_activations``). Whole
+  model: ``B * T * L * per_layer``. With gradient checkpointing only each block's input is kept,
+  ``B * T * L * H * s_r`` (s_r: the residual stream's bytes), plus one block recomputed in full:
+  ``B * T * per_layer``.
 * autocast weight copies: under bf16-mixed with fp32 (non-4-bit) weights every block Linear weight is cast
   to bf16 and the copy is saved for backward: ``2 * N_linear`` per training forward (one block's worth with
   checkpointing); a 4-bit base dequantizes one layer at a time: ``2 * N_linear / L``.
@@ -49,8 +50,9 @@ Formulae (bytes; every figure per device):
 Peak = weights + adapters + heads + reward model + optimizer + the largest phase: SFT / reward step
 (activations + weight copies + logits + gradients); PPO rollout (KV cache + prefill); PPO experience
 (no-grad forwards over ``rollout_forward_batch_size`` rows: one layer's intermediates + the response
-logits); PPO update (micro-batch activations for the actor and, with a separate critic adapter, the critic
-forward too + weight copies + response logits + gradients). FSDP adds the largest gathered unit.
+logits); PPO update (micro-batch activations of one forward; with a separate critic adapter on several
+processes of two, because there the actor's backward cannot run before the critic's forward + weight copies
++ response logits + gradients). FSDP adds the largest gathered unit.
 
 Not modelled: the CUDA context and allocator fragmentation (the "fits" line adds 10 % + 1 GiB for them),
 the optimizer's temporary buffers during ``step`` (foreach AdamW: about one more copy of the trainable
@@ -159,6 +161,7 @@ class ModelShape:
     linear_shapes: list[tuple[str, int, int]] = field(
         default_factory=list
     )  # (module name, in, out), no LM head
+    fused_gelu: bool = False  # a tanh GELU run as one kernel (BackboneConfig.fused_activations)
 
     def lora_params(self, r: int, target_modules) -> int:
         """LoRA parameters ``r * (in + out)`` over the Linear layers peft would adapt."""
@@ -259,6 +262,8 @@ def model_shape(backbone: BackboneConfig, model_config: str | None = None) -> Mo
         num_params=sum(p.numel() for p in model.parameters()),
         block_linear_params=block_linear,
         linear_shapes=shapes,
+        fused_gelu=bool(getattr(backbone, "fused_activations", True))
+        and getattr(config, "activation_function", None) in ("gelu_new", "gelu_fast"),
     )
 
 
@@ -445,7 +450,8 @@ def layer_activation_bytes(shape: ModelShape, s_a: int, autocast: bool, s_w: int
     H, mlp, kv = shape.hidden, shape.intermediate, shape.kv
     if shape.family == "rms":
         return 7 * H * 4 + (H + 2 * kv + 4 * mlp) * s_a
-    return 2 * H * (4 if autocast else s_w) + (10 * H + 4 * mlp) * s_a
+    # the Python-arithmetic tanh GELU keeps 3 more I-wide intermediates than the fused kernel (measured)
+    return 2 * H * (4 if autocast else s_w) + (10 * H + (1 if shape.fused_gelu else 4) * mlp) * s_a
 
 
 def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape | None = None) -> Estimate:
@@ -590,7 +596,9 @@ def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape 
             "experience forwards (no grad)", experience, f"{f} rows; logits over R={R} response positions"
         )
         est.phases["experience"] = experience
-        forwards = 1 if s.shared_critic else 2
+        # one process: the actor's backward runs before the critic's forward (PPOModule._update), so only
+        # one forward's activations are alive; several processes keep both (DDP needs one backward)
+        forwards = 1 if s.shared_critic or s.world_size == 1 else 2
         act, full, with_ckpt = activations(m * T, forwards)
         est.add(
             "activations (PPO micro-batch)",

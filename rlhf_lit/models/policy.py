@@ -63,10 +63,15 @@ class ActorCritic(nn.Module):
         hidden = self.lm.hidden_states(input_ids, attention_mask)
         return hidden[:, prompt_len - 1 : -1]
 
-    def _logprob_outputs(self, hidden, response_ids, temperature, want_entropy, chunk_size):
+    def _logprob_outputs(
+        self, hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad=True
+    ):
         logits = self.lm.logits(hidden)
         logprobs = gather_logprobs(logits, response_ids, temperature=temperature, chunk_size=chunk_size)
-        entropy = entropy_from_logits(logits, temperature, chunk_size) if want_entropy else None
+        entropy = None
+        if want_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits, temperature, chunk_size)
         return logprobs, entropy
 
     def forward(
@@ -79,6 +84,7 @@ class ActorCritic(nn.Module):
         want_values: bool = True,
         want_entropy: bool = False,
         chunk_size: int | None = None,
+        entropy_grad: bool = True,
     ) -> PolicyOutput:
         """Actor log-probs, critic values and entropies over the response positions.
 
@@ -89,6 +95,8 @@ class ActorCritic(nn.Module):
             temperature: the sampling temperature (log-probs are of ``softmax(logits / T)``; B10).
             want_logprobs / want_values / want_entropy: which outputs to compute.
             chunk_size: batch rows per chunk for log-softmax and entropy.
+            entropy_grad: build the autograd graph of the entropy (only needed when it is in the loss; for
+                logging alone it is computed without one, which saves a softmax-sized graph).
 
         Returns:
             ``PolicyOutput`` with ``(B, R)`` tensors, R = T - P.
@@ -100,7 +108,7 @@ class ActorCritic(nn.Module):
                 hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
             if want_logprobs:
                 out.logprobs, out.entropy = self._logprob_outputs(
-                    hidden, response_ids, temperature, want_entropy, chunk_size
+                    hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad
                 )
             if want_values:
                 out.values = self.value_head(hidden)
@@ -109,7 +117,7 @@ class ActorCritic(nn.Module):
             with self.lm.adapter("actor"):
                 hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
             out.logprobs, out.entropy = self._logprob_outputs(
-                hidden, response_ids, temperature, want_entropy, chunk_size
+                hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad
             )
         with self.lm.adapter("critic"):
             out.values = self.value_head(self._response_hidden(input_ids, attention_mask, prompt_len))

@@ -27,6 +27,7 @@ from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
     disable_dropout,
+    fuse_gelu_tanh,
     hidden_size,
     load_backbone,
     load_backbone_tokenizer,
@@ -73,6 +74,7 @@ def load_sequence_classifier(path: str) -> RewardScorer:
     """A Hugging Face ``*ForSequenceClassification`` (1 label) as a scorer read at the last real token."""
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     disable_dropout(model)
+    fuse_gelu_tanh(model)
     score = getattr(model, "score", None) or getattr(model, "classifier", None)
     if not isinstance(score, torch.nn.Linear) or score.out_features != 1:
         raise ValueError(

@@ -166,6 +166,7 @@ class PPOModule(L.LightningModule):
         self.score_stats = RunningMeanStd(distributed=True)
         self.iteration = 0
         self.history: list[dict[str, float]] = []
+        self._two_pass = True  # sequential actor / critic backward on one process (_update); tests switch it
         self.last_rollout: dict[str, list] = {}
         self._pending_rng: dict | None = None
         self._ptx: _PTXStream | None = None
@@ -381,6 +382,11 @@ class PPOModule(L.LightningModule):
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.iteration)
         sums: dict[str, float] = {}
         n_steps = 0
+        # Actor and critic on separate adapters have disjoint trainable parameters, so the backward of the
+        # policy terms and that of the value term can run one after the other: the same gradients, but the
+        # actor's activations are freed before the critic's forward (peak ~ one forward's activations, not
+        # two). One process only: DDP expects every trainable parameter's gradient from each backward.
+        two_pass = self._two_pass and not self.policy.shared_critic and not self._distributed()
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(B, generator=generator).to(input_ids.device)
             for start in range(0, B, cfg.ppo_minibatch_size):
@@ -397,28 +403,42 @@ class PPOModule(L.LightningModule):
                     rows = mb_rows[m : m + micro]
                     mask = response_mask[rows]
                     weight = world_size * mask.sum().float() / global_tokens
-                    out = self.policy(
-                        input_ids[rows],
-                        attention_mask[rows],
-                        prompt_len,
-                        self.sampling.temperature,
-                        want_entropy=True,
-                        chunk_size=cfg.logprob_chunk_size,
-                    )
-                    pg_loss, pg_stats = ppo_policy_loss(
-                        out.logprobs,
-                        old_logprobs[rows],
-                        advantages[rows],
-                        mask,
-                        cfg.clip_range,
-                        cfg.dual_clip,
-                    )
-                    vf_loss, vf_stats = ppo_value_loss(
-                        out.values, old_values[rows], returns[rows], mask, cfg.value_clip_range
-                    )
-                    entropy = masked_mean(out.entropy, mask)
-                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
-                    self.manual_backward(loss * weight)
+                    if two_pass:
+                        pg_loss, pg_stats, entropy, vf_loss, vf_stats = self._two_pass_backward(
+                            input_ids[rows],
+                            attention_mask[rows],
+                            prompt_len,
+                            mask,
+                            weight,
+                            old_logprobs[rows],
+                            old_values[rows],
+                            advantages[rows],
+                            returns[rows],
+                        )
+                    else:
+                        out = self.policy(
+                            input_ids[rows],
+                            attention_mask[rows],
+                            prompt_len,
+                            self.sampling.temperature,
+                            want_entropy=True,
+                            chunk_size=cfg.logprob_chunk_size,
+                            entropy_grad=cfg.entropy_coef != 0,
+                        )
+                        pg_loss, pg_stats = ppo_policy_loss(
+                            out.logprobs,
+                            old_logprobs[rows],
+                            advantages[rows],
+                            mask,
+                            cfg.clip_range,
+                            cfg.dual_clip,
+                        )
+                        vf_loss, vf_stats = ppo_value_loss(
+                            out.values, old_values[rows], returns[rows], mask, cfg.value_clip_range
+                        )
+                        entropy = masked_mean(out.entropy, mask)
+                        loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy
+                        self.manual_backward(loss * weight)
                     # the same weights for the logged losses and fractions: their mean over ranks
                     # (_global_stats) is then the token mean over the global minibatch, as on one rank
                     w = float(weight)
@@ -448,6 +468,33 @@ class PPOModule(L.LightningModule):
                 sched.step()
                 n_steps += 1
         return {k: v / n_steps for k, v in sums.items()}
+
+    def _two_pass_backward(
+        self, ids, attn, prompt_len, mask, weight, old_logprobs, old_values, advantages, returns
+    ):
+        """Backward of ``weight * (policy_loss - entropy_coef * entropy)``, then of ``weight * vf_coef *
+        value_loss``, each right after its own forward (see ``_update``); returns the losses and stats."""
+        cfg = self.ppo
+        out = self.policy(
+            ids,
+            attn,
+            prompt_len,
+            self.sampling.temperature,
+            want_values=False,
+            want_entropy=True,
+            chunk_size=cfg.logprob_chunk_size,
+            entropy_grad=cfg.entropy_coef != 0,
+        )
+        pg_loss, pg_stats = ppo_policy_loss(
+            out.logprobs, old_logprobs, advantages, mask, cfg.clip_range, cfg.dual_clip
+        )
+        entropy = masked_mean(out.entropy, mask)
+        self.manual_backward((pg_loss - cfg.entropy_coef * entropy) * weight)
+        del out
+        values = self.policy(ids, attn, prompt_len, self.sampling.temperature, want_logprobs=False).values
+        vf_loss, vf_stats = ppo_value_loss(values, old_values, returns, mask, cfg.value_clip_range)
+        self.manual_backward(cfg.vf_coef * vf_loss * weight)
+        return pg_loss, pg_stats, entropy, vf_loss, vf_stats
 
     def _clip_gradients(self, opt) -> float:
         """Clip the global gradient norm over actor and critic parameters; returns the norm before clipping.
@@ -503,7 +550,9 @@ class PPOModule(L.LightningModule):
     def _log_iteration(self, stats, batch, response_ids, response_mask, scores) -> None:
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
-        prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+        prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(
+            batch["input_ids"], skip_special_tokens=True
+        )
         # The iteration's samples as text, for callbacks (e.g. an evaluation-only gold scorer) and TensorBoard.
         self.last_rollout = {
             "prompt_text": list(prompts),
@@ -513,7 +562,11 @@ class PPOModule(L.LightningModule):
             ],
             "score": [float(x) for x in scores],
         }
-        progress = {"iter": float(self.iteration), "score": values[M.ROLLOUT_SCORE_MEAN], "kl": values[M.ROLLOUT_KL_REF]}
+        progress = {
+            "iter": float(self.iteration),
+            "score": values[M.ROLLOUT_SCORE_MEAN],
+            "kl": values[M.ROLLOUT_KL_REF],
+        }
         self.log_dict(progress, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         if not self.trainer.is_global_zero:
             return
@@ -528,7 +581,9 @@ class PPOModule(L.LightningModule):
         cell = lambda text: text.replace("|", "\\|").replace("\n", "<br>")[-300:]  # noqa: E731
         rows = ["| prompt | response | score |", "|---|---|---|"]
         sample = self.last_rollout
-        for prompt, response, score in list(zip(sample["prompt_text"], sample["response_text"], sample["score"]))[:n]:
+        for prompt, response, score in list(
+            zip(sample["prompt_text"], sample["response_text"], sample["score"])
+        )[:n]:
             rows.append(f"| {cell(prompt)} | {cell(response)} | {score:.3f} |")
         for logger in self.loggers:
             experiment = getattr(logger, "experiment", None)

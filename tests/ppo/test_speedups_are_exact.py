@@ -1,0 +1,78 @@
+"""The speed and memory changes must not change the algorithm: each is checked against the plain path."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_lit.models import BackboneConfig, load_backbone
+from rlhf_lit.models.backbone import fuse_gelu_tanh
+from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from rlhf_lit.modules.common import OptimizerConfig, _fused_adamw_ok, build_optimizer
+from rlhf_lit.modules.ppo_config import PPOConfig
+from tests.conftest import TINY_GPT2
+from tests.ppo.helpers import make_data, make_module, make_trainer
+
+
+def _trained_params(tmp_path, two_pass: bool, entropy_coef: float) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    module = make_module(
+        ppo=PPOConfig(ppo_epochs=2, ppo_minibatch_size=2, entropy_coef=entropy_coef, total_iterations=2)
+    )
+    module._two_pass = two_pass
+    initial = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    torch.manual_seed(123)
+    make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=4))
+    trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    return initial, trained
+
+
+def test_sequential_actor_then_critic_backward_gives_the_combined_update(tmp_path):
+    """Actor and critic adapters share no trainable parameter, so backward(policy) then backward(value)
+    must equal backward(policy + vf_coef * value) -- after 2 iterations x 2 epochs x 2 minibatches."""
+    for entropy_coef in (0.0, 0.01):  # without and with the entropy term in the loss
+        initial, combined = _trained_params(tmp_path / f"one{entropy_coef}", False, entropy_coef)
+        _, sequential = _trained_params(tmp_path / f"two{entropy_coef}", True, entropy_coef)
+        moved = [n for n in initial if not torch.equal(combined[n], initial[n])]
+        assert any("critic" in n for n in moved) and any("actor" in n for n in moved)
+        assert any("value_head" in n for n in moved)
+        for name in combined:
+            torch.testing.assert_close(sequential[name], combined[name], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_gelu_swaps_every_gpt2_activation_and_keeps_the_outputs():
+    tokenizer = build_byte_tokenizer()
+    plain = load_backbone(
+        BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", fused_activations=False), tokenizer
+    )
+    fused = load_backbone(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"), tokenizer)
+    assert type(plain.transformer.h[0].mlp.act).__name__ == "NewGELUActivation"
+    assert type(fused.transformer.h[0].mlp.act).__name__ == "GELUTanh"
+    assert fuse_gelu_tanh(plain) == TINY_GPT2["n_layer"]  # one activation per block
+    assert fuse_gelu_tanh(plain) == 0  # idempotent
+    x = torch.linspace(-6, 6, 101)
+    from transformers.activations import NewGELUActivation
+
+    torch.testing.assert_close(
+        fused.transformer.h[0].mlp.act(x), NewGELUActivation()(x), atol=1e-6, rtol=1e-6
+    )
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8]])
+    torch.testing.assert_close(plain(ids).logits, fused(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_adamw_is_used_for_plain_parameters_and_matches_the_loop():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(7, 5))
+    assert _fused_adamw_ok([{"params": [w]}])
+    assert not _fused_adamw_ok([{"params": []}])
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    fused = build_optimizer([{"params": [w]}], cfg)
+    assert fused.defaults["fused"] is True
+    w_ref = torch.nn.Parameter(w.detach().clone())
+    loop = torch.optim.AdamW([w_ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        grad = torch.full_like(w, 0.5) * (step + 1) - w.detach()
+        w.grad, w_ref.grad = grad.clone(), grad.clone()
+        fused.step()
+        loop.step()
+    assert not torch.equal(w_ref.detach(), torch.zeros_like(w_ref))
+    torch.testing.assert_close(w.detach(), w_ref.detach(), atol=1e-6, rtol=1e-6)
