@@ -37,6 +37,7 @@ from typing import Literal
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.advantages import explained_variance, gae
@@ -228,7 +229,14 @@ class PPOModule(L.LightningModule):
         )
         optimizer = build_optimizer(groups, self.optim_cfg)
         datamodule = getattr(self.trainer, "datamodule", None)
-        rollout = getattr(datamodule, "batch_size", None) or self.ppo.ppo_minibatch_size
+        rollout = getattr(datamodule, "batch_size", None)
+        if rollout is None:  # plain dataloaders: their batch size is not known yet when this runs
+            rollout = self.ppo.ppo_minibatch_size
+            rank_zero_warn(
+                "PPOModule: no data module with a `batch_size`, so the learning-rate schedule assumes one "
+                f"minibatch per rollout ({rollout} prompts); with larger rollouts it ends early. Pass a "
+                "LightningDataModule (e.g. PromptDataModule) or use optimizer.scheduler: constant."
+            )
         steps = (
             self._total_iterations() * self.ppo.ppo_epochs * max(1, rollout // self.ppo.ppo_minibatch_size)
         )
