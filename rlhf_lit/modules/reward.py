@@ -81,6 +81,11 @@ class RewardModule(L.LightningModule):
         export_dir: where the Hugging Face-format reward model, ``eval_results.json`` and
             ``reliability.png`` are written at the end of fit.
         export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
+        length_groups: run the 2B sequences of a step (chosen and rejected) as this many forwards of
+            similar length (sorted by length, equal counts), each cut to its own real-token columns, instead
+            of one forward padded to the longest: the same scores (causal attention and position ids from
+            the mask make padding inert) for less padded compute. 1 = one forward. Not used with
+            ``beta_rm > 0`` (the imitation term reads the chosen hidden states) or under FSDP2.
     """
 
     def __init__(
@@ -95,8 +100,11 @@ class RewardModule(L.LightningModule):
         head_init_std: float | None = None,
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
+        length_groups: int = 4,
     ) -> None:
         super().__init__()
+        if length_groups < 1:
+            raise ValueError(f"length_groups must be >= 1, got {length_groups}")
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
         backbone = as_config(BackboneConfig, backbone)
@@ -113,6 +121,7 @@ class RewardModule(L.LightningModule):
                 head_init_std=head_init_std,
                 export_dir=export_dir,
                 export_mode=export_mode,
+                length_groups=length_groups,
             )
         )
         self.backbone_cfg = backbone
@@ -134,14 +143,33 @@ class RewardModule(L.LightningModule):
         """``(B, T)`` ids and mask -> ``(B,)`` uncalibrated float32 rewards at the last real token."""
         return score_last_token(self.head, self.lm.hidden_states(input_ids, attention_mask), attention_mask)
 
-    def _score_pairs(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One forward over chosen and rejected together: (r_chosen (B,), r_rejected (B,), hidden_chosen)."""
+    def _score_pairs(
+        self, batch: dict, need_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Chosen and rejected scored together: (r_chosen (B,), r_rejected (B,), hidden_chosen or None).
+
+        One forward over all 2B rows, or ``length_groups`` forwards over rows of similar length (see the
+        class docstring); ``need_hidden`` (the imitation term) forces the single forward.
+        """
         n = batch["chosen_input_ids"].shape[0]
         ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
         mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
-        hidden = self.lm.hidden_states(ids, mask)
-        scores = score_last_token(self.head, hidden, mask)
-        return scores[:n], scores[n:], hidden[:n]
+        groups = self.hparams.get("length_groups", 1)
+        if need_hidden or groups <= 1 or self.device_mesh is not None or ids.shape[0] < 2 * groups:
+            hidden = self.lm.hidden_states(ids, mask)
+            scores = score_last_token(self.head, hidden, mask)
+            return scores[:n], scores[n:], hidden[:n] if need_hidden else None
+        order = torch.argsort(mask.sum(-1), stable=True)
+        parts = []
+        for rows in torch.tensor_split(order, groups):
+            sub_mask = mask[rows]
+            real = sub_mask.any(0).nonzero()
+            # the columns holding a real token of these rows (all of them if none does)
+            first, last = (int(real.min()), int(real.max()) + 1) if real.numel() else (0, mask.shape[1])
+            sub_mask, sub_ids = sub_mask[:, first:last], ids[rows, first:last]
+            parts.append(score_last_token(self.head, self.lm.hidden_states(sub_ids, sub_mask), sub_mask))
+        scores = torch.cat(parts)[torch.argsort(order)]
+        return scores[:n], scores[n:], None
 
     # -- training --------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -155,8 +183,8 @@ class RewardModule(L.LightningModule):
         log_data_report(self)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        chosen, rejected, hidden_chosen = self._score_pairs(batch)
         hp = self.hparams
+        chosen, rejected, hidden_chosen = self._score_pairs(batch, need_hidden=hp.beta_rm > 0)
         loss = bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing).mean()
         if hp.center_rewards_coef > 0:
             loss = loss + hp.center_rewards_coef * ((chosen + rejected) ** 2).mean()

@@ -423,7 +423,7 @@ def test_ties_count_as_wrong(rm, monkeypatch):
         rm, "log", lambda name, value, **k: logged.__setitem__(name, float(torch.as_tensor(value).detach()))
     )
     rewards = torch.tensor([0.3, -1.0, 2.0], requires_grad=True)
-    monkeypatch.setattr(rm, "_score_pairs", lambda batch: (rewards, rewards.detach().clone(), None))
+    monkeypatch.setattr(rm, "_score_pairs", lambda batch, need_hidden=False: (rewards, rewards.detach().clone(), None))
     batch = _pair_batch()
     rm.training_step(batch, 0)
     assert logged[M.TRAIN_ACCURACY] == 0.0
@@ -439,3 +439,39 @@ def test_ties_count_as_wrong(rm, monkeypatch):
     )
     assert results["metrics"][M.REWARD_ACCURACY] == 0.25
     assert results["metrics"][M.REWARD_LENGTH_RULE_ACCURACY] == 0.5  # equal lengths: a coin flip
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("groups", [2, 3, 4])
+def test_length_groups_give_the_scores_and_gradients_of_one_padded_forward(rm, side, groups, monkeypatch):
+    """Padding is inert (causal attention, position ids from the mask): cutting each length group to its
+    own real columns must not change the rewards or the gradients."""
+    lengths = [3, 11, 7, 1, 16, 5, 9, 2]  # 4 pairs: chosen rows 0-3, rejected rows 4-7
+    ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(8, 16, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if side == "right":
+            mask[row, :n] = 1
+        else:
+            mask[row, 16 - n :] = 1
+    ids = ids * mask  # pad id 0
+    batch = {
+        "chosen_input_ids": ids[:4],
+        "chosen_attention_mask": mask[:4],
+        "rejected_input_ids": ids[4:],
+        "rejected_attention_mask": mask[4:],
+    }
+    results = {}
+    for g in (1, groups):
+        monkeypatch.setitem(rm.hparams, "length_groups", g)
+        rm.zero_grad()
+        chosen, rejected, _ = rm._score_pairs(batch)
+        (chosen.sum() - 2 * rejected.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in rm.named_parameters() if p.grad is not None}
+        results[g] = (torch.cat([chosen, rejected]).detach(), grads)
+    assert results[1][0].std() > 0.1  # distinct rewards, so a mix-up of rows would show
+    torch.testing.assert_close(results[groups][0], results[1][0], atol=1e-5, rtol=1e-5)
+    assert results[groups][1].keys() == results[1][1].keys()
+    for name, grad in results[1][1].items():
+        torch.testing.assert_close(results[groups][1][name], grad, atol=1e-5, rtol=1e-4)
+    rm.zero_grad()
