@@ -26,6 +26,7 @@ from rlhf_lit.functional.sequence import (
     last_real_index,
     position_ids_from_mask,
     stop_mask,
+    trim_left_padding,
     truncate_after_stop,
 )
 
@@ -53,5 +54,6 @@ __all__ = [
     "sft_nll",
     "shaped_rewards",
     "stop_mask",
+    "trim_left_padding",
     "truncate_after_stop",
 ]

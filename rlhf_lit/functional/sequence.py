@@ -23,6 +23,7 @@ __all__ = [
     "gather_logprobs",
     "stop_mask",
     "truncate_after_stop",
+    "trim_left_padding",
 ]
 
 
@@ -39,6 +40,32 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
         (B, T) long tensor, e.g. mask ``[0, 0, 1, 1, 1]`` -> ``[0, 0, 0, 1, 2]``.
     """
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def trim_left_padding(
+    input_ids: Tensor, attention_mask: Tensor, prompt_len: int
+) -> tuple[Tensor, Tensor, int]:
+    """Drop the leading columns that are padding in every row (left-padded prompts + responses).
+
+    Exact for a causal LM fed ``position_ids_from_mask``: a masked column changes no real token's output
+    (PITFALLS B11). The prompt block keeps at least one column, so response positions stay at
+    ``prompt_len' - 1 + j`` for the logits.
+
+    Args:
+        input_ids: ``(B, T)``, the prompt block (width ``prompt_len``, left padded) then the response.
+        attention_mask: ``(B, T)``, 1 = real token.
+        prompt_len: width P of the prompt block.
+
+    Returns:
+        ``(input_ids[:, k:], attention_mask[:, k:], P - k)`` with k the number of all-padding leading
+        columns, at most ``P - 1``. E.g. masks ``[[0, 0, 1, 1], [0, 1, 1, 1]]`` with P = 3 -> k = 1.
+    """
+    real = attention_mask[:, :prompt_len].any(dim=0)
+    k = int(real.long().argmax()) if bool(real.any()) else prompt_len - 1
+    k = min(k, prompt_len - 1)
+    if k == 0:
+        return input_ids, attention_mask, prompt_len
+    return input_ids[:, k:], attention_mask[:, k:], prompt_len - k
 
 
 def last_real_index(mask: Tensor) -> Tensor:

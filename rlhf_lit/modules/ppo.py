@@ -44,6 +44,7 @@ from rlhf_lit.functional.advantages import explained_variance, gae
 from rlhf_lit.functional.kl import kl_per_token, shaped_rewards
 from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss, sft_nll
 from rlhf_lit.functional.masked import masked_mean, masked_whiten
+from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
 from rlhf_lit.kl_control import build_kl_controller
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
@@ -263,6 +264,8 @@ class PPOModule(L.LightningModule):
         t0 = time.perf_counter()
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         self._check_batch_sizes(prompt_ids.shape[0])
+        # columns that are padding in every prompt do no work anywhere below (exact: B11)
+        prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
 
         # 1. rollout: sample responses with the actor adapter
         with self.policy.lm.adapter("actor"):
@@ -362,9 +365,9 @@ class PPOModule(L.LightningModule):
         chunk = self.ppo.logprob_chunk_size
         T = self.sampling.temperature
         for rows in _chunks(input_ids.shape[0], self.ppo.rollout_forward_batch_size):
-            ids, mask = input_ids[rows], attention_mask[rows]
-            ref.append(self.policy.reference_logprobs(ids, mask, prompt_len, T, chunk))
-            out = self.policy(ids, mask, prompt_len, T, chunk_size=chunk)
+            ids, mask, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
+            ref.append(self.policy.reference_logprobs(ids, mask, p, T, chunk))
+            out = self.policy(ids, mask, p, T, chunk_size=chunk)
             old.append(out.logprobs)
             values.append(out.values)
         return torch.cat(ref), torch.cat(old), torch.cat(values)
@@ -411,11 +414,13 @@ class PPOModule(L.LightningModule):
                     rows = mb_rows[m : m + micro]
                     mask = response_mask[rows]
                     weight = world_size * mask.sum().float() / global_tokens
+                    # each micro-batch drops the prompt columns that are padding in all of its rows
+                    ids, attn, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
                     if two_pass:
                         pg_loss, pg_stats, entropy, vf_loss, vf_stats = self._two_pass_backward(
-                            input_ids[rows],
-                            attention_mask[rows],
-                            prompt_len,
+                            ids,
+                            attn,
+                            p,
                             mask,
                             weight,
                             old_logprobs[rows],
@@ -425,9 +430,9 @@ class PPOModule(L.LightningModule):
                         )
                     else:
                         out = self.policy(
-                            input_ids[rows],
-                            attention_mask[rows],
-                            prompt_len,
+                            ids,
+                            attn,
+                            p,
                             self.sampling.temperature,
                             want_entropy=True,
                             chunk_size=cfg.logprob_chunk_size,

@@ -11,6 +11,7 @@ from rlhf_lit.functional import (
     last_real_index,
     position_ids_from_mask,
     stop_mask,
+    trim_left_padding,
     truncate_after_stop,
 )
 
@@ -34,6 +35,24 @@ def test_position_ids_real_tokens_match_unpadded_run():
     unpadded = position_ids_from_mask(torch.ones(1, 5))
     padded = position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1, 1, 1]]))
     assert torch.equal(padded[:, 2:], unpadded)
+
+
+def test_trim_left_padding_drops_only_columns_padded_in_every_row():
+    # prompt block P = 4 (left padded), then a 2-token response block
+    ids = torch.tensor([[0, 0, 7, 8, 5, 6], [0, 0, 0, 9, 4, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0]])
+    out_ids, out_mask, p = trim_left_padding(ids, mask, 4)
+    assert p == 2  # columns 0 and 1 are padding in both rows; column 2 is real in row 0
+    assert torch.equal(out_ids, torch.tensor([[7, 8, 5, 6], [0, 9, 4, 0]]))
+    assert torch.equal(out_mask, torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0]]))
+    # the positions of the real tokens are unchanged by the cut (B11)
+    kept = mask[:, 2:].bool()
+    assert torch.equal(position_ids_from_mask(out_mask)[kept], position_ids_from_mask(mask)[:, 2:][kept])
+    # nothing to drop: the same tensors back
+    same = trim_left_padding(ids[:, 2:], mask[:, 2:], 2)
+    assert same[0] is not None and torch.equal(same[0], out_ids) and same[2] == 2
+    # at least one prompt column stays, even if the prompt block were all padding
+    assert trim_left_padding(ids, torch.tensor([[0, 0, 0, 0, 1, 1]]).expand(2, 6), 4)[2] == 1
 
 
 # ---------------------------------------------------------------- last real index (B04)
