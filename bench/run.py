@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""rlhf_lit on the shared benchmark workload (../shared/bench), and side by side with TRL.
+
+Run from the repository root (``../shared`` beside it); see bench/README.md:
+
+    python bench/run.py                              # rm + ppo, 3 fresh processes each, JSON lines
+    python bench/run.py --workload rm --repeats 1
+    python bench/run.py --vs-trl                     # TRL, ours, TRL, ours, ... then the ratios
+    python bench/run.py --workload memory            # SmolLM2-135M PPO peak RSS: ours vs TRL + peft
+
+Progress goes to stderr, one JSON line per workload (the TRL harness's format, ``system: "rlhf_lit"``) to
+stdout; ``--out FILE`` appends them to FILE too. Each repetition is a fresh process (``--_child``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, Python puts bench/ first on sys.path, where our module names could shadow others;
+# the repository root takes its place, so the modules are imported as bench.<name>.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
+    SYSTEM,
+    W,
+    emit_child_result,
+    log,
+    print_line,
+    result_line,
+    run_child,
+    workload_config,
+)
+
+TRAINERS = {
+    "rm": "rlhf_lit.modules.RewardModule under lightning.Trainer.fit",
+    "ppo": "rlhf_lit.modules.PPOModule under lightning.Trainer.fit (manual optimization)",
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory"], default="all")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per workload and system")
+    p.add_argument("--ppo-iterations", type=int, default=W.PPO["iterations"], choices=[1, 2, 3, 4])
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads in each run")
+    p.add_argument("--vs-trl", action="store_true",
+                   help="alternate TRL and rlhf_lit runs (TRL, ours, TRL, ours, ...) and print the ratios")
+    p.add_argument("--memory-variants", default="same,micro1,ckpt",
+                   help="memory workload: our variants to run besides TRL (same = TRL's micro-batch; micro1 = "
+                        "ppo.micro_batch_size 1; ckpt = gradient checkpointing)")
+    p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--_child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def run_in_child(args) -> None:
+    """Entry point of a measured process: run one repetition, print its BENCH_RESULT line."""
+    kind = args._child
+    if kind == "rm":
+        from bench.rm import child_rm
+
+        emit_child_result(child_rm(args.threads))
+    elif kind == "ppo":
+        from bench.ppo import child_ppo
+
+        emit_child_result(child_ppo(args.threads, args.ppo_iterations))
+    elif kind == "matmul":
+        from bench.flops import matmul_throughput
+
+        emit_child_result(matmul_throughput(args.threads))
+    elif kind.startswith("memory"):
+        from bench import memory
+
+        emit_child_result(memory.run_child(kind, args.threads))
+    else:
+        raise SystemExit(f"unknown child {kind!r}")
+
+
+def run_ours(workloads: list[str], args, fingerprint: dict) -> dict[str, dict]:
+    lines = {}
+    for wl in workloads:
+        runs = []
+        for rep in range(args.repeats):
+            log(f"[bench] {SYSTEM} {wl} run {rep + 1}/{args.repeats} ...")
+            runs.append(run_child(wl, rep, args))
+            log_run(SYSTEM, runs[-1])
+        lines[wl] = ours_line(wl, runs, args, fingerprint)
+        print_line(lines[wl], args.out)
+    return lines
+
+
+def ours_line(wl: str, runs: list[dict], args, fingerprint: dict) -> dict:
+    return result_line(SYSTEM, wl, runs, workload_config(wl, fingerprint, args, runs[0]["details"], TRAINERS[wl]))
+
+
+def log_run(system: str, r: dict) -> None:
+    log(f"[bench]   {system}: wall={r['wall_s']:.2f}s throughput={r['throughput']:.3f} {r['unit']} "
+        f"peak_rss={r['peak_rss_mb']:.0f}MB")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args._child:
+        run_in_child(args)
+        return
+    t_all = time.perf_counter()
+    log(f"[bench] data: {W.HH_FILE}")
+    log(f"[bench] artefacts: {W.ARTIFACTS}")
+    try:
+        fingerprint = W.ensure_artifacts(log)
+    except FileNotFoundError as e:
+        sys.exit(f"[bench] error: {e}")
+    if args.workload == "memory":
+        from bench import memory
+
+        memory.main(args)
+    elif args.vs_trl:
+        from bench import compare
+
+        compare.main(args, fingerprint)
+    else:
+        run_ours(["rm", "ppo"] if args.workload == "all" else [args.workload], args, fingerprint)
+    log(f"[bench] total time {time.perf_counter() - t_all:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
