@@ -43,6 +43,9 @@ def _quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated.*")
     warnings.filterwarnings("ignore", message=".*val_dataloader.*but have no .validation_step.*")
+    # Lightning 2.6 asks manual-optimization modules to stash a pre-step state for ModelCheckpoint; a PPO
+    # training_step is one whole iteration, and the state after it is the one a resume must start from.
+    warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
     import datasets
     import transformers
 
