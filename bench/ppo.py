@@ -25,6 +25,9 @@ Differences from TRL's run that remain (also in ``details.differences``):
   fused kernel (``backbone.fused_activations``), prompt columns that are padding in every row of a rollout
   or of an update micro-batch are dropped (position ids come from the mask), the actor's backward runs
   before the critic's forward, and the logged entropy has no autograd graph (``entropy_coef: 0``);
+* ``sampling.merge_adapter: true`` (off by default): the actor adapter is folded into the base weights while
+  sampling and the exact base weights are put back afterwards (TRL samples from its full policy, which has no
+  adapter to apply);
 * the clipping norm is still computed (``max_grad_norm: null`` clips at +inf), TRL computes none;
 * ``optimizer.scheduler`` is stepped per optimizer step in rlhf_lit; the bench's module subclass replaces
   the schedule with a per-step ``LambdaLR`` that is constant within an iteration, which reproduces TRL's
@@ -112,7 +115,8 @@ def build_module(iterations: int, lora: dict | None = None):
         backbone=BackboneConfig(name_or_path=str(W.base_dir()), dtype="float32", lora=LoraSettings(**lora)),
         reward_model=RewardModelConfig(path=str(W.rm_dir()), mode="separate"),
         sampling=SamplingConfig(max_new_tokens=cfg["response_length"], temperature=cfg["temperature"],
-                                top_k=cfg["top_k"], top_p=cfg["top_p"], stop_at_eos=False),
+                                top_k=cfg["top_k"], top_p=cfg["top_p"], stop_at_eos=False,
+                                merge_adapter=True),  # a speed knob; off by default and in the memory workload
         ppo=PPOConfig(ppo_epochs=cfg["ppo_epochs"], ppo_minibatch_size=cfg["mini_batch_size"], gamma=1.0,
                       gae_lambda=0.95, clip_range=0.2, value_clip_range=0.2, vf_coef=0.1, entropy_coef=0.0,
                       whiten_advantages=True, max_grad_norm=None, total_iterations=iterations, seed=cfg["seed"]),
@@ -273,6 +277,8 @@ def child_ppo(threads: int, iterations: int) -> dict:
                 "rlhf_lit speed-ups (exact): fused tanh-GELU kernel; prompt columns padded in every row of a "
                 "rollout / update micro-batch are dropped; actor backward before the critic forward; logged "
                 "entropy without autograd",
+                "sampling.merge_adapter: true (actor adapter folded into the base while sampling, exact base "
+                "restored after; off by default)",
                 "gradient norm computed (clip at +inf) although no clipping is asked for; TRL computes none",
                 "lr schedule: bench subclass replaces the per-step linear schedule by a per-step LambdaLR that "
                 "is constant within an iteration = TRL's per-iteration linear decay",

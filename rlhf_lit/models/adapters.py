@@ -121,6 +121,31 @@ class AdaptedLM(nn.Module):
         finally:
             self.set_adapter(previous)
 
+    @contextmanager
+    def merged(self, name: str) -> Iterator[None]:
+        """Run the enclosed (inference) forwards with adapter ``name`` folded into the base weights.
+
+        ``W + scaling * B @ A`` is one matmul per layer instead of the base matmul plus two LoRA ones. On exit
+        the adapter is unmerged and the base weights are written back bit for bit from a copy (unmerging
+        alone is not an exact round trip in floating point, and the base is the frozen reference policy).
+        Not for 4-bit or sharded bases; no gradients flow to the adapter while it is merged.
+        """
+        if not self.is_peft:
+            yield
+            return
+        base = self.model.get_base_model()
+        originals = {n: p.detach().clone() for n, p in base.named_parameters() if ".base_layer." in n}
+        with self.adapter(name):
+            self.model.merge_adapter()
+            try:
+                yield
+            finally:
+                self.model.unmerge_adapter()
+                with torch.no_grad():
+                    for n, p in base.named_parameters():
+                        if n in originals:
+                            p.copy_(originals[n])
+
     def reference(self):
         """Context: every adapter off, i.e. the frozen base model (the PPO reference policy)."""
         if not self.is_peft:

@@ -267,8 +267,9 @@ class PPOModule(L.LightningModule):
         # columns that are padding in every prompt do no work anywhere below (exact: B11)
         prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
 
-        # 1. rollout: sample responses with the actor adapter
-        with self.policy.lm.adapter("actor"):
+        # 1. rollout: sample responses with the actor adapter (optionally merged into the base for speed)
+        merge = self.sampling.merge_adapter and not self._distributed() and not self.backbone_cfg.load_in_4bit
+        with self.policy.lm.merged("actor") if merge else self.policy.lm.adapter("actor"):
             response_ids, response_mask, has_stop = sample_responses(
                 self.policy.lm,  # AdaptedLM.generate: an FSDP forward method when sharded
                 prompt_ids,

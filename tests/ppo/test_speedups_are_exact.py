@@ -76,3 +76,52 @@ def test_fused_adamw_is_used_for_plain_parameters_and_matches_the_loop():
         loop.step()
     assert not torch.equal(w_ref.detach(), torch.zeros_like(w_ref))
     torch.testing.assert_close(w.detach(), w_ref.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_merged_adapter_samples_like_the_adapter_and_restores_the_base_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    module = make_module()
+    lm = module.policy.lm
+    with torch.no_grad():  # a non-zero actor adapter (LoRA B starts at 0)
+        for p in lm.adapter_parameters("actor"):
+            p.add_(0.05 * torch.randn_like(p))
+    base = {n: p.detach().clone() for n, p in lm.model.get_base_model().named_parameters() if "lora_" not in n}
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8], [7, 7, 1, 40, 41, 42]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        with lm.adapter("actor"):
+            expected = lm.logits(lm.hidden_states(ids, mask))
+        with lm.merged("actor"):
+            merged = lm.logits(lm.hidden_states(ids, mask))
+        with lm.reference():
+            reference = lm.logits(lm.hidden_states(ids, mask))
+    assert (expected - reference).abs().max() > 1e-3  # the adapter matters
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+    for n, p in lm.model.get_base_model().named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n  # exact, not merely close
+    assert lm.active_adapter == "actor" and not any(
+        getattr(m, "merged", False) for m in lm.model.modules() if hasattr(m, "merged_adapters")
+    )
+
+
+def test_a_run_that_samples_with_the_merged_adapter_keeps_the_reference_exact(tmp_path):
+    torch.manual_seed(0)
+    from rlhf_lit.generation import SamplingConfig
+
+    module = make_module(
+        sampling=SamplingConfig(max_new_tokens=8, temperature=0.7, merge_adapter=True),
+        ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=3),
+    )
+    base = {
+        n: p.detach().clone()
+        for n, p in module.policy.lm.model.get_base_model().named_parameters()
+        if "lora_" not in n
+    }
+    make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=4))
+    assert len(module.history) == 3
+    assert module.history[0]["rollout/kl_ref"] == 0.0  # sampled from the merged actor = the base at step 0
+    assert module.history[-1]["ppo/approx_kl"] < 1e-2
+    for n, p in module.policy.lm.model.get_base_model().named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n
