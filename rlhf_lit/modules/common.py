@@ -56,15 +56,29 @@ class OptimizerConfig:
     warmup_steps: int = 0
 
 
-def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """An optimizer over ``param_groups`` (each a dict with ``params`` and optional ``lr``)."""
+def build_optimizer(
+    param_groups: list[dict], cfg: OptimizerConfig, trainer: L.Trainer | None = None
+) -> torch.optim.Optimizer:
+    """An optimizer over ``param_groups`` (each a dict with ``params`` and optional ``lr``).
+
+    ``trainer``: when it runs Lightning's mixed-precision plugin, AdamW is not fused: that plugin refuses
+    gradient clipping for optimizers that unscale gradients themselves, as the fused ones do.
+    """
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(param_groups, fused=_fused_adamw_ok(param_groups), **kwargs)
+        fused = _fused_adamw_ok(param_groups) and not _mixed_precision(trainer)
+        return torch.optim.AdamW(param_groups, fused=fused, **kwargs)
     import bitsandbytes as bnb
 
     cls = bnb.optim.AdamW8bit if cfg.name == "adamw_8bit" else bnb.optim.PagedAdamW8bit
     return cls(param_groups, **kwargs)
+
+
+def _mixed_precision(trainer: L.Trainer | None) -> bool:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
+    return isinstance(plugin, MixedPrecision)
 
 
 def _fused_adamw_ok(param_groups: list[dict]) -> bool:

@@ -228,7 +228,7 @@ class PPOModule(L.LightningModule):
         groups.append(
             {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
         )
-        optimizer = build_optimizer(groups, self.optim_cfg)
+        optimizer = build_optimizer(groups, self.optim_cfg, self._trainer)
         datamodule = getattr(self.trainer, "datamodule", None)
         rollout = getattr(datamodule, "batch_size", None)
         if rollout is None:  # plain dataloaders: their batch size is not known yet when this runs

@@ -135,7 +135,7 @@ class SFTModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = build_optimizer([{"params": params}], self.optim_cfg)
+        optimizer = build_optimizer([{"params": params}], self.optim_cfg, self._trainer)
         scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

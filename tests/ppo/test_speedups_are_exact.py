@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from rlhf_lit.models import BackboneConfig, load_backbone
@@ -85,7 +88,9 @@ def test_merged_adapter_samples_like_the_adapter_and_restores_the_base_bit_for_b
     with torch.no_grad():  # a non-zero actor adapter (LoRA B starts at 0)
         for p in lm.adapter_parameters("actor"):
             p.add_(0.05 * torch.randn_like(p))
-    base = {n: p.detach().clone() for n, p in lm.model.get_base_model().named_parameters() if "lora_" not in n}
+    base = {
+        n: p.detach().clone() for n, p in lm.model.get_base_model().named_parameters() if "lora_" not in n
+    }
     ids = torch.tensor([[5, 9, 17, 33, 2, 8], [7, 7, 1, 40, 41, 42]])
     mask = torch.ones_like(ids)
     with torch.no_grad():
@@ -125,3 +130,26 @@ def test_a_run_that_samples_with_the_merged_adapter_keeps_the_reference_exact(tm
     for n, p in module.policy.lm.model.get_base_model().named_parameters():
         if n in base:
             assert torch.equal(p, base[n]), n
+
+
+@pytest.mark.parametrize("config", ["configs/reward/tiny.yaml", "configs/sft/tiny.yaml"])
+def test_bf16_mixed_with_gradient_clipping_trains_with_the_unfused_adamw(config, tmp_path):
+    """Lightning's mixed-precision plugin refuses norm clipping with fused optimizers (they unscale
+    gradients themselves), so under bf16-mixed AdamW must not be fused -- the SmolLM2 configs use both."""
+    from rlhf_lit.cli import cli_main
+    from tests.tiny_runs import in_repo_root, one_thread, tiny_overrides
+
+    with in_repo_root(), one_thread():
+        cli = cli_main(
+            [
+                "fit",
+                "--config",
+                config,
+                *tiny_overrides(Path(config), tmp_path),
+                "--trainer.precision=bf16-mixed",
+                "--trainer.gradient_clip_val=1.0",
+            ]
+        )
+    optimizer = cli.trainer.optimizers[0]
+    assert not optimizer.defaults["fused"]
+    assert cli.trainer.global_step == 2
