@@ -14,7 +14,7 @@ Differences from TRL's run (also in ``details.differences``):
 
 * our ``ScalarHead`` has a bias; it is held at 0 and frozen, so the model equals TRL's bias-free ``score``;
 * rlhf_lit's speed-ups, all exact (tests in ``tests/``): the 16 sequences of a step run as
-  ``length_groups`` (4) forwards of similar length, each cut to its own longest sequence, instead of one
+  ``length_groups`` (4, set here; default 1) forwards of similar length, each cut to its own longest sequence, instead of one
   forward padded to the longest of the 16; the GPT-2 tanh-GELU runs as one fused kernel; AdamW is fused in
   both (set ``BENCH_RM_LENGTH_GROUPS=1`` to run TRL's single padded forward);
 * our backbone is loaded as ``AutoModelForCausalLM`` (the tied LM head is never run: the RM reads the
@@ -84,7 +84,9 @@ def build_module():
         optimizer=OptimizerConfig(lr=cfg["learning_rate"], weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                                   scheduler="linear", warmup_steps=0),
         calibrate=False,  # TRL does not calibrate; calibration is a separate pass after fit anyway
-        **({"length_groups": int(os.environ["BENCH_RM_LENGTH_GROUPS"])} if "BENCH_RM_LENGTH_GROUPS" in os.environ else {}),
+        # RewardModule.length_groups (default 1): 4 forwards of similar length per step, each cut to its own
+        # longest sequence; BENCH_RM_LENGTH_GROUPS=1 gives TRL's single padded forward
+        length_groups=int(os.environ.get("BENCH_RM_LENGTH_GROUPS", "4")),
     )
     score = load_file(str(W.rm_dir() / "model.safetensors"))["score.weight"]
     with torch.no_grad():
