@@ -84,29 +84,20 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 1 / 4096
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Architectures a hub id may name when its config cannot be read offline (published config.json values).
+_LLAMA3_8B: dict[str, Any] = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "meta-llama/meta-llama-3-8b": {
-        "model_type": "llama",
-        "num_hidden_layers": 32,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-    },
-    "meta-llama/llama-3.1-8b": {
-        "model_type": "llama",
-        "num_hidden_layers": 32,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-    },
+    "meta-llama/meta-llama-3-8b": _LLAMA3_8B,
+    "meta-llama/llama-3.1-8b": {**_LLAMA3_8B, "max_position_embeddings": 131072},
     "mistralai/mistral-7b": {
         "model_type": "mistral",
         "num_hidden_layers": 32,

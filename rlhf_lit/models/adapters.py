@@ -122,19 +122,24 @@ class AdaptedLM(nn.Module):
             self.set_adapter(previous)
 
     @contextmanager
-    def merged(self, name: str) -> Iterator[None]:
+    def merged(self, name: str, copy_to_cpu: bool = False) -> Iterator[None]:
         """Run the enclosed (inference) forwards with adapter ``name`` folded into the base weights.
 
         ``W + scaling * B @ A`` is one matmul per layer instead of the base matmul plus two LoRA ones. On exit
         the adapter is unmerged and the base weights are written back bit for bit from a copy (unmerging
         alone is not an exact round trip in floating point, and the base is the frozen reference policy).
+        ``copy_to_cpu`` keeps that copy in host memory (exports) instead of beside the weights (sampling).
         Not for 4-bit or sharded bases; no gradients flow to the adapter while it is merged.
         """
         if not self.is_peft:
             yield
             return
         base = self.model.get_base_model()
-        originals = {n: p.detach().clone() for n, p in base.named_parameters() if ".base_layer." in n}
+        originals = {
+            n: p.detach().to("cpu", copy=True) if copy_to_cpu else p.detach().clone()
+            for n, p in base.named_parameters()
+            if ".base_layer." in n
+        }
         with self.adapter(name):
             self.model.merge_adapter()
             try:

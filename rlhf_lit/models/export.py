@@ -102,24 +102,13 @@ def _save_merged(lm: AdaptedLM, path: str) -> None:
         lm.model.save_pretrained(path, state_dict=plain_state_dict(lm.model))
         return
     base = lm.model.get_base_model()
-    # merge + unmerge is not an exact round trip in floating point ((W + dW) - dW != W by ~1 ulp, far more
-    # in bf16), so the adapted base weights are kept aside and written back bit for bit: exporting must not
-    # move the frozen base (the reference policy).
-    originals = {
-        n: p.detach().to("cpu", copy=True) for n, p in base.named_parameters() if ".base_layer." in n
-    }
-    lm.model.merge_adapter()
-    try:
+    # AdaptedLM.merged writes the base back bit for bit afterwards: exporting must not move the frozen base
+    # (the reference policy); the copy sits in host memory
+    with lm.merged(lm.active_adapter, copy_to_cpu=True):
         state = {
             k.replace(".base_layer.", "."): v for k, v in plain_state_dict(base).items() if "lora_" not in k
         }
         base.save_pretrained(path, state_dict=state)
-    finally:
-        lm.model.unmerge_adapter()
-        with torch.no_grad():
-            for name, param in base.named_parameters():
-                if name in originals:
-                    param.copy_(originals[name])
 
 
 def _flatten_adapter_folder(folder: str, name: str) -> None:
