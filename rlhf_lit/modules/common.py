@@ -77,8 +77,7 @@ def build_optimizer(
 def _mixed_precision(trainer: L.Trainer | None) -> bool:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
-    return isinstance(plugin, MixedPrecision)
+    return isinstance(getattr(trainer, "precision_plugin", None), MixedPrecision)
 
 
 def _fused_adamw_ok(param_groups: list[dict]) -> bool:
