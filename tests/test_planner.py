@@ -19,7 +19,7 @@ import rlhf_lit.modules.ppo as ppo_mod
 from rlhf_lit import planner
 from rlhf_lit.cli import cli_main, main
 from rlhf_lit.models import BackboneConfig, LoraSettings
-from tests.conftest import TINY_GPT2
+from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
 from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, one_thread
 
@@ -63,6 +63,7 @@ def _stack(config: Path) -> list[str]:
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
 def test_plan_prints_a_breakdown_for_every_config(config, capsys):
+    skip_without_model_packages(*((REPO_ROOT / c).read_text() for c in _stack(config)))
     with in_repo_root():
         main(["plan", *[a for c in _stack(config) for a in ("--config", c)], "--device-memory-gb", "24"])
     out = capsys.readouterr().out
