@@ -53,6 +53,10 @@ from rlhf_lit.plots import reliability_figure, save_figure
 log = logging.getLogger("rlhf_lit")
 
 
+# The interval fit_temperature searches; a fitted T on either end is reported as unreliable.
+TEMPERATURE_BOUNDS = (1e-2, 1e2)
+
+
 def _accuracy(margins: torch.Tensor) -> float:
     """Fraction of pairs with r_chosen > r_rejected; ties count as wrong."""
     return float((margins > 0).float().mean()) if margins.numel() else float("nan")
@@ -275,13 +279,40 @@ class RewardModule(L.LightningModule):
         }
 
     # -- calibration and export ------------------------------------------------------------------------
+    def _calibration_batches(self, dataloader) -> int | None:
+        """How many batches of ``dataloader`` calibration scores: ``trainer.limit_val_batches`` applied
+        (an int is a batch count, a float a fraction) to the loader's length; ``None`` = all of it."""
+        limit = self._trainer.limit_val_batches if self._trainer is not None else 1.0
+        try:
+            total = len(dataloader)
+        except TypeError:  # an iterable without a length: only an int limit can apply
+            return int(limit) if isinstance(limit, int) else None
+        if isinstance(limit, int):
+            return min(total, limit)
+        return total if limit >= 1.0 else max(1, int(total * limit)) if limit > 0 else 0
+
     @torch.no_grad()
-    def collect_margins(self, dataloader) -> tuple[torch.Tensor, ...]:
-        """Score every pair of a loader: (margins, sources, len_chosen, len_rejected), on the CPU."""
+    def collect_margins(self, dataloader, max_batches: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Score the pairs of a loader: (margins, sources, len_chosen, len_rejected), on the CPU.
+
+        Args:
+            dataloader: preference batches.
+            max_batches: score only the first this many batches (default: all), with a progress bar.
+        """
+        from tqdm.auto import tqdm
+
         was_training = self.training
         self.eval()
         out = {"m": [], "s": [], "c": [], "r": []}
-        for batch in dataloader:
+        try:
+            total = len(dataloader) if max_batches is None else max_batches
+        except TypeError:
+            total = None
+        show = self._trainer is None or self._trainer.is_global_zero
+        batches = tqdm(dataloader, total=total, desc="[reward] calibration", disable=not show, leave=False)
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             chosen, rejected, _ = self._score_pairs(batch)
             out["m"].append((chosen - rejected).float().cpu())
@@ -301,11 +332,25 @@ class RewardModule(L.LightningModule):
         if cached is not None and self._trainer is not None and cached[0] == self.global_step:
             margins, sources, len_c, len_r = cached[1:]
         else:
-            margins, sources, len_c, len_r = self.collect_margins(dataloader)
-        temperature = fit_temperature(margins, torch.ones_like(margins))
+            margins, sources, len_c, len_r = self.collect_margins(dataloader, self._calibration_batches(dataloader))
+        temperature = fit_temperature(
+            margins, torch.ones_like(margins), TEMPERATURE_BOUNDS[0], TEMPERATURE_BOUNDS[1]
+        )
+        at_bound = temperature in TEMPERATURE_BOUNDS
+        if at_bound:
+            log.warning(
+                "reward model: the fitted temperature T=%g is at a bound of its search interval %s: the "
+                "validation margins %s; the calibrated probabilities are unreliable",
+                temperature,
+                list(TEMPERATURE_BOUNDS),
+                "carry almost no information about the labels"
+                if temperature == TEMPERATURE_BOUNDS[1]
+                else "separate the pairs perfectly (or nearly)",
+            )
         self.temperature.fill_(temperature)
         results = self._evaluate(margins, sources, len_c, len_r, temperature)
         results["temperature"] = temperature
+        results["temperature_at_bound"] = at_bound
         bins = self.hparams.ece_bins
         results["reliability"] = {
             "uncalibrated": reliability_bins(*pairwise_calibration_inputs(margins), n_bins=bins),
@@ -320,6 +365,8 @@ class RewardModule(L.LightningModule):
             loader = datamodule.val_dataloader()
             if isinstance(loader, (list, tuple)) and not loader:  # no validation split: nothing to fit T on
                 log.warning("reward model: no validation pairs, so no temperature calibration (T stays 1)")
+            elif self._calibration_batches(loader) == 0:
+                log.warning("reward model: limit_val_batches is 0, so no temperature calibration (T stays 1)")
             else:
                 results = self.calibrate_temperature(loader)
                 self._report_calibration(results)

@@ -9,6 +9,8 @@ Two runs are shared by the tests (each a few optimizer steps, then validation, c
 
 from __future__ import annotations
 
+import types
+
 import json
 import math
 from pathlib import Path
@@ -295,8 +297,9 @@ def test_calibrate_temperature_recovers_a_known_temperature(true_temperature, mo
     margins = _bt_pairs(true_temperature, 20000)
     n = margins.numel()
     stats = (margins, torch.zeros(n, dtype=torch.long), torch.full((n,), 5), torch.full((n,), 3))
-    monkeypatch.setattr(module, "collect_margins", lambda loader: stats)
+    monkeypatch.setattr(module, "collect_margins", lambda loader, max_batches=None: stats)
     results = module.calibrate_temperature(None)
+    assert results["temperature_at_bound"] is False
     fitted = results["temperature"]
     assert fitted == pytest.approx(true_temperature, rel=0.05)
     assert float(module.temperature) == pytest.approx(fitted, rel=1e-6)
@@ -305,6 +308,42 @@ def test_calibrate_temperature_recovers_a_known_temperature(true_temperature, mo
     assert m[M.REWARD_ECE_CALIBRATED] < 0.02 < m[M.REWARD_ECE]  # the miscalibration was real and is gone
     assert m[M.REWARD_ACCURACY] == pytest.approx(float((margins > 0).float().mean()))
     assert m[M.REWARD_LENGTH_RULE_ACCURACY] == 1.0  # chosen is always the longer one here
+
+
+def test_a_temperature_at_the_search_bound_is_reported_as_unreliable(monkeypatch, caplog):
+    # margins [1, -1, 1, -1] carry no information about the labels: d loss / d(1/T) at T = 100 is
+    # mean(z * (sigmoid(z / 100) - 1)) = (1 * -0.4975 + -1 * -0.5025) / 2 = +0.0025 >= 0, so the NLL still falls
+    # as T grows and the fit stops at the upper bound of its interval
+    module = RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
+    margins = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    stats = (margins, torch.zeros(4, dtype=torch.long), torch.full((4,), 5), torch.full((4,), 3))
+    monkeypatch.setattr(module, "collect_margins", lambda loader, max_batches=None: stats)
+    with caplog.at_level("WARNING", logger="rlhf_lit"):
+        results = module.calibrate_temperature(None)
+    assert results["temperature"] == 100.0 and results["temperature_at_bound"] is True
+    assert "at a bound of its search interval" in caplog.text and "T=100" in caplog.text
+
+
+@pytest.mark.parametrize("limit, expected", [(1.0, 10), (0.25, 2), (3, 3), (50, 10), (0, 0), (0.0, 0)])
+def test_calibration_follows_limit_val_batches(limit, expected, monkeypatch):
+    """An int limit is a batch count, a float a fraction of the loader (as Lightning reads limit_val_batches)."""
+    module = RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
+    module._trainer = types.SimpleNamespace(limit_val_batches=limit, is_global_zero=True)
+    loader = [{"source": torch.zeros(2, dtype=torch.long)} for _ in range(10)]
+    assert module._calibration_batches(loader) == expected
+    if expected == 0:  # on_fit_end skips calibration then (with a warning)
+        return
+    scored = []
+
+    def score_pairs(batch):
+        scored.append(batch)
+        return torch.ones(2), torch.zeros(2), None
+
+    monkeypatch.setattr(module, "_score_pairs", score_pairs)
+    for batch in loader:
+        batch["chosen_response_len"] = batch["rejected_response_len"] = torch.ones(2)
+    margins = module.collect_margins(loader, module._calibration_batches(loader))[0]
+    assert len(scored) == expected and margins.numel() == 2 * expected
 
 
 # -- the loss ---------------------------------------------------------------------------------------------
