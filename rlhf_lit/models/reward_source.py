@@ -32,7 +32,14 @@ from rlhf_lit.models.backbone import (
     load_backbone,
     load_backbone_tokenizer,
 )
-from rlhf_lit.models.export import HEAD_FILE, META_FILE, RewardScorer, load_reward_model, read_meta
+from rlhf_lit.models.export import (
+    HEAD_FILE,
+    META_FILE,
+    RewardScorer,
+    load_reward_model,
+    portable_base,
+    read_meta,
+)
 from rlhf_lit.models.heads import ScalarHead, score_last_token
 from rlhf_lit.models.tokenizer import load_tokenizer
 
@@ -218,7 +225,7 @@ def _check_same_base(path: str, meta: dict, policy_base: BackboneConfig | None) 
         raise ValueError("reward_model.mode=adapter needs the policy's backbone config")
     rm_base = meta.get("base", {})
     keys = ("name_or_path", "gguf_file", "tiny", "seed")
-    mine = {k: getattr(policy_base, k) for k in keys}
+    mine = {k: v for k, v in portable_base(policy_base).items() if k in keys}  # local paths made absolute
     theirs = {k: rm_base.get(k) for k in keys}
     if mine["tiny"] is None:
         mine.pop("seed"), theirs.pop("seed")
