@@ -9,8 +9,6 @@ Two runs are shared by the tests (each a few optimizer steps, then validation, c
 
 from __future__ import annotations
 
-import types
-
 import json
 import math
 from pathlib import Path
@@ -328,7 +326,7 @@ def test_a_temperature_at_the_search_bound_is_reported_as_unreliable(monkeypatch
 def test_calibration_follows_limit_val_batches(limit, expected, monkeypatch):
     """An int limit is a batch count, a float a fraction of the loader (as Lightning reads limit_val_batches)."""
     module = RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
-    module._trainer = types.SimpleNamespace(limit_val_batches=limit, is_global_zero=True)
+    module._trainer = SimpleNamespace(limit_val_batches=limit, is_global_zero=True)
     loader = [{"source": torch.zeros(2, dtype=torch.long)} for _ in range(10)]
     assert module._calibration_batches(loader) == expected
     if expected == 0:  # on_fit_end skips calibration then (with a warning)
