@@ -173,8 +173,10 @@ def test_reward_metrics_are_logged(run_name, request):
         assert all(math.isfinite(v) for _, v in scalars[name]), name
     assert 0.0 <= scalars[M.REWARD_ACCURACY][-1][1] <= 1.0
     assert scalars[M.REWARD_TEMPERATURE][-1][1] == pytest.approx(float(run.module.temperature), rel=1e-6)
-    # one accuracy per input file, named after it
-    for name in run.datamodule.source_names:
+    # one accuracy per input file among the pairs calibration scored (limit_val_batches of them), named after it
+    per_file = json.loads((run.export_dir / "eval_results.json").read_text())["per_file"]
+    assert per_file and set(per_file) <= set(run.datamodule.source_names)
+    for name in per_file:
         assert f"{M.REWARD_ACCURACY}/{name}" in scalars
 
 
