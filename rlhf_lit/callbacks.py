@@ -1,24 +1,36 @@
-"""Lightning callbacks: a progress bar that names the stage."""
+"""Lightning callbacks: a progress bar that names the stage, and PPO's reward-hacking monitor."""
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import TQDMProgressBar
+import logging
+import math
+import os
+
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+
+from rlhf_lit import metrics as M
+from rlhf_lit.functional.trend import linear_trend
+
+log = logging.getLogger("rlhf_lit")
 
 _STAGES = {"SFTModule": "sft", "RewardModule": "reward", "PPOModule": "ppo"}
+
+
+def _stage(pl_module) -> str:
+    return _STAGES.get(type(pl_module).__name__, type(pl_module).__name__)
 
 
 class StageProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, with the stage in its description (``[sft] epoch 0``, ``[ppo] iterations``).
 
-    PPO's bar counts iterations (one prompt batch each) and shows ``iter``, ``score`` and ``kl``.
+    PPO's bar counts iterations (one prompt batch each) and shows ``iter`` (an integer), ``score`` and
+    ``kl``. When fit ends, one line names the stage's export folder (absolute path).
     """
-
-    def _stage(self, pl_module) -> str:
-        return _STAGES.get(type(pl_module).__name__, type(pl_module).__name__)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        stage = self._stage(pl_module)
+        stage = _stage(pl_module)
         if stage == "ppo" and pl_module.ppo.total_iterations:
             remaining = pl_module.ppo.total_iterations - pl_module.iteration
             self.train_progress_bar.reset(min(self.total_train_batches, remaining))
@@ -28,4 +40,148 @@ class StageProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        if "iter" in metrics:
+            metrics["iter"] = int(round(float(metrics["iter"])))
         return metrics
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        export_dir = getattr(pl_module, "export_dir", None)
+        if trainer.is_global_zero and export_dir and os.path.isdir(export_dir):
+            print(f"[{_stage(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
+
+
+class RewardHackingMonitor(Callback):
+    """Watches a PPO run for reward over-optimisation (Gao et al. 2022) and says so while it happens.
+
+    Reads the module's per-iteration ``history`` (each iteration's logged metrics, plus what earlier
+    callbacks such as the demo's ``GoldScoreCallback`` added to it). After each iteration it logs
+    ``monitor/score_trend_se`` (the slope of ``rollout/score_mean`` over the last ``window`` iterations,
+    in standard errors; ``rlhf_lit.functional.trend.linear_trend``) and ``monitor/overoptimization``: 1 while
+
+    * the RM score rises (trend > ``num_se``) and a held-out signal falls (trend < -``num_se``), or
+    * the RM score rises and the reference perplexity of the samples (``monitor/ref_perplexity``) exceeds
+      ``max_perplexity_ratio`` times its value at the first iteration;
+
+    else 0. A one-line warning is logged when the flag goes up. At the end of fit it writes
+    ``score_kl_frontier.png`` (score and held-out signals against KL to the reference, one point per
+    iteration) into the export folder (else the trainer's root folder) and to TensorBoard images.
+
+    Args:
+        heldout: metric names of held-out signals (higher is better), e.g. ``demo/gold_score``.
+        window: iterations per trend (>= 3).
+        num_se: standard errors a slope must reach to count as a rise or a fall.
+        max_perplexity_ratio: limit of the reference perplexity relative to the first iteration's;
+            ``None`` disables that check.
+
+    Raises:
+        ValueError: ``window < 3`` or ``num_se <= 0``.
+    """
+
+    def __init__(
+        self,
+        heldout: list[str] | tuple[str, ...] = (),
+        window: int = 8,
+        num_se: float = 2.0,
+        max_perplexity_ratio: float | None = 2.0,
+    ) -> None:
+        if window < 3:
+            raise ValueError(f"monitor.window must be >= 3 (a trend needs 3 points), got {window}")
+        if num_se <= 0:
+            raise ValueError(f"monitor.num_se must be > 0, got {num_se}")
+        self.heldout = list(heldout)
+        self.window = int(window)
+        self.num_se = float(num_se)
+        self.max_perplexity_ratio = max_perplexity_ratio
+        self.flagged_iterations: list[int] = []
+        self._flag_up = False
+
+    # ------------------------------------------------------------------ the checks
+    def _trend_se(self, values: list[float]) -> float:
+        slope, se = linear_trend(torch.tensor(values, dtype=torch.float64))
+        if se > 0:
+            return slope / se
+        return math.copysign(math.inf, slope) if slope != 0 else 0.0
+
+    def check(self, history: list[dict[str, float]]) -> tuple[float, list[str]]:
+        """``(score trend in SE, reasons)`` for the last ``window`` records of ``history`` (no reasons: fine)."""
+        recent = history[-self.window :]
+        if len(recent) < self.window:
+            return float("nan"), []
+        score_t = self._trend_se([r[M.ROLLOUT_SCORE_MEAN] for r in recent])
+        if not score_t > self.num_se:
+            return score_t, []
+        reasons = []
+        for key in self.heldout:
+            values = [r[key] for r in recent if key in r]
+            if len(values) == self.window:
+                t = self._trend_se(values)
+                if t < -self.num_se:
+                    reasons.append(f"{key} falls ({t:.1f} SE)")
+        first, last = history[0].get(M.MONITOR_REF_PERPLEXITY), recent[-1].get(M.MONITOR_REF_PERPLEXITY)
+        if self.max_perplexity_ratio is not None and first and last is not None:
+            if last / first > self.max_perplexity_ratio:
+                reasons.append(
+                    f"reference perplexity {last:.3g} is {last / first:.2f}x its first value "
+                    f"(limit {self.max_perplexity_ratio}x)"
+                )
+        return score_t, reasons
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        history = getattr(pl_module, "history", None)
+        if not history:
+            return
+        score_t, reasons = self.check(history)
+        record = history[-1]
+        record[M.MONITOR_OVEROPTIMIZATION] = float(bool(reasons))
+        values = {M.MONITOR_OVEROPTIMIZATION: record[M.MONITOR_OVEROPTIMIZATION]}
+        if not math.isnan(score_t):
+            record[M.MONITOR_SCORE_TREND] = values[M.MONITOR_SCORE_TREND] = score_t
+        if reasons:
+            self.flagged_iterations.append(pl_module.iteration)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=pl_module.iteration)
+            if reasons and not self._flag_up:
+                log.warning(
+                    "PPO iteration %d: possible reward over-optimisation: %s rises (%.1f SE over %d "
+                    "iterations) while %s; consider a lower learning rate, a larger kl.kl_coef or "
+                    "kl.adaptive with a smaller kl.target_kl",
+                    pl_module.iteration,
+                    M.ROLLOUT_SCORE_MEAN,
+                    score_t,
+                    self.window,
+                    "; ".join(reasons),
+                )
+        self._flag_up = bool(reasons)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        history = getattr(pl_module, "history", None)
+        if not trainer.is_global_zero or not history:
+            return
+        if self.flagged_iterations:
+            log.warning(
+                "reward-hacking monitor: over-optimisation flagged at %d of this run's iterations (first at "
+                "iteration %d); see monitor/* in TensorBoard and score_kl_frontier.png",
+                len(self.flagged_iterations),
+                self.flagged_iterations[0],
+            )
+        from rlhf_lit.plots import save_figure, scatter_by_step_figure
+
+        series = {"RM score (rollout/score_mean)": [h[M.ROLLOUT_SCORE_MEAN] for h in history]}
+        for key in self.heldout:
+            if all(key in h for h in history):
+                series[key] = [h[key] for h in history]
+        fig = scatter_by_step_figure(
+            [h[M.ROLLOUT_KL_REF] for h in history],
+            series,
+            "KL(policy || reference), nats per response",
+            "PPO iterations: score against KL (Gao et al. 2022 frontier)",
+        )
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_figure"):
+                experiment.add_figure("monitor/score_kl_frontier", fig, global_step=pl_module.iteration,
+                                      close=False)
+        folder = getattr(pl_module, "export_dir", None) or trainer.default_root_dir
+        save_figure(fig, os.path.join(folder, "score_kl_frontier.png"))

@@ -53,6 +53,12 @@ PPO_ITERATION = "ppo/iteration"
 CRITIC_EXPLAINED_VARIANCE = "critic/explained_variance"
 CRITIC_VALUE_MEAN = "critic/value_mean"
 
+# Reward-hacking monitors (PPO; RewardHackingMonitor)
+MONITOR_SCORE_LENGTH_CORR = "monitor/score_length_corr"
+MONITOR_REF_PERPLEXITY = "monitor/ref_perplexity"
+MONITOR_SCORE_TREND = "monitor/score_trend_se"
+MONITOR_OVEROPTIMIZATION = "monitor/overoptimization"
+
 # Speed and memory
 PERF_GENERATION_S = "perf/generation_s"
 PERF_EXPERIENCE_S = "perf/experience_s"
@@ -106,6 +112,13 @@ GLOSSARY: dict[str, str] = {
     PPO_ITERATION: "PPO iterations completed (one rollout + its updates)",
     CRITIC_EXPLAINED_VARIANCE: "1 - Var(returns - values) / Var(returns) over response tokens",
     CRITIC_VALUE_MEAN: "mean critic value over response tokens",
+    MONITOR_SCORE_LENGTH_CORR: "Pearson correlation of the RM score with the response length over an iteration's "
+    "responses (near 1: the reward model pays for length)",
+    MONITOR_REF_PERPLEXITY: "perplexity of the sampled responses under the reference policy, exp(-mean reference "
+    "log-prob per response token) at the sampling temperature (rising fast: text the reference finds unlikely)",
+    MONITOR_SCORE_TREND: "slope of rollout/score_mean over the monitor's window of iterations, in standard errors",
+    MONITOR_OVEROPTIMIZATION: "1 when the monitor flags over-optimisation: the RM score rises (> num_se standard "
+    "errors over the window) while a held-out signal falls, or reference perplexity exceeds its limit; else 0",
     PERF_GENERATION_S: "seconds spent sampling responses, per iteration",
     PERF_EXPERIENCE_S: "seconds for the old-logprob, reference, value and reward passes plus GAE, per iteration",
     PERF_UPDATE_S: "seconds for the PPO epochs, per iteration",

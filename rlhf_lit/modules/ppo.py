@@ -40,6 +40,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit import metrics as M
+from rlhf_lit.callbacks import RewardHackingMonitor
 from rlhf_lit.functional.advantages import explained_variance, gae
 from rlhf_lit.functional.kl import kl_per_token, shaped_rewards
 from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss, sft_nll
@@ -67,7 +68,14 @@ from rlhf_lit.modules.common import (
     peak_memory_mb,
     plain_hparams,
 )
-from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, PTXConfig, RewardShapingConfig
+from rlhf_lit.modules.ppo_config import (
+    CriticConfig,
+    KLConfig,
+    MonitorConfig,
+    PPOConfig,
+    PTXConfig,
+    RewardShapingConfig,
+)
 from rlhf_lit.plots import curves_figure, save_figure
 from rlhf_lit.reward_norm import RunningMeanStd, normalize_scores
 
@@ -93,6 +101,7 @@ class PPOModule(L.LightningModule):
         critic: the critic adapter and value head.
         optimizer: optimizer and schedule (``lr`` is the actor's; ``critic.lr`` the critic's).
         ptx: the optional pretraining-mix term.
+        monitor: the reward-hacking monitors (on by default).
         log_samples_every: write a table of sampled prompts, responses and scores to TensorBoard text
             every this many iterations (0 disables).
         export_dir: where the final policy is written in Hugging Face format at the end of fit.
@@ -110,6 +119,7 @@ class PPOModule(L.LightningModule):
         critic: CriticConfig | None = None,
         optimizer: OptimizerConfig | None = None,
         ptx: PTXConfig | None = None,
+        monitor: MonitorConfig | None = None,
         log_samples_every: int = 10,
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
@@ -129,6 +139,7 @@ class PPOModule(L.LightningModule):
         self.critic_cfg = as_config(CriticConfig, critic) or CriticConfig()
         self.optim_cfg = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.ptx_cfg = as_config(PTXConfig, ptx) or PTXConfig()
+        self.monitor_cfg = as_config(MonitorConfig, monitor) or MonitorConfig()
         # Every switch (PPO-Max tricks included) is recorded, as plain dicts so checkpoints load weights-only.
         self.save_hyperparameters(
             plain_hparams(
@@ -141,6 +152,7 @@ class PPOModule(L.LightningModule):
                 critic=self.critic_cfg,
                 optimizer=self.optim_cfg,
                 ptx=self.ptx_cfg,
+                monitor=self.monitor_cfg,
                 log_samples_every=log_samples_every,
                 export_dir=export_dir,
                 export_mode=export_mode,
@@ -244,6 +256,13 @@ class PPOModule(L.LightningModule):
         scheduler = build_scheduler(optimizer, self.optim_cfg, steps)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
+    def configure_callbacks(self):
+        """The reward-hacking monitor (``monitor.enabled``), added to whatever callbacks the trainer has."""
+        if not self.monitor_cfg.enabled:
+            return []
+        settings = {k: v for k, v in asdict(self.monitor_cfg).items() if k != "enabled"}
+        return [RewardHackingMonitor(**settings)]
+
     def on_fit_start(self) -> None:
         log_data_report(self)
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -340,9 +359,12 @@ class PPOModule(L.LightningModule):
             M.PPO_RETURN_MEAN: masked_mean(returns, response_mask, distributed=self._distributed()),
             M.CRITIC_VALUE_MEAN: masked_mean(old_values, response_mask, distributed=self._distributed()),
             M.CRITIC_EXPLAINED_VARIANCE: explained_variance(old_values, returns, response_mask),
+            M.MONITOR_REF_PERPLEXITY: torch.exp(
+                -masked_mean(ref_logprobs, response_mask, distributed=self._distributed())
+            ),
             **update_stats,
         }
-        stats = self._global_stats(stats, raw_scores)
+        stats = self._global_stats(stats, raw_scores, response_mask.sum(-1))
         stats.update(
             {
                 M.PERF_GENERATION_S: t1 - t0,
@@ -541,17 +563,17 @@ class PPOModule(L.LightningModule):
             return value
         return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
 
-    def _global_stats(self, stats: dict, raw_scores: torch.Tensor) -> dict:
+    def _global_stats(self, stats: dict, raw_scores: torch.Tensor, response_len: torch.Tensor) -> dict:
         """The iteration's statistics over all ranks (one all-reduce), for the logs of rank 0.
 
         Every rank holds the same number of sequences, so the mean over ranks of a per-sequence mean is the
         global mean; token means (advantages, returns, values) are already global (``distributed=True``);
         the losses and clip fractions of ``_update`` are weighted so that their mean over ranks is the token
-        mean of the global minibatch; the score's mean and std come from all scores (all-gather). Only
-        ``critic/explained_variance`` is a mean of per-rank values.
+        mean of the global minibatch; the score's mean and std and its correlation with the response length
+        come from all scores (all-gather). Only ``critic/explained_variance`` is a mean of per-rank values.
         """
         if not self._distributed():
-            return stats
+            return {**stats, M.MONITOR_SCORE_LENGTH_CORR: _correlation(raw_scores, response_len)}
         keys = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float64).detach().cpu() for k in keys])
         values = self.trainer.strategy.reduce(values.to(raw_scores.device), reduce_op="mean").cpu()
@@ -559,6 +581,8 @@ class PPOModule(L.LightningModule):
         scores = self.all_gather(raw_scores.detach()).flatten().double()
         out[M.ROLLOUT_SCORE_MEAN] = scores.mean()
         out[M.ROLLOUT_SCORE_STD] = scores.std(unbiased=False)
+        lengths = self.all_gather(response_len.detach()).flatten()
+        out[M.MONITOR_SCORE_LENGTH_CORR] = _correlation(scores, lengths)
         return out
 
     def _log_iteration(self, stats, batch, response_ids, response_mask, scores) -> None:
@@ -701,6 +725,14 @@ class _PTXStream:
         """Skip the batches an interrupted run already used (the loader order is seeded)."""
         for _ in range(consumed):
             self.next_batch()
+
+
+def _correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of two (N,) series; 0 when either is constant (no linear relation to report)."""
+    both = torch.stack([x.detach().double().flatten(), y.detach().double().flatten()])
+    if both.shape[1] < 2 or bool((both.std(dim=1) == 0).any()):
+        return torch.tensor(0.0, dtype=torch.float64)
+    return torch.corrcoef(both)[0, 1]
 
 
 def _get_rng_state() -> dict:

@@ -140,3 +140,31 @@ class PTXConfig:
     format: str = "auto"
     batch_size: int = 4
     max_length: int = 256
+
+
+@dataclass
+class MonitorConfig:
+    """Reward-hacking monitors, on in every PPO run (``rlhf_lit.callbacks.RewardHackingMonitor``).
+
+    Every iteration logs the correlation of the RM score with response length, the responses' perplexity
+    under the reference and the score's trend; at the end of fit a score-vs-KL frontier plot (Gao et al.
+    2022, "Scaling Laws for Reward Model Overoptimization") is written next to the export. A warning is
+    logged (and ``monitor/overoptimization`` is 1) while the RM score rises by more than ``num_se`` standard
+    errors over the last ``window`` iterations AND a held-out signal falls by more than ``num_se`` standard
+    errors, or while the reference perplexity is above ``max_perplexity_ratio`` times its first value.
+
+    Args:
+        enabled: attach the monitor.
+        heldout: metric names of held-out signals (higher is better) that PPO does not optimise, e.g.
+            ``demo/gold_score``; a name not logged in a run is ignored.
+        window: iterations over which trends are measured (>= 3).
+        num_se: how many standard errors a slope must reach to count as rising or falling.
+        max_perplexity_ratio: reference perplexity of the samples, relative to the first iteration's,
+            above which the monitor flags degenerate text (while the score rises); null disables.
+    """
+
+    enabled: bool = True
+    heldout: list[str] = field(default_factory=list)
+    window: int = 8
+    num_se: float = 2.0
+    max_perplexity_ratio: float | None = 2.0

@@ -87,8 +87,12 @@ def test_one_iteration_writes_the_metric_keys(tmp_path):
         M.PERF_GENERATION_TOKENS_PER_S,
         "rollout/kl_ref_k1",
         "rollout/kl_ref_k3",
+        M.MONITOR_SCORE_LENGTH_CORR,  # the reward-hacking monitors run in every PPO run
+        M.MONITOR_REF_PERPLEXITY,
+        M.MONITOR_OVEROPTIMIZATION,
     }
     assert expected <= logged, expected - logged
+    assert "monitor/score_kl_frontier" in events.Tags()["images"]
     assert all(M.is_known(tag) for tag in logged), [t for t in logged if not M.is_known(t)]
     assert any(tag.startswith("rollout/samples") for tag in events.Tags()["tensors"]), events.Tags()[
         "tensors"
