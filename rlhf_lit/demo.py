@@ -20,20 +20,27 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
 
 import lightning as L
 import torch
+import yaml
 
 from rlhf_lit.data.demo_task import gold_score, label_noise_rate, preference_rows, prompt_rows
 from rlhf_lit.functional.sequence import gather_logprobs, position_ids_from_mask
 from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
-from rlhf_lit.metrics import DEMO_GOLD_SCORE
+from rlhf_lit.metrics import (
+    DEMO_GOLD_SCORE,
+    MONITOR_OVEROPTIMIZATION,
+    PPO_ITERATION,
+    ROLLOUT_KL_REF,
+    ROLLOUT_SCORE_MEAN,
+)
 from rlhf_lit.models.export import load_reward_model, read_meta
 from rlhf_lit.models.tokenizer import load_tokenizer
-from rlhf_lit.plots import save_figure, scatter_by_step_figure
 
 log = logging.getLogger("rlhf_lit")
 
@@ -44,37 +51,43 @@ DEFAULT_OUT = "checkpoints/demo"  # where configs/demo/*.yaml write
 class GoldScoreCallback(L.Callback):
     """Logs the gold score of each PPO iteration's samples (evaluation only) and writes a history file.
 
+    The score also goes into the iteration's record in ``PPOModule.history``, where the reward-hacking
+    monitor (``RewardHackingMonitor``, run after this callback) reads it as a held-out signal.
+
     Args:
-        history_file: JSON file with one record per iteration (iteration, gold score, RM score, KL);
-            default: ``history.json`` in the trainer's ``default_root_dir``.
+        history_file: JSON file with one record per iteration (iteration, gold score, RM score, KL, the
+            monitor's over-optimisation flag); default: ``history.json`` in the trainer's ``default_root_dir``.
     """
 
     def __init__(self, history_file: str | None = None) -> None:
         self.history_file = history_file
-        self.records: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sample = getattr(pl_module, "last_rollout", None)
         if not sample or not trainer.is_global_zero:
             return
         gold = [gold_score(p, r) for p, r in zip(sample["prompt_text"], sample["response_text"])]
-        stats = pl_module.history[-1]
-        record = {
-            "iteration": pl_module.iteration,
-            "gold_score": sum(gold) / len(gold),
-            "rm_score": stats["rollout/score_mean"],
-            "kl": stats["rollout/kl_ref"],
-        }
-        self.records.append(record)
+        pl_module.history[-1][DEMO_GOLD_SCORE] = sum(gold) / len(gold)
         for logger in trainer.loggers:
-            logger.log_metrics({DEMO_GOLD_SCORE: record["gold_score"]}, step=pl_module.iteration)
+            logger.log_metrics({DEMO_GOLD_SCORE: sum(gold) / len(gold)}, step=pl_module.iteration)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            path = self.history_file or os.path.join(trainer.default_root_dir, "history.json")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(self.records, f, indent=1)
+        if not trainer.is_global_zero:
+            return
+        records = [
+            {
+                "iteration": int(h[PPO_ITERATION]),
+                "gold_score": h.get(DEMO_GOLD_SCORE),
+                "rm_score": h[ROLLOUT_SCORE_MEAN],
+                "kl": h[ROLLOUT_KL_REF],
+                "overoptimization": bool(h.get(MONITOR_OVEROPTIMIZATION)),
+            }
+            for h in pl_module.history
+        ]
+        path = self.history_file or os.path.join(trainer.default_root_dir, "history.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
 
 
 @dataclass
@@ -217,11 +230,40 @@ FAST_OVERRIDES = {
 }
 
 
-def stage_args(stage: str, out: str = DEFAULT_OUT, fast: bool = False) -> list[str]:
-    """The ``rlhf-lit fit`` arguments of a demo stage, with every output under ``out``."""
+def _reseeded_data_args(stage: str, seed: int) -> list[str]:
+    """``--data`` overrides that give the stage config's ``demo:...`` data specs another ``seed=``."""
+    with open(_config(stage)) as f:
+        data = yaml.safe_load(f)["data"]["init_args"]
+    args = []
+    for key in ("train_files", "val_files"):
+        if data.get(key):
+            specs = [re.sub(r"seed=\d+", f"seed={seed}", spec) for spec in data[key]]
+            args.append(f"--data.init_args.{key}=[{','.join(specs)}]")
+    return args
+
+
+# The deliberately over-optimised run: the demo's PPO config without its KL penalty. The reward-hacking
+# monitor (RewardHackingMonitor) should flag it; the report shows what it did to the gold score.
+OVEROPTIMIZED = "ppo_no_kl"
+OVEROPTIMIZED_OVERRIDES = ["--model.init_args.kl.kl_coef=0", "--model.init_args.kl.adaptive=false"]
+
+
+def stage_args(
+    stage: str, out: str = DEFAULT_OUT, fast: bool = False, seed: int = 0, folder: str | None = None
+) -> list[str]:
+    """The ``rlhf-lit fit`` arguments of a demo stage, with every output under ``out/<folder>``.
+
+    ``stage`` names the config (``configs/demo/<stage>.yaml``); ``folder`` (default: ``stage``) the output
+    folder. ``seed`` != 0 changes everything random in the stage: ``seed_everything`` (initialisation,
+    sampling, shuffles) and the seed of the generated data (other words, other demonstrations, other label
+    noise).
+    """
+    folder = folder or stage
     args = ["fit", "--config", _config(stage)]
-    if out != DEFAULT_OUT:
-        root = os.path.join(out, stage)
+    if seed != 0:
+        args += [f"--seed_everything={seed}", *_reseeded_data_args(stage, seed)]
+    if out != DEFAULT_OUT or folder != stage:
+        root = os.path.join(out, folder)
         args += [
             f"--trainer.default_root_dir={root}",
             f"--trainer.logger.init_args.save_dir={root}",
@@ -231,19 +273,43 @@ def stage_args(stage: str, out: str = DEFAULT_OUT, fast: bool = False) -> list[s
             args.append(f"--model.init_args.backbone.name_or_path={out}/sft/hf")
         if stage == "ppo":
             args.append(f"--model.init_args.reward_model.path={out}/reward/hf")
+    if folder == OVEROPTIMIZED:
+        args += OVEROPTIMIZED_OVERRIDES
     return args + (FAST_OVERRIDES[stage] if fast else [])
 
 
-def run_stages(out: str = DEFAULT_OUT, fast: bool = False, stages=STAGES) -> dict[str, float]:
-    """Run the demo stages in order, each as ``rlhf-lit fit --config configs/demo/<stage>.yaml``."""
+def run_stages(
+    out: str = DEFAULT_OUT,
+    fast: bool = False,
+    stages=STAGES,
+    seed: int = 0,
+    extra: dict | None = None,
+    overoptimized: bool = False,
+) -> dict[str, float]:
+    """Run the demo stages in order, each as ``rlhf-lit fit --config configs/demo/<stage>.yaml``.
+
+    Args:
+        out: output folder (``<out>/<stage>/``).
+        fast: the shortened stages of the CI test (``FAST_OVERRIDES``).
+        stages: which stages to run.
+        seed: the demo seed (see ``stage_args``).
+        extra: more ``rlhf-lit fit`` arguments per stage name, e.g. ``{"ppo": ["--model.init_args..."]}``.
+        overoptimized: also run PPO without its KL penalty into ``<out>/ppo_no_kl`` (``OVEROPTIMIZED``).
+
+    Returns:
+        Wall seconds per run.
+    """
     from rlhf_lit.cli import cli_main
 
+    runs = [(stage, stage) for stage in stages]
+    if overoptimized:
+        runs.append(("ppo", OVEROPTIMIZED))
     seconds = {}
-    for stage in stages:
+    for stage, folder in runs:
         t0 = time.perf_counter()
-        log.info("demo: stage %s (%s)", stage, _config(stage))
-        cli_main(stage_args(stage, out, fast))
-        seconds[stage] = time.perf_counter() - t0
+        log.info("demo: %s (%s), seed %d", folder, _config(stage), seed)
+        cli_main(stage_args(stage, out, fast, seed, folder) + list((extra or {}).get(stage, [])))
+        seconds[folder] = time.perf_counter() - t0
     return seconds
 
 
@@ -255,26 +321,25 @@ def write_report(
 ) -> dict:
     """Evaluate the demo's exports and write ``report.md``, ``report.json`` and PNGs into ``out_dir``."""
     sft_dir, rm_dir, ppo_dir = (os.path.join(out_dir, s, "hf") for s in STAGES)
+    no_kl_dir = os.path.join(out_dir, OVEROPTIMIZED, "hf")
     ppo_meta = read_meta(ppo_dir)
     rm_meta = read_meta(rm_dir)
     sampling = SamplingConfig(**{k: v for k, v in ppo_meta["sampling"].items()})
     prompts = [r["prompt"] for r in prompt_rows(n_prompts, seed=seed, split="test")]
-    sft = evaluate_policy(sft_dir, sft_dir, rm_dir, prompts, sampling, seed)
-    ppo = evaluate_policy(ppo_dir, sft_dir, rm_dir, prompts, sampling, seed)
+    evals = {"sft": evaluate_policy(sft_dir, sft_dir, rm_dir, prompts, sampling, seed)}
+    evals["ppo"] = evaluate_policy(ppo_dir, sft_dir, rm_dir, prompts, sampling, seed)
+    if os.path.isdir(no_kl_dir):
+        evals[OVEROPTIMIZED] = evaluate_policy(no_kl_dir, sft_dir, rm_dir, prompts, sampling, seed)
     with open(os.path.join(rm_dir, "eval_results.json")) as f:
         rm_eval = json.load(f)
-    rm_acc = reward_model_accuracy(rm_dir, seed=seed)
-    history_file = os.path.join(out_dir, "ppo", "history.json")
-    history = json.load(open(history_file)) if os.path.exists(history_file) else []
     target_kl = ppo_meta.get("target_kl")
 
     summary = {
+        "seed": seed,
         "held_out_prompts": n_prompts,
-        "sft": {"gold": _mean_se(sft.gold), "rm": _mean_se(sft.rm), "kl": _mean_se(sft.kl)},
-        "ppo": {"gold": _mean_se(ppo.gold), "rm": _mean_se(ppo.rm), "kl": _mean_se(ppo.kl)},
         "target_kl": target_kl,
         "reward_model": {
-            **rm_acc,
+            **reward_model_accuracy(rm_dir, seed=seed),
             **{
                 key: rm_eval["metrics"].get(f"reward/{key}")
                 for key in ("ece", "ece_calibrated", "nll", "nll_calibrated")
@@ -283,54 +348,101 @@ def write_report(
         },
         "stage_seconds": stage_seconds or {},
     }
-    gain = summary["ppo"]["gold"][0] - summary["sft"]["gold"][0]
-    se = math.hypot(summary["ppo"]["gold"][1], summary["sft"]["gold"][1])
-    summary["gold_gain"] = gain
-    summary["gold_gain_in_se"] = gain / se if se > 0 else float("inf")
-    summary["kl_under_target"] = target_kl is None or summary["ppo"]["kl"][0] < target_kl
+    for name, ev in evals.items():
+        summary[name] = {"gold": _mean_se(ev.gold), "rm": _mean_se(ev.rm), "kl": _mean_se(ev.kl)}
+        if name != "sft":
+            summary[name].update(_change_from_sft(ev, evals["sft"]))
+            summary[name]["monitor_flagged_iterations"] = _flagged_iterations(os.path.join(out_dir, name))
+    ppo = summary["ppo"]
+    summary["gold_gain"], summary["gold_gain_in_se"] = ppo["gold_change"], ppo["gold_change_in_se"]
+    summary["kl_under_target"] = target_kl is None or ppo["kl"][0] < target_kl
+    # the reward-hacking guard: PPO must not raise the RM score while the gold score falls
+    summary["reward_hacking"] = ppo["rm_change"] > 0 and ppo["gold_change"] < 0
 
     os.makedirs(out_dir, exist_ok=True)
-    if history:
-        kls = [h["kl"] for h in history]
-        fig = scatter_by_step_figure(
-            kls,
-            {
-                "gold score": [h["gold_score"] for h in history],
-                "RM score (calibrated)": [h["rm_score"] for h in history],
-            },
-            "KL(policy || reference), nats per response",
-            "PPO iterations: score against KL (Gao et al. 2022 frontier)",
-        )
-        save_figure(fig, os.path.join(out_dir, "frontier.png"))
-    if os.path.exists(os.path.join(rm_dir, "reliability.png")):
-        shutil.copyfile(os.path.join(rm_dir, "reliability.png"), os.path.join(out_dir, "reliability.png"))
+    # the figures the runs wrote: the reward-hacking monitor's frontiers (RM and gold score against KL)
+    # and the reward model's reliability diagram
+    figures = {
+        os.path.join(ppo_dir, "score_kl_frontier.png"): "frontier.png",
+        os.path.join(no_kl_dir, "score_kl_frontier.png"): "frontier_no_kl.png",
+        os.path.join(rm_dir, "reliability.png"): "reliability.png",
+    }
+    for source, name in figures.items():
+        if os.path.exists(source):
+            shutil.copyfile(source, os.path.join(out_dir, name))
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(_markdown(summary, prompts, sft, ppo, bool(history)))
+        f.write(_markdown(summary, prompts, evals, os.path.exists(os.path.join(out_dir, "frontier.png"))))
     return summary
+
+
+def _change_from_sft(policy: PolicyEval, sft: PolicyEval) -> dict[str, float]:
+    """Gold and RM score change from the SFT policy on the same prompts; the gold change in standard errors
+    (independent samples: se = hypot(se_policy, se_sft))."""
+    (gold, gold_se), (sft_gold, sft_se) = _mean_se(policy.gold), _mean_se(sft.gold)
+    se = math.hypot(gold_se, sft_se)
+    return {
+        "gold_change": gold - sft_gold,
+        "gold_change_in_se": (gold - sft_gold) / se if se > 0 else float("inf"),
+        "rm_change": _mean_se(policy.rm)[0] - _mean_se(sft.rm)[0],
+    }
+
+
+def _flagged_iterations(run_dir: str) -> list[int]:
+    """Iterations at which the run's reward-hacking monitor flagged over-optimisation (its history.json)."""
+    path = os.path.join(run_dir, "history.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [h["iteration"] for h in json.load(f) if h.get("overoptimization")]
 
 
 def _fmt(pair) -> str:
     return f"{pair[0]:.3f} ± {pair[1]:.3f}"
 
 
-def _markdown(s: dict, prompts, sft: PolicyEval, ppo: PolicyEval, has_history: bool) -> str:
+def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool) -> str:
     rm = s["reward_model"]
+    labels = {"sft": "SFT", "ppo": "PPO", OVEROPTIMIZED: "PPO without KL penalty (kl_coef 0)"}
     lines = [
-        "# rlhf_lit demo report: echo task, SFT -> reward model -> PPO",
+        f"# rlhf_lit demo report: echo task, SFT -> reward model -> PPO (seed {s.get('seed', 0)})",
         "",
         f"Held-out prompts: {s['held_out_prompts']} (none seen in training). Mean ± standard error.",
         "",
         "| policy | gold score | RM score (calibrated) | KL to reference (nats/response) |",
         "|---|---|---|---|",
-        f"| SFT | {_fmt(s['sft']['gold'])} | {_fmt(s['sft']['rm'])} | {_fmt(s['sft']['kl'])} |",
-        f"| PPO | {_fmt(s['ppo']['gold'])} | {_fmt(s['ppo']['rm'])} | {_fmt(s['ppo']['kl'])} |",
+    ]
+    for name in evals:
+        lines.append(f"| {labels[name]} | {_fmt(s[name]['gold'])} | {_fmt(s[name]['rm'])} | {_fmt(s[name]['kl'])} |")
+    lines += [
         "",
         f"Gold gain of PPO over SFT: **{s['gold_gain']:+.3f}** ({s['gold_gain_in_se']:.1f} standard errors). "
         f"KL budget (kl.target_kl): {s['target_kl']} nats; PPO's KL is "
-        f"{'under' if s['kl_under_target'] else 'OVER'} it.",
+        f"{'under' if s['kl_under_target'] else 'OVER'} it. "
+        + (
+            "**Reward hacking: the RM score rose while the gold score fell.**"
+            if s["reward_hacking"]
+            else "The gold score did not fall while the RM score rose (no reward hacking)."
+        ),
+        f"The reward-hacking monitor flagged {len(s['ppo']['monitor_flagged_iterations'])} of PPO's iterations.",
         "",
+    ]
+    if OVEROPTIMIZED in evals:
+        no_kl = s[OVEROPTIMIZED]
+        flagged = no_kl["monitor_flagged_iterations"]
+        lines += [
+            "## Over-optimisation on purpose: PPO without its KL penalty",
+            "",
+            f"The same PPO config with `kl.kl_coef: 0`: RM score {no_kl['rm_change']:+.3f} from SFT, gold "
+            f"{no_kl['gold_change']:+.3f} ({no_kl['gold_change_in_se']:.1f} standard errors), KL "
+            f"{no_kl['kl'][0]:.2f} nats. The reward-hacking monitor flagged "
+            + (f"{len(flagged)} iterations, first at iteration {flagged[0]}." if flagged else "no iteration."),
+            "",
+            "![frontier without KL penalty](frontier_no_kl.png)",
+            "",
+        ]
+    lines += [
         "## Reward model",
         "",
         f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
@@ -346,8 +458,9 @@ def _markdown(s: dict, prompts, sft: PolicyEval, ppo: PolicyEval, has_history: b
         "![reliability diagram](reliability.png)",
         "",
     ]
-    if has_history:
+    if has_frontier:
         lines += ["## PPO: gold and RM score against KL", "", "![frontier](frontier.png)", ""]
+    sft, ppo = evals["sft"], evals["ppo"]
     lines += [
         "## Samples (same prompts, same seed)",
         "",
@@ -366,19 +479,132 @@ def _markdown(s: dict, prompts, sft: PolicyEval, ppo: PolicyEval, has_history: b
     return "\n".join(lines) + "\n"
 
 
+# Figures of a demo report that are summarised across seeds: (label, getter)
+_ACROSS_SEEDS = (
+    ("SFT gold score", lambda s: s["sft"]["gold"][0]),
+    ("PPO gold score", lambda s: s["ppo"]["gold"][0]),
+    ("gold gain (PPO - SFT)", lambda s: s["gold_gain"]),
+    ("gold gain in standard errors", lambda s: s["gold_gain_in_se"]),
+    ("PPO KL to reference (nats/response)", lambda s: s["ppo"]["kl"][0]),
+    ("SFT RM score", lambda s: s["sft"]["rm"][0]),
+    ("PPO RM score", lambda s: s["ppo"]["rm"][0]),
+    ("RM accuracy vs noisy labels", lambda s: s["reward_model"]["accuracy_noisy_labels"]),
+    ("RM accuracy vs gold", lambda s: s["reward_model"]["accuracy_gold"]),
+    ("calibration temperature T", lambda s: s["reward_model"]["temperature"]),
+    ("ECE before calibration", lambda s: s["reward_model"]["ece"]),
+    ("ECE after calibration", lambda s: s["reward_model"]["ece_calibrated"]),
+    ("no-KL run: gold change", lambda s: s.get(OVEROPTIMIZED, {}).get("gold_change")),
+    ("no-KL run: RM score change", lambda s: s.get(OVEROPTIMIZED, {}).get("rm_change")),
+    ("no-KL run: KL (nats/response)", lambda s: s.get(OVEROPTIMIZED, {}).get("kl", [None])[0]),
+)
+
+
+def seeds_summary(summaries: list[dict]) -> dict:
+    """Mean and sample standard deviation across seeds of each figure in ``_ACROSS_SEEDS``, plus per-seed values."""
+    out = {"seeds": [s["seed"] for s in summaries], "figures": {}}
+    for label, get in _ACROSS_SEEDS:
+        values = [get(s) for s in summaries]
+        if any(v is None for v in values):
+            continue
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        out["figures"][label] = {"mean": mean, "std": std, "values": values}
+    out["every_seed_gains_over_3_se_within_kl_budget"] = all(
+        s["gold_gain_in_se"] > 3 and s["kl_under_target"] for s in summaries
+    )
+    out["any_reward_hacking"] = any(s["reward_hacking"] for s in summaries)
+    return out
+
+
+def write_seeds_report(out_dir: str, summaries: list[dict], machine: str | None = None) -> dict:
+    """``seeds.md`` / ``seeds.json`` in ``out_dir``: each figure per seed, with mean and spread across seeds."""
+    summary = seeds_summary(summaries)
+    summary["machine"] = machine or _machine()
+    seeds = summary["seeds"]
+    lines = [
+        f"# rlhf_lit demo across seeds {', '.join(map(str, seeds))}",
+        "",
+        f"Machine: {summary['machine']}. Each seed changes the generated data, the initialisation and the "
+        "sampling; 256 held-out prompts per seed. Spread = sample standard deviation across seeds.",
+        "",
+        "| figure | " + " | ".join(f"seed {k}" for k in seeds) + " | mean ± spread |",
+        "|---|" + "---|" * (len(seeds) + 1),
+    ]
+    for label, fig in summary["figures"].items():
+        cells = " | ".join(f"{v:.3f}" for v in fig["values"])
+        lines.append(f"| {label} | {cells} | {fig['mean']:.3f} ± {fig['std']:.3f} |")
+    lines += [
+        "",
+        "Every seed: gold gain > 3 standard errors within the KL budget: "
+        f"**{'yes' if summary['every_seed_gains_over_3_se_within_kl_budget'] else 'NO'}**; reward hacking "
+        f"(RM up while gold down) on any seed: **{'yes' if summary['any_reward_hacking'] else 'no'}**.",
+    ]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "seeds.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(out_dir, "seeds.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return summary
+
+
+def _machine() -> str:
+    """The CPU model name (``/proc/cpuinfo``) and core count, for reports that say where they were made."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        import platform
+
+        name = platform.processor() or name
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def main(args: list[str]) -> None:
-    """``rlhf-lit demo [--fast] [--report-only] [--out DIR]``: run the three stages, then write the report."""
+    """``rlhf-lit demo [--fast] [--seeds 0,1,2] [--report-only] [--no-overoptimized] [--out DIR]``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="rlhf-lit demo", description=__doc__.split("\n")[0])
     parser.add_argument("--fast", action="store_true", help="shortened stages (the CI test uses this)")
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated demo seeds, e.g. 0,1,2: the pipeline runs once per seed (into <out>/seed_<k> "
+        "when there are several) and seeds.md reports each figure's mean and spread across seeds",
+    )
     parser.add_argument("--report-only", action="store_true", help="only evaluate the existing exports")
+    parser.add_argument(
+        "--no-overoptimized",
+        action="store_true",
+        help="skip the deliberately over-optimised PPO run (kl_coef 0) that shows the reward-hacking monitor",
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder of the stages and the report")
     ns = parser.parse_args(args)
-    out = ns.out
-    seconds = None if ns.report_only else run_stages(out, fast=ns.fast)
-    summary = write_report(out, stage_seconds=seconds)
-    print(open(os.path.join(out, "report.md")).read())
-    print(f"report: {os.path.join(out, 'report.md')}")
-    if summary["gold_gain_in_se"] <= 3 or not summary["kl_under_target"]:
-        log.warning("the PPO policy did not beat the SFT policy by > 3 standard errors within the KL budget")
+    try:
+        seeds = [int(k) for k in ns.seeds.split(",") if k.strip()]
+    except ValueError:
+        parser.error(f"--seeds: expected comma-separated integers, got {ns.seeds!r}")
+    if not seeds:
+        parser.error("--seeds: give at least one seed")
+    summaries = []
+    for seed in seeds:
+        out = ns.out if len(seeds) == 1 else os.path.join(ns.out, f"seed_{seed}")
+        seconds = None
+        if not ns.report_only:
+            seconds = run_stages(out, fast=ns.fast, seed=seed, overoptimized=not ns.no_overoptimized)
+        summary = write_report(out, seed=seed, stage_seconds=seconds)
+        summaries.append(summary)
+        print(open(os.path.join(out, "report.md")).read())
+        print(f"report: {os.path.join(out, 'report.md')}")
+        if summary["gold_gain_in_se"] <= 3 or not summary["kl_under_target"]:
+            log.warning(
+                "seed %d: the PPO policy did not beat the SFT policy by > 3 standard errors within the KL budget",
+                seed,
+            )
+    if len(seeds) > 1:
+        write_seeds_report(ns.out, summaries)
+        print(open(os.path.join(ns.out, "seeds.md")).read())
+        print(f"across seeds: {os.path.join(ns.out, 'seeds.md')}")
