@@ -27,7 +27,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, disable_dropout, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import (
+    BackboneConfig,
+    disable_dropout,
+    load_backbone,
+    load_backbone_tokenizer,
+    stack_frozen_adapter,
+)
 from rlhf_lit.models.heads import ScalarHead, score_last_token
 from rlhf_lit.models.sharding import plain_state_dict
 from rlhf_lit.models.tokenizer import load_tokenizer
@@ -151,6 +157,10 @@ class RewardScorer(nn.Module):
         self, lm: AdaptedLM, head: ScalarHead, tokenizer: PreTrainedTokenizerBase, temperature: float = 1.0
     ) -> None:
         super().__init__()
+        # A scorer is only ever evaluated: every dropout probability is 0 (the base's, and the LoRA dropout of
+        # a reward model trained with lora.dropout > 0), so identical calls give identical scores in train
+        # mode too (PPO keeps its modules in train mode; PITFALLS B12).
+        disable_dropout(lm)
         self.lm = lm
         self.head = head
         self.tokenizer = tokenizer
@@ -191,11 +201,9 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
         disable_dropout(model)
         lm = AdaptedLM(model)
-    else:
-        from peft import PeftModel
-
+    else:  # the adapter on its base (which may itself be an adapter-only export: the adapters stack)
         base = load_backbone(base_cfg, load_backbone_tokenizer(base_cfg))
-        lm = AdaptedLM(PeftModel.from_pretrained(base, os.path.join(path, "adapter")))
+        lm = AdaptedLM(stack_frozen_adapter(base, os.path.join(path, "adapter")))
     head = ScalarHead(int(meta["hidden_size"]))
     head.linear.load_state_dict(load_file(os.path.join(path, HEAD_FILE)))
     scorer = RewardScorer(lm, head, tokenizer, temperature=float(meta.get("temperature", 1.0)))
