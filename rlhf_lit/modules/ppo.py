@@ -288,7 +288,9 @@ class PPOModule(L.LightningModule):
         ref_logprobs, old_logprobs, old_values = self._experience_forwards(input_ids, attention_mask, P)
 
         # 4. reward-model scores, missing-EOS penalty, normalisation and clipping
-        raw_scores = self.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+        raw_scores = self.reward_source.score(
+            prompt_ids, prompt_mask, response_ids, response_mask, has_stop, batch.get("prompt")
+        )
         scores = raw_scores.clone()
         if self.shaping.missing_eos_penalty is not None and self.stop_ids:
             scores = scores - self.shaping.missing_eos_penalty * (~has_stop).float()

@@ -379,6 +379,13 @@ class RewardModule(L.LightningModule):
             "temperature": float(self.temperature),
             "score_position": "last real token (attention_mask == 1)",
         }
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if hasattr(datamodule, "chat_template") and hasattr(datamodule, "append_eos"):
+            # how the training sequences were built, so that PPO can rebuild them for another tokenizer
+            meta["input_format"] = {
+                "chat_template": bool(datamodule.chat_template),
+                "append_eos": bool(datamodule.append_eos),
+            }
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:
