@@ -178,3 +178,46 @@ def test_incomplete_exports_and_unrooted_adapters_are_refused(tmp_path, exports)
     model.save_pretrained(str(lonely))
     with pytest.raises(ValueError, match="names no base model"):
         load_backbone(BackboneConfig(name_or_path=str(lonely), tokenizer="byte"))
+
+
+def test_qlora_pipeline_reward_adapter_on_the_sft_adapter_scores_as_in_reward_training(exports, tmp_path):
+    """SFT (QLoRA, adapter only) -> reward model trained on that export -> PPO with the reward model as an
+    adapter on the same base: the reward adapter sits on the SFT adapter, as in reward training."""
+    from rlhf_lit.modules import RewardModule
+
+    export = exports["qlora"]
+    rm = RewardModule(
+        BackboneConfig(
+            name_or_path=export, load_in_4bit=True, lora=LoraSettings(r=4, target_modules=["c_attn"])
+        )
+    )
+    assert rm.lm.base_adapters == ["base_0"] and rm.lm.active_adapter == "default"
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in rm.lm.named_parameters():
+            if "lora_B" in name and ".default." in name:
+                p.normal_(std=0.3, generator=generator)
+    rm.export(str(tmp_path / "rm"))
+    assert not os.path.exists(tmp_path / "rm" / "config.json")  # 4-bit: adapter only
+
+    module = make_module(
+        tokenizer=None,
+        backbone=BackboneConfig(name_or_path=export, load_in_4bit=True, lora=copy.deepcopy(LORA)),
+        reward_model=RewardModelConfig(path=str(tmp_path / "rm"), mode="adapter"),
+    )
+    tok = module.tokenizer
+    prompt = tok("\n\nHuman: Hi?\n\nAssistant:", return_tensors="pt")
+    response = tok(" Hello there.", return_tensors="pt")
+    ids = torch.cat([prompt["input_ids"], response["input_ids"]], 1)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = rm.score(ids, mask)
+    got = module.reward_source.score(
+        prompt["input_ids"],
+        prompt["attention_mask"],
+        response["input_ids"],
+        response["attention_mask"].bool(),
+    )
+    torch.testing.assert_close(got, expected)
+    with torch.no_grad(), rm.lm.reference():  # and the reward adapter does matter
+        assert (rm.score(ids, mask) - expected).abs().max() > 1e-3
