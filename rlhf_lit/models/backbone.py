@@ -1,6 +1,6 @@
 """Loading a causal-LM backbone, with the options every stage shares.
 
-A backbone comes from one of four places (``BackboneConfig``):
+A backbone comes from one of five places (``BackboneConfig``):
 
 * a local folder or a hub id (``name_or_path``), loaded with ``AutoModelForCausalLM.from_pretrained``;
 * a GGUF file (``name_or_path`` = its folder, ``gguf_file`` = its name), de-quantized by transformers (for
@@ -70,7 +70,8 @@ class BackboneConfig:
 
     Args:
         name_or_path: a local folder, a hub id, or ``pypi:<package>`` (a folder inside an installed
-            package). Exactly one of ``name_or_path`` and ``tiny`` must be given.
+            package); the folder may be an adapter-only export (see the module docstring). Exactly one of
+            ``name_or_path`` and ``tiny`` must be given.
         gguf_file: a GGUF file inside ``name_or_path`` (transformers de-quantizes it to ``dtype``).
         tiny: a transformers config dict for a model built from scratch, e.g.
             ``{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2}``; vocab size and special
@@ -194,8 +195,8 @@ def base_adapter_source(cfg: BackboneConfig) -> tuple[BackboneConfig, str] | Non
         adapter = os.path.join(folder, "adapter")
         if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
             raise ValueError(
-                f"backbone {cfg.name_or_path!r}: {META_FILE} is there but neither merged weights (config.json) "
-                f"nor an adapter ({adapter}/adapter_config.json); the export is incomplete"
+                f"backbone {cfg.name_or_path!r}: {META_FILE} is there but neither merged weights "
+                f"(config.json) nor an adapter ({adapter}/adapter_config.json); the export is incomplete"
             )
     else:
         return None

@@ -11,7 +11,13 @@ An exported folder is usable with transformers and peft alone:
 * for reward models, ``reward_head.safetensors`` (``weight`` (1, H), ``bias`` (1,)) and in
   ``rlhf_lit.json`` the calibration ``temperature``: the calibrated score is
   ``head(h_last) / temperature``, where ``h_last`` is the trunk's last-layer hidden state at the last
-  real token.
+  real token; and ``input_format`` (``chat_template``, ``append_eos``: how its training sequences were
+  built, so that PPO can rebuild them for a policy with another tokenizer; ``rlhf_lit.models.reward_source``).
+
+Loading back: a folder with merged weights loads as any Hugging Face model; a folder with only ``adapter/``
+(e.g. a QLoRA SFT) is a valid ``backbone.name_or_path`` for every stage (``rlhf_lit.models.backbone``): its
+recorded base is loaded and the adapter put on it, frozen. When the base in ``rlhf_lit.json`` is itself such
+an export, ``adapter/`` applies on top of that export's adapter (the merged weights, when written, hold both).
 """
 
 from __future__ import annotations

@@ -405,7 +405,8 @@ class RewardSource(torch.nn.Module):
         if not self._warned_no_prompts:
             log.warning(
                 "reward model: no prompt records given (batch['prompt']), so its input is rebuilt from the "
-                "policy's decoded prompt ids, scored as plain text (a chat prompt keeps the policy's template)"
+                "policy's decoded prompt ids, scored as plain text (a chat prompt keeps the policy's "
+                "template)"
             )
             self._warned_no_prompts = True
         bos = self.policy_tokenizer.bos_token_id

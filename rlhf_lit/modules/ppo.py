@@ -84,7 +84,9 @@ class PPOModule(L.LightningModule):
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
-            actor adapter's LoRA settings (required: the reference is the base with adapters off).
+            actor adapter's LoRA settings (required: the reference is the base with adapters off). An SFT
+            export that holds only an adapter (a QLoRA SFT) is loaded as its base plus that adapter, frozen
+            and kept on beneath actor and critic and in the reference, so the reference is the SFT policy.
         reward_model: the frozen reward model (a separate model or an adapter on this base).
         sampling: how responses are sampled.
         ppo: the PPO update and GAE settings.

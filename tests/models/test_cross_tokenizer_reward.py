@@ -41,7 +41,8 @@ OTHER_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}"
 )
 BPE_TEMPLATE = (
-    "{{ '<s>' }}{% for m in messages %}{{ '<|turn|>' + m['role'] + '\\n' + m['content'] + '</s>' }}{% endfor %}"
+    "{{ '<s>' }}{% for m in messages %}"
+    "{{ '<|turn|>' + m['role'] + '\\n' + m['content'] + '</s>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|turn|>assistant\\n' }}{% endif %}"
 )
 CHAT_PROMPTS = [
@@ -269,7 +270,8 @@ def test_the_same_tokenizer_feeds_the_policy_ids_unchanged(reward_models):
 
 
 def test_a_chat_response_loses_the_policys_own_end_of_turn(tmp_path, reward_models):
-    """A ChatML policy that writes ``<|im_end|>`` before its EOS: the reward model's template closes the turn."""
+    """A ChatML policy that writes ``<|im_end|>`` before its EOS: the reward model's template closes the
+    turn itself."""
     policy_tok = build_byte_tokenizer()
     source = RewardSource(RewardModelConfig(path=reward_models["other_template"]), policy_tok)
     batch = _policy_batch(tmp_path, CHAT_PROMPTS, policy_tok)

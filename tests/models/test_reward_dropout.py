@@ -1,4 +1,4 @@
-"""The reward model PPO scores with has every dropout off, in every mode, while the modules stay in train mode.
+"""The reward model PPO scores with has every dropout off, in every mode, with the modules in train mode.
 
 The reward model here was trained with dropout on: LoRA dropout 0.3 and the tiny GPT-2's own dropout 0.1
 (``disable_dropout: false``). Before the fix, the adapter mode and a separate reward model exported as an
