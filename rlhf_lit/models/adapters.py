@@ -113,7 +113,10 @@ class AdaptedLM(nn.Module):
         if trainable:
             self.trainable_adapters.append(name)
         self._active = None  # load_adapter may have changed peft's active adapter: switch back for sure
-        self.set_adapter(active)
+        if active is not None:
+            self.set_adapter(active)
+        elif self.base_adapters:
+            self._activate(self.base_adapters)
 
     def _zero_adapter_dropout(self, name: str) -> None:
         for module in self.model.modules():
