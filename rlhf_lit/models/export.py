@@ -11,7 +11,13 @@ An exported folder is usable with transformers and peft alone:
 * for reward models, ``reward_head.safetensors`` (``weight`` (1, H), ``bias`` (1,)) and in
   ``rlhf_lit.json`` the calibration ``temperature``: the calibrated score is
   ``head(h_last) / temperature``, where ``h_last`` is the trunk's last-layer hidden state at the last
-  real token.
+  real token; and ``input_format`` (``chat_template``, ``append_eos``: how its training sequences were
+  built, so that PPO can rebuild them for a policy with another tokenizer; ``rlhf_lit.models.reward_source``).
+
+Loading back: a folder with merged weights loads as any Hugging Face model; a folder with only ``adapter/``
+(e.g. a QLoRA SFT) is a valid ``backbone.name_or_path`` for every stage (``rlhf_lit.models.backbone``): its
+recorded base is loaded and the adapter put on it, frozen. When the base in ``rlhf_lit.json`` is itself such
+an export, ``adapter/`` applies on top of that export's adapter (the merged weights, when written, hold both).
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, disable_dropout, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import (
+    BackboneConfig,
+    disable_dropout,
+    load_backbone,
+    load_backbone_tokenizer,
+    stack_frozen_adapter,
+)
 from rlhf_lit.models.heads import ScalarHead, score_last_token
 from rlhf_lit.models.sharding import plain_state_dict
 from rlhf_lit.models.tokenizer import load_tokenizer
@@ -163,6 +175,10 @@ class RewardScorer(nn.Module):
         self, lm: AdaptedLM, head: ScalarHead, tokenizer: PreTrainedTokenizerBase, temperature: float = 1.0
     ) -> None:
         super().__init__()
+        # A scorer is only ever evaluated: every dropout probability is 0 (the base's, and the LoRA dropout of
+        # a reward model trained with lora.dropout > 0), so identical calls give identical scores in train
+        # mode too (PPO keeps its modules in train mode; PITFALLS B12).
+        disable_dropout(lm)
         self.lm = lm
         self.head = head
         self.tokenizer = tokenizer
@@ -203,11 +219,9 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
         disable_dropout(model)
         lm = AdaptedLM(model)
-    else:
-        from peft import PeftModel
-
+    else:  # the adapter on its base (which may itself be an adapter-only export: the adapters stack)
         base = load_backbone(base_cfg, load_backbone_tokenizer(base_cfg))
-        lm = AdaptedLM(PeftModel.from_pretrained(base, os.path.join(path, "adapter")))
+        lm = AdaptedLM(stack_frozen_adapter(base, os.path.join(path, "adapter")))
     head = ScalarHead(int(meta["hidden_size"]))
     head.linear.load_state_dict(load_file(os.path.join(path, HEAD_FILE)))
     scorer = RewardScorer(lm, head, tokenizer, temperature=float(meta.get("temperature", 1.0)))

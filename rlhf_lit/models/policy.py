@@ -2,7 +2,8 @@
 
 ``ActorCritic`` holds an ``AdaptedLM`` with an ``"actor"`` LoRA adapter and, unless the critic shares the
 actor's trunk, a ``"critic"`` adapter, plus a float32 ``ScalarHead`` for values. The reference policy is the
-same base with every adapter switched off (``reference()``).
+same base with every adapter switched off (``reference()``), except the frozen SFT adapter of an adapter-only
+SFT export, which stays on beneath every adapter (``rlhf_lit.models.adapters``).
 
 Alignment (DESIGN.md): for a sequence ``x`` of length T = P + R whose response starts at P, the log-prob of
 response token ``x[P + j]`` comes from the logits at position ``P + j - 1``, and the critic's value for that

@@ -3,11 +3,29 @@
 Two modes (``RewardModelConfig.mode``):
 
 * ``separate``: any exported reward model, or any Hugging Face ``*ForSequenceClassification`` folder with
-  one label. When its tokenizer differs from the policy's, prompt and response are decoded to text and
-  re-encoded with the reward model's tokenizer (its EOS appended, as in reward training).
+  one label (a decoder, or an encoder such as BERT, read at the last real token).
 * ``adapter``: the reward model's LoRA adapter is loaded onto the policy's own base as a fourth adapter,
   with its head; nothing else is held in memory. Valid only when the reward model was trained on that same
   base (checked against the export's record of its base).
+
+**What the reward model is fed.** When the reward model encodes text exactly as the policy does (same
+vocabulary, same chat template, same BOS/EOS; see ``same_encoding``) it scores the policy's own ids: the
+prompt, then the response up to and including its stop token. Otherwise (another tokenizer, or the same
+vocabulary with another chat template) its input is rebuilt, per row, the way reward training built it
+(``rlhf_lit.data.tokenize.Tokenization``, the same code): from the prompt as the data gave it (its message
+list, or its text; ``batch["prompt"]`` of the prompt data module) and the response decoded to text with the
+policy's tokenizer (special tokens kept, the stop token left out). Chat prompts, and text prompts of a
+reward model trained with ``chat_template: true`` (``input_format`` in its ``rlhf_lit.json``), are rendered
+with the reward model's chat template, the response as the assistant turn (a text prompt in the HH transcript
+form is split into its turns, as the data modules' ``hh`` format does); text prompts otherwise are
+prompt text + response text. The reward model's EOS is appended (when it was trained with ``append_eos``)
+only to responses that ended with a stop token: a response cut at ``max_new_tokens`` gets neither EOS nor the
+template's end-of-turn text, exactly as the same-encoding path scores it without a stop token. A rebuilt
+input longer than the reward model's ``model_max_length`` or position limit loses prompt tokens from the
+left.
+
+Every dropout probability of the reward model is 0 in both modes (its base's, and the LoRA dropout of a reward
+model trained with ``lora.dropout > 0``), so identical calls score identically in train mode too.
 
 Scores are divided by the calibration temperature stored with the export unless ``calibrated`` is off.
 """
@@ -15,14 +33,18 @@ Scores are divided by the calibration temperature stored with the export unless 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
+from rlhf_lit.data.formats import chat_prompt
+from rlhf_lit.data.records import ASSISTANT_MARK, HUMAN_MARK
+from rlhf_lit.data.tokenize import Tokenization, fit_prompt, left_truncate
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
@@ -42,6 +64,8 @@ from rlhf_lit.models.export import (
 )
 from rlhf_lit.models.heads import ScalarHead, score_last_token
 from rlhf_lit.models.tokenizer import load_tokenizer
+
+log = logging.getLogger("rlhf_lit")
 
 
 @dataclass
@@ -113,14 +137,137 @@ def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> b
     return a is b or (len(a) == len(b) and a.get_vocab() == b.get_vocab())
 
 
+def same_encoding(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """Whether two tokenizers turn the same conversation into the same ids.
+
+    Same vocabulary, same chat template (a different template renders the same messages differently even
+    over one vocabulary), same BOS and EOS ids, and the same special tokens added to plain text.
+    """
+    if a is b:
+        return True
+    probe = "Hello there"
+    return (
+        same_vocabulary(a, b)
+        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+        and (a.bos_token_id, a.eos_token_id) == (b.bos_token_id, b.eos_token_id)
+        and a(probe)["input_ids"] == b(probe)["input_ids"]
+    )
+
+
+@dataclass
+class RewardInputFormat:
+    """How a reward model's training sequences were built (``input_format`` in its ``rlhf_lit.json``).
+
+    Args:
+        chat_template: text prompts were rendered as a chat with its tokenizer's chat template (message
+            lists always are).
+        append_eos: its EOS was appended to every response.
+    """
+
+    chat_template: bool = False
+    append_eos: bool = True
+
+    @classmethod
+    def from_meta(cls, meta: dict | None) -> RewardInputFormat:
+        """The format recorded in an export's metadata; the data modules' defaults where none is."""
+        recorded = (meta or {}).get("input_format") or {}
+        return cls(**{k: bool(v) for k, v in recorded.items() if k in ("chat_template", "append_eos")})
+
+
+def _is_hh(text: str) -> bool:
+    return HUMAN_MARK in text or ASSISTANT_MARK in text
+
+
+class RewardInputBuilder:
+    """Builds a reward model's input from a prompt and a response text, the way reward training did.
+
+    Args:
+        tokenizer: the reward model's tokenizer (with its chat template, if any).
+        input_format: how its training sequences were built.
+        max_positions: the reward model's position limit (its config's ``max_position_embeddings``); inputs
+            are cut to it and to the tokenizer's ``model_max_length``.
+
+    The prompt is a string or a list of ``{"role", "content"}`` messages (a canonical record's prompt).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        input_format: RewardInputFormat,
+        max_positions: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.input_format = input_format
+        limits = [n for n in (tokenizer.model_max_length, max_positions) if n and n < 10**6]
+        self.max_length = int(min(limits)) if limits else None
+        eos = input_format.append_eos and tokenizer.eos_token_id is not None
+        length = self.max_length or 1 << 30
+        self._with_eos = Tokenization(tokenizer, length, min_prompt_tokens=0, append_eos=eos)
+        self._without_eos = Tokenization(tokenizer, length, min_prompt_tokens=0, append_eos=False)
+
+    def renders_chat(self, prompt: str | list[dict]) -> bool:
+        return not isinstance(prompt, str) or self.input_format.chat_template
+
+    def texts(self, prompt: str | list[dict], response: str, stopped: bool) -> tuple[str, str, bool]:
+        """``(prompt_text, response_text, rendered)``: what reward training would encode for this pair, the
+        closing end-of-turn text left out of a response that did not stop."""
+        tok = self._with_eos
+        if not self.renders_chat(prompt):
+            return prompt, response, False
+        messages = list(prompt) if not isinstance(prompt, str) else chat_prompt(prompt, _is_hh(prompt))
+        content = response.strip()  # chat contents are stripped, as in the data modules
+        prompt_text, response_text, _ = tok.render(messages, {"role": "assistant", "content": content})
+        if response_text is None:
+            raise ValueError(
+                "reward model: its chat template's rendering of the prompt is not a prefix of the rendering "
+                "of prompt + response, so the response cannot be placed (no_response_boundary)"
+            )
+        if not stopped:  # the assistant turn as far as it goes: the template's text before the content
+            marker = "\u2063rlhf_lit\u2063"
+            _, probe, _ = tok.render(messages, {"role": "assistant", "content": marker})
+            response_text = probe[: probe.rindex(marker)] + content
+        return prompt_text, response_text, True
+
+    def encode(self, prompt: str | list[dict], response: str, stopped: bool) -> list[int]:
+        """The reward model's ids for one (prompt, response) pair.
+
+        Args:
+            prompt: the prompt as the data gave it.
+            response: the response text, without its stop token.
+            stopped: the response ended with a stop token (only then is EOS appended).
+
+        Returns:
+            Prompt ids + response ids, cut from the left to the tokenizer's ``model_max_length``.
+        """
+        prompt_text, response_text, rendered = self.texts(prompt, response, stopped)
+        tok = self._with_eos if stopped else self._without_eos
+        prompt_ids = tok.encode_prompts([prompt_text], [rendered])[0]
+        response_ids = tok.encode_responses([response_text])[0]
+        if self.max_length is None or len(prompt_ids) + len(response_ids) <= self.max_length:
+            return prompt_ids + response_ids
+        bos = self.tokenizer.bos_token_id
+        keep_first = bool(prompt_ids) and bos is not None and prompt_ids[0] == bos
+        cut = fit_prompt(
+            prompt_ids, [len(response_ids)], self.max_length, min_prompt_tokens=0, keep_first=keep_first
+        )
+        if cut is not None:
+            return cut + response_ids
+        return left_truncate(prompt_ids + response_ids, self.max_length)
+
+
 class RewardSource(torch.nn.Module):
-    """Scores (prompt, response) batches for PPO, in either mode.
+    """Scores (prompt, response) batches for PPO, in either mode (see the module docstring for the input).
 
     Args:
         cfg: the reward-model config.
         policy_tokenizer: the policy's tokenizer.
         policy_lm: the policy's ``AdaptedLM`` (``adapter`` mode loads the reward adapter onto it).
         policy_base: the policy's backbone config (``adapter`` mode checks the reward model's base).
+
+    Attributes:
+        same_tokenizer: the reward model encodes text as the policy does (``same_encoding``), so the policy's
+            ids are scored as they are (unless a prompt needs a chat rendering the policy did not apply).
+        input_builder: rebuilds the reward model's input from text (``RewardInputBuilder``).
 
     Raises:
         ValueError: ``adapter`` mode with a reward model trained on another base, or without an adapter.
@@ -138,11 +285,13 @@ class RewardSource(torch.nn.Module):
         self.policy_tokenizer = policy_tokenizer
         self.scorer: RewardScorer | None = None
         self._policy_lm = [policy_lm]  # a list, so the shared base is not registered twice as a submodule
+        meta = read_meta(cfg.path) if cfg.path and os.path.exists(os.path.join(cfg.path, META_FILE)) else None
         if cfg.mode == "adapter":
             meta = read_meta(cfg.path)
             _check_same_base(cfg.path, meta, policy_base)
             if not meta.get("has_adapter"):
                 raise ValueError(f"{cfg.path!r} has no LoRA adapter; use reward_model.mode: separate")
+            # loaded frozen, its LoRA dropout set to 0 (AdaptedLM.add_saved_adapter)
             policy_lm.add_saved_adapter(os.path.join(cfg.path, "adapter"), "reward")
             self.head = ScalarHead(hidden_size(policy_lm.model))
             self.head.linear.load_state_dict(load_file(os.path.join(cfg.path, HEAD_FILE)))
@@ -152,15 +301,20 @@ class RewardSource(torch.nn.Module):
         else:
             if cfg.backbone is not None:
                 self.scorer = untrained_scorer(cfg.backbone)
-            elif os.path.exists(os.path.join(cfg.path, META_FILE)):
+            elif meta is not None:
                 self.scorer = load_reward_model(cfg.path, dtype=cfg.dtype, load_in_4bit=cfg.load_in_4bit)
             else:
                 self.scorer = load_sequence_classifier(cfg.path)
             self.tokenizer = self.scorer.tokenizer
-            # Dropout is 0 in every reward backbone, so train and eval mode compute the same numbers; train
+            # Every dropout p is 0 in a RewardScorer, so train and eval mode compute the same numbers; train
             # mode keeps the whole module in one mode under Lightning.
             self.scorer.train()
-        self.same_tokenizer = same_vocabulary(self.tokenizer, policy_tokenizer)
+        self.same_tokenizer = same_encoding(self.tokenizer, policy_tokenizer)
+        self.input_builder = RewardInputBuilder(
+            self.tokenizer, RewardInputFormat.from_meta(meta), _max_positions(self.scorer or policy_lm)
+        )
+        self._warned_no_prompts = False
+        self._turn_end: str | None = None
 
     @property
     def temperature_value(self) -> float:
@@ -174,17 +328,39 @@ class RewardSource(torch.nn.Module):
         prompt_mask: torch.Tensor,
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
+        has_stop: torch.Tensor | None = None,
+        prompts: list[Any] | None = None,
     ) -> torch.Tensor:
         """Reward-model scores of ``(B, P)`` left-padded prompts and ``(B, R)`` right-padded responses.
+
+        Args:
+            prompt_ids: ``(B, P)`` the policy's prompt ids, left padded.
+            prompt_mask: ``(B, P)``, 1 = real token.
+            response_ids: ``(B, R)`` the sampled responses, right padded.
+            response_mask: ``(B, R)``, True up to and including the first stop token.
+            has_stop: ``(B,)`` bool, the response ended with a stop token (``sample_responses``); default:
+                its last real token is the policy's EOS.
+            prompts: the B prompts as the data gave them (strings or message lists; ``batch["prompt"]``),
+                needed when the input is rebuilt; default: the prompt ids decoded with special tokens kept,
+                scored as text.
 
         Returns:
             ``(B,)`` float32 scores (divided by the calibration temperature when ``calibrated``).
         """
-        if self.same_tokenizer:
+        if has_stop is None:
+            has_stop = self._ends_with_eos(response_ids, response_mask)
+        # a text prompt the policy saw as text, for a reward model trained on chat renderings of text prompts
+        text_for_chat = self.input_builder.input_format.chat_template and any(
+            isinstance(p, str) for p in prompts or []
+        )
+        rebuild = not self.same_tokenizer or text_for_chat
+        if rebuild:
+            ids, mask = self._reencode(
+                prompt_ids, prompt_mask, response_ids, response_mask, has_stop, prompts
+            )
+        else:
             ids = torch.cat([prompt_ids, response_ids], dim=1)
             mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-        else:
-            ids, mask = self._reencode(prompt_ids, prompt_mask, response_ids, response_mask)
         if self.scorer is not None:
             raw = self.scorer.score(ids, mask, calibrated=False)
         else:
@@ -193,31 +369,92 @@ class RewardSource(torch.nn.Module):
                 raw = score_last_token(self.head, lm.hidden_states(ids, mask), mask)
         return raw / self.temperature_value
 
-    def _reencode(self, prompt_ids, prompt_mask, response_ids, response_mask):
-        """Decode with the policy tokenizer, encode with the reward model's (its EOS appended)."""
-        src, dst = self.policy_tokenizer, self.tokenizer
-        rows = []
-        for p_ids, p_mask, r_ids, r_mask in zip(
-            prompt_ids, prompt_mask.bool(), response_ids, response_mask.bool()
-        ):
-            prompt = src.decode(p_ids[p_mask].tolist(), skip_special_tokens=True)
-            response = src.decode(r_ids[r_mask].tolist(), skip_special_tokens=True)
-            encoded = (
-                dst(prompt, add_special_tokens=True)["input_ids"]
-                + dst(response, add_special_tokens=False)["input_ids"]
+    def _ends_with_eos(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        eos = self.policy_tokenizer.eos_token_id
+        mask = response_mask.bool()
+        last = (mask.long().cumsum(-1) * mask).argmax(-1)
+        tokens = response_ids.gather(1, last[:, None]).squeeze(1)
+        return mask.any(-1) & (tokens == eos) if eos is not None else torch.zeros_like(mask[:, 0])
+
+    def response_texts(
+        self, response_ids: torch.Tensor, response_mask: torch.Tensor, has_stop: torch.Tensor
+    ) -> list[str]:
+        """The responses as text (policy tokenizer, special tokens kept, the stop token left out)."""
+        texts = []
+        for ids, mask, stopped in zip(response_ids, response_mask.bool(), has_stop.bool().tolist()):
+            real = ids[mask].tolist()
+            texts.append(self._decode(real[:-1] if stopped and real else real))
+        return texts
+
+    def _without_turn_end(self, response: str) -> tuple[str, bool]:
+        """A chat response without the policy's own end-of-turn text (e.g. ChatML's ``<|im_end|>``), which
+        the reward model's template writes itself; and whether the policy had closed its turn."""
+        if self._turn_end is None:
+            self._turn_end = ""
+            template = getattr(self.policy_tokenizer, "chat_template", None)
+            if template:
+                marker = "\u2063rlhf_lit\u2063"
+                messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+                text = self.policy_tokenizer.apply_chat_template(messages, tokenize=False)
+                self._turn_end = text[text.rindex(marker) + len(marker) :].strip()
+        end = self._turn_end
+        stripped = response.rstrip()
+        if end and stripped.endswith(end):
+            return stripped[: -len(end)], True
+        return response, False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.policy_tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def _prompt_texts(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
+        if not self._warned_no_prompts:
+            log.warning(
+                "reward model: no prompt records given (batch['prompt']), so its input is rebuilt from the "
+                "policy's decoded prompt ids, scored as plain text (a chat prompt keeps the policy's "
+                "template)"
             )
-            if dst.eos_token_id is not None:
-                encoded.append(dst.eos_token_id)
-            rows.append(encoded[-(dst.model_max_length if dst.model_max_length < 10**6 else len(encoded)) :])
+            self._warned_no_prompts = True
+        bos = self.policy_tokenizer.bos_token_id
+        texts = []
+        for ids, mask in zip(prompt_ids, prompt_mask.bool()):
+            real = ids[mask].tolist()
+            texts.append(self._decode(real[1:] if real and bos is not None and real[0] == bos else real))
+        return texts
+
+    def _reencode(self, prompt_ids, prompt_mask, response_ids, response_mask, has_stop, prompts):
+        """The reward model's ``(B, T')`` ids and mask (right padded) for each (prompt, response) row."""
+        if prompts is not None and len(prompts) != prompt_ids.shape[0]:
+            raise ValueError(f"reward model: {len(prompts)} prompts for {prompt_ids.shape[0]} responses")
+        if prompts is None or any(p is None for p in prompts):
+            decoded = self._prompt_texts(prompt_ids, prompt_mask)
+            prompts = (
+                decoded if prompts is None else [d if p is None else p for p, d in zip(prompts, decoded)]
+            )
+        responses = self.response_texts(response_ids, response_mask, has_stop)
+        rows = []
+        for prompt, response, stopped in zip(prompts, responses, has_stop.tolist()):
+            if self.input_builder.renders_chat(prompt):
+                response, closed = self._without_turn_end(response)
+                stopped = stopped or closed
+            rows.append(self.input_builder.encode(prompt, response, bool(stopped)))
         width = max(len(r) for r in rows)
-        pad = dst.pad_token_id if dst.pad_token_id is not None else 0
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = 1
         device = prompt_ids.device
         return ids.to(device), mask.to(device)
+
+
+def _max_positions(module: torch.nn.Module) -> int | None:
+    lm = module.lm if isinstance(module, RewardScorer) else module
+    config = getattr(lm.model, "config", None)
+    value = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(value) if value else None
 
 
 def _check_same_base(path: str, meta: dict, policy_base: BackboneConfig | None) -> None:

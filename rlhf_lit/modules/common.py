@@ -1,4 +1,5 @@
-"""Pieces the three stage modules share: optimizer settings, schedulers, data reports, peak memory."""
+"""Pieces the three stage modules share: optimizer settings, schedulers, data reports, peak memory, and the
+weighting that makes a mean loss exact under gradient accumulation and several processes."""
 
 from __future__ import annotations
 
@@ -124,3 +125,59 @@ def peak_memory_mb() -> float:
         return torch.cuda.max_memory_allocated() / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+class AccumulatedMean:
+    """Makes the gradient of an optimizer step that of the mean over ALL its units (tokens, pairs).
+
+    A stage loss is a mean over the units of a batch (``sft_nll``: label tokens). Lightning averages the
+    micro-batches of ``accumulate_grad_batches`` (it divides each loss by k), and DDP / FSDP average the
+    ranks, so the step would get a mean of per-micro-batch means, which over-weights the units of short
+    micro-batches (38% off on a case with uneven response lengths). Here micro-batch ``m`` of rank ``r``
+    returns ``mean_{r,m} * n_{r,m} / c`` (``scale``), with ``c`` = the mean units per rank of the window's
+    first micro-batch (the same on every rank, and ~1 per unit); once the window is complete its gradient is
+    ``(1 / (k W c)) sum n ∇mean``, and ``rescale_gradients`` (from ``on_before_optimizer_step``) multiplies
+    it by ``k W c / N`` with ``N`` the window's units on all ranks: the result is ``(1 / N) sum_{r,m} n_{r,m}
+    ∇mean_{r,m}``, the gradient of the full-batch mean. One micro-batch on one process: the plain mean,
+    factor 1. Callbacks' ``on_before_optimizer_step`` run before the module's and see the gradient before
+    this rescaling.
+    """
+
+    def __init__(self) -> None:
+        self._unit: float | None = None
+        self._window_units = 0.0
+
+    def scale(self, module: L.LightningModule, loss: torch.Tensor, num_units: int) -> torch.Tensor:
+        """The micro-batch's mean ``loss`` over its ``num_units``, weighted for the window (one all-reduce of
+        the unit count under several processes)."""
+        trainer = module._trainer
+        world_size = trainer.world_size if trainer is not None else 1
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        if world_size == 1 and accumulate == 1:
+            return loss
+        units = torch.tensor(float(num_units), device=loss.device)
+        total = trainer.strategy.reduce(units.clone(), reduce_op="sum") if world_size > 1 else units
+        total = float(total)
+        if self._unit is None:  # the window's first micro-batch
+            self._unit = max(total / world_size, 1.0)
+            self._window_units = 0.0
+        self._window_units += total
+        return loss * (num_units / self._unit)
+
+    def rescale_gradients(self, module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """Turn the window's accumulated gradient into that of the mean over all its units; call from
+        ``on_before_optimizer_step`` (after the last backward of the window, before clipping)."""
+        if self._unit is None:
+            return
+        trainer = module.trainer
+        factor = (
+            trainer.accumulate_grad_batches * trainer.world_size * self._unit / max(self._window_units, 1.0)
+        )
+        self._unit = None
+        if abs(factor - 1.0) < 1e-12:
+            return
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(factor)

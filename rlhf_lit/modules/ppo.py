@@ -92,7 +92,9 @@ class PPOModule(L.LightningModule):
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
-            actor adapter's LoRA settings (required: the reference is the base with adapters off).
+            actor adapter's LoRA settings (required: the reference is the base with adapters off). An SFT
+            export that holds only an adapter (a QLoRA SFT) is loaded as its base plus that adapter, frozen
+            and kept on beneath actor and critic and in the reference, so the reference is the SFT policy.
         reward_model: the frozen reward model (a separate model or an adapter on this base).
         sampling: how responses are sampled.
         ppo: the PPO update and GAE settings.
@@ -307,7 +309,9 @@ class PPOModule(L.LightningModule):
         ref_logprobs, old_logprobs, old_values = self._experience_forwards(input_ids, attention_mask, P)
 
         # 4. reward-model scores, missing-EOS penalty, normalisation and clipping
-        raw_scores = self.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+        raw_scores = self.reward_source.score(
+            prompt_ids, prompt_mask, response_ids, response_mask, has_stop, batch.get("prompt")
+        )
         scores = raw_scores.clone()
         if self.shaping.missing_eos_penalty is not None and self.stop_ids:
             scores = scores - self.shaping.missing_eos_penalty * (~has_stop).float()

@@ -8,7 +8,9 @@ Loss per pair (Bradley & Terry 1952; Ouyang et al. 2022 eq. 1), with d = r_chose
 Two optional terms: ``beta_rm * NLL(chosen response)``, the language-modelling imitation term of the
 MOSS-RLHF reward model (Zheng et al. 2023, "Secrets of RLHF ... Part I", section 4), and
 ``center_rewards_coef * mean((r_chosen + r_rejected)^2)``, which keeps rewards centred on 0
-(Eisenstein et al. 2023).
+(Eisenstein et al. 2023). Means are over the pairs of an optimizer step: with ``accumulate_grad_batches``
+or several processes every pair weighs the same even when micro-batches differ in size (an epoch's short
+last batch); the imitation term, a token mean per micro-batch, is weighted by the micro-batch's pairs.
 
 Calibration (Guo et al. 2017): at the end of fit a single temperature T > 0 is fitted on the validation
 pairs by minimising the NLL of sigmoid(d / T); T never changes the ranking. ECE before and after, and the
@@ -41,6 +43,7 @@ from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import ScalarHead, score_last_token
 from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
 from rlhf_lit.modules.common import (
+    AccumulatedMean,
     OptimizerConfig,
     as_config,
     build_optimizer,
@@ -144,6 +147,7 @@ class RewardModule(L.LightningModule):
         self.val_len_rejected = CatMetric()
         self.results: dict = {}
         self._last_val_pass: tuple | None = None
+        self._pair_mean = AccumulatedMean()
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -201,7 +205,12 @@ class RewardModule(L.LightningModule):
         n = chosen.shape[0]
         self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=n)
         self.log(M.TRAIN_ACCURACY, (chosen > rejected).float().mean(), prog_bar=True, batch_size=n)
-        return loss
+        # every pair weighs the same in an optimizer step, also when accumulated micro-batches (an epoch's
+        # short last batch) or ranks hold different numbers of pairs (see AccumulatedMean)
+        return self._pair_mean.scale(self, loss, n)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self._pair_mean.rescale_gradients(self, optimizer)
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
@@ -417,6 +426,13 @@ class RewardModule(L.LightningModule):
             "temperature": float(self.temperature),
             "score_position": "last real token (attention_mask == 1)",
         }
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if hasattr(datamodule, "chat_template") and hasattr(datamodule, "append_eos"):
+            # how the training sequences were built, so that PPO can rebuild them for another tokenizer
+            meta["input_format"] = {
+                "chat_template": bool(datamodule.chat_template),
+                "append_eos": bool(datamodule.append_eos),
+            }
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:

@@ -1,7 +1,10 @@
 """Stage 1: supervised fine-tuning on demonstrations, with the loss on response tokens only.
 
 The loss is the mean negative log-likelihood of the response tokens (EOS included) given the prompt
-(Ouyang et al. 2022, section 3.5); prompt and padding tokens carry label -100 (PITFALLS B16).
+(Ouyang et al. 2022, section 3.5); prompt and padding tokens carry label -100 (PITFALLS B16). The mean is
+over every response token of an optimizer step: with ``accumulate_grad_batches`` and under several
+processes the gradient is that of one batch holding all their tokens (``AccumulatedMean``), not an
+average of per-micro-batch means.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbon
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_lm
 from rlhf_lit.modules.common import (
+    AccumulatedMean,
     OptimizerConfig,
     as_config,
     build_optimizer,
@@ -66,6 +70,7 @@ class SFTModule(L.LightningModule):
         adapters = {"default": backbone.lora} if backbone.lora is not None else None
         self.lm = AdaptedLM(model, adapters)
         self.val_nll = torchmetrics.MeanMetric()
+        self._token_mean = AccumulatedMean()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` ids and mask -> ``(B, T, V)`` logits."""
@@ -111,16 +116,13 @@ class SFTModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, num_tokens = self._loss(batch)
         self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        world_size = self._trainer.world_size if self._trainer is not None else 1
-        if world_size == 1:
-            return loss
-        # Token mean over the GLOBAL batch: DDP/FSDP average the ranks' gradients, so this rank's token mean
-        # is weighted by world_size * its label tokens / all ranks' label tokens (ranks' batches hold
-        # different numbers of response tokens; a plain average of per-rank means would over-weight the
-        # rank with fewer). PPOModule._update does the same.
-        tokens = torch.tensor(float(num_tokens), device=loss.device)
-        global_tokens = self.trainer.strategy.reduce(tokens.clone(), reduce_op="sum").clamp(min=1.0)
-        return loss * (world_size * tokens / global_tokens)
+        # Token mean over everything one optimizer step sees: all accumulated micro-batches of all ranks
+        # (ranks and micro-batches hold different numbers of response tokens; an average of their means would
+        # over-weight the short ones). The weighting is finished in on_before_optimizer_step.
+        return self._token_mean.scale(self, loss, num_tokens)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self._token_mean.rescale_gradients(self, optimizer)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, num_tokens = self._loss(batch)
