@@ -50,6 +50,21 @@ class StageProgressBar(TQDMProgressBar):
             print(f"[{_stage(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
 
 
+def _in_se(change: float, se: float) -> float:
+    """``change / se``; +-inf for a change with no noise, 0 for no change at all."""
+    if se > 0:
+        return change / se
+    return math.copysign(math.inf, change) if change != 0 else 0.0
+
+
+def _shift_se(before: list[float], after: list[float]) -> float:
+    """``mean(after) - mean(before)`` in Welch standard errors, ``sqrt(var_a / n_a + var_b / n_b)`` (sample
+    variances), e.g. before ``[0, 1, 2]``, after ``[3, 4, 5]``: shift 3, se ``sqrt(1/3 + 1/3)`` = 0.8165 -> 3.67."""
+    b, a = torch.tensor(before, dtype=torch.float64), torch.tensor(after, dtype=torch.float64)
+    se = math.sqrt(float(b.var() / b.numel() + a.var() / a.numel()))
+    return _in_se(float(a.mean() - b.mean()), se)
+
+
 class RewardHackingMonitor(Callback):
     """Watches a PPO run for reward over-optimisation (Gao et al. 2022) and says so while it happens.
 
@@ -58,7 +73,9 @@ class RewardHackingMonitor(Callback):
     ``monitor/score_trend_se`` (the slope of ``rollout/score_mean`` over the last ``window`` iterations,
     in standard errors; ``rlhf_lit.functional.trend.linear_trend``) and ``monitor/overoptimization``: 1 while
 
-    * the RM score rises (trend > ``num_se``) and a held-out signal falls (trend < -``num_se``), or
+    * the RM score rises and a held-out signal falls, each by more than ``num_se`` standard errors, over
+      the last ``window`` iterations (their trends) or since the first ``window`` iterations (the means
+      of the first and the last ``window``; see ``check``), or
     * the RM score rises and the reference perplexity of the samples (``monitor/ref_perplexity``) exceeds
       ``max_perplexity_ratio`` times its value at the first iteration;
 
@@ -98,27 +115,46 @@ class RewardHackingMonitor(Callback):
     # ------------------------------------------------------------------ the checks
     def _trend_se(self, values: list[float]) -> float:
         slope, se = linear_trend(torch.tensor(values, dtype=torch.float64))
-        if se > 0:
-            return slope / se
-        return math.copysign(math.inf, slope) if slope != 0 else 0.0
+        return _in_se(slope, se)
 
     def check(self, history: list[dict[str, float]]) -> tuple[float, list[str]]:
-        """``(score trend in SE, reasons)`` for the last ``window`` records of ``history`` (no reasons: fine)."""
-        recent = history[-self.window :]
-        if len(recent) < self.window:
+        """``(score trend in SE, reasons)`` for ``history`` (no reasons: nothing to flag).
+
+        Two views, each needing the RM score to rise by more than ``num_se`` standard errors:
+        the trend of the last ``window`` iterations (the score rising while a held-out signal falls
+        now), and, once there are ``2 * window`` iterations, the mean of the last ``window`` against
+        the mean of the first ``window`` (Welch's standard error; the run has made the held-out signal
+        worse than at its start).
+        """
+        w = self.window
+        recent = history[-w:]
+        if len(recent) < w:
             return float("nan"), []
-        score_t = self._trend_se([r[M.ROLLOUT_SCORE_MEAN] for r in recent])
-        if not score_t > self.num_se:
-            return score_t, []
+        score = [r[M.ROLLOUT_SCORE_MEAN] for r in history]
+        score_t = self._trend_se(score[-w:])
+
+        def trend(v: list[float]) -> float:
+            return self._trend_se(v[-w:])
+
+        def shift(v: list[float]) -> float:
+            return _shift_se(v[:w], v[-w:])
+
+        views = [(f"over the last {w} iterations", score_t, trend)]  # (label, RM score rise in SE, change)
+        if len(history) >= 2 * w:
+            views.append((f"since the first {w} iterations", shift(score), shift))
         reasons = []
-        for key in self.heldout:
-            values = [r[key] for r in recent if key in r]
-            if len(values) == self.window:
-                t = self._trend_se(values)
-                if t < -self.num_se:
-                    reasons.append(f"{key} falls ({t:.1f} SE)")
+        for label, rise, change in views:
+            if not rise > self.num_se:
+                continue
+            for key in self.heldout:
+                values = [r.get(key) for r in history]
+                if all(v is not None for v in values[-w:] + values[:w]):
+                    t = change(values)
+                    if t < -self.num_se:
+                        reasons.append(f"{key} falls {label} ({t:.1f} SE; RM score {rise:+.1f} SE)")
         first, last = history[0].get(M.MONITOR_REF_PERPLEXITY), recent[-1].get(M.MONITOR_REF_PERPLEXITY)
-        if self.max_perplexity_ratio is not None and first and last is not None:
+        rising = any(rise > self.num_se for _, rise, _ in views)
+        if rising and self.max_perplexity_ratio is not None and first and last is not None:
             if last / first > self.max_perplexity_ratio:
                 reasons.append(
                     f"reference perplexity {last:.3g} is {last / first:.2f}x its first value "
@@ -144,13 +180,10 @@ class RewardHackingMonitor(Callback):
                 logger.log_metrics(values, step=pl_module.iteration)
             if reasons and not self._flag_up:
                 log.warning(
-                    "PPO iteration %d: possible reward over-optimisation: %s rises (%.1f SE over %d "
-                    "iterations) while %s; consider a lower learning rate, a larger kl.kl_coef or "
-                    "kl.adaptive with a smaller kl.target_kl",
+                    "PPO iteration %d: possible reward over-optimisation: %s rises while %s; consider a "
+                    "lower learning rate, a larger kl.kl_coef or kl.adaptive with a smaller kl.target_kl",
                     pl_module.iteration,
                     M.ROLLOUT_SCORE_MEAN,
-                    score_t,
-                    self.window,
                     "; ".join(reasons),
                 )
         self._flag_up = bool(reasons)
@@ -181,7 +214,8 @@ class RewardHackingMonitor(Callback):
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_figure"):
-                experiment.add_figure("monitor/score_kl_frontier", fig, global_step=pl_module.iteration,
-                                      close=False)
+                experiment.add_figure(
+                    "monitor/score_kl_frontier", fig, global_step=pl_module.iteration, close=False
+                )
         folder = getattr(pl_module, "export_dir", None) or trainer.default_root_dir
         save_figure(fig, os.path.join(folder, "score_kl_frontier.png"))

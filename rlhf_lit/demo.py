@@ -242,10 +242,16 @@ def _reseeded_data_args(stage: str, seed: int) -> list[str]:
     return args
 
 
-# The deliberately over-optimised run: the demo's PPO config without its KL penalty. The reward-hacking
+# The deliberately over-optimised run: the demo's PPO config without its KL penalty and at the learning rate
+# the demo reward-hacked at before (1e-3), for 40 iterations in the shortened pipeline. The reward-hacking
 # monitor (RewardHackingMonitor) should flag it; the report shows what it did to the gold score.
 OVEROPTIMIZED = "ppo_no_kl"
-OVEROPTIMIZED_OVERRIDES = ["--model.init_args.kl.kl_coef=0", "--model.init_args.kl.adaptive=false"]
+OVEROPTIMIZED_OVERRIDES = [
+    "--model.init_args.kl.kl_coef=0",
+    "--model.init_args.kl.adaptive=false",
+    "--model.init_args.optimizer.lr=1e-3",
+]
+OVEROPTIMIZED_FAST_OVERRIDES = ["--model.init_args.ppo.total_iterations=40"]
 
 
 def stage_args(
@@ -273,9 +279,10 @@ def stage_args(
             args.append(f"--model.init_args.backbone.name_or_path={out}/sft/hf")
         if stage == "ppo":
             args.append(f"--model.init_args.reward_model.path={out}/reward/hf")
+    args += FAST_OVERRIDES[stage] if fast else []
     if folder == OVEROPTIMIZED:
-        args += OVEROPTIMIZED_OVERRIDES
-    return args + (FAST_OVERRIDES[stage] if fast else [])
+        args += OVEROPTIMIZED_OVERRIDES + (OVEROPTIMIZED_FAST_OVERRIDES if fast else [])
+    return args
 
 
 def run_stages(
@@ -404,7 +411,7 @@ def _fmt(pair) -> str:
 
 def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool) -> str:
     rm = s["reward_model"]
-    labels = {"sft": "SFT", "ppo": "PPO", OVEROPTIMIZED: "PPO without KL penalty (kl_coef 0)"}
+    labels = {"sft": "SFT", "ppo": "PPO", OVEROPTIMIZED: "PPO without KL penalty (kl_coef 0, lr 1e-3)"}
     lines = [
         f"# rlhf_lit demo report: echo task, SFT -> reward model -> PPO (seed {s.get('seed', 0)})",
         "",
@@ -434,7 +441,7 @@ def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool
         lines += [
             "## Over-optimisation on purpose: PPO without its KL penalty",
             "",
-            f"The same PPO config with `kl.kl_coef: 0`: RM score {no_kl['rm_change']:+.3f} from SFT, gold "
+            f"The same PPO config with `kl.kl_coef: 0` and `optimizer.lr: 1e-3`: RM score {no_kl['rm_change']:+.3f} from SFT, gold "
             f"{no_kl['gold_change']:+.3f} ({no_kl['gold_change_in_se']:.1f} standard errors), KL "
             f"{no_kl['kl'][0]:.2f} nats. The reward-hacking monitor flagged "
             + (f"{len(flagged)} iterations, first at iteration {flagged[0]}." if flagged else "no iteration."),
