@@ -28,6 +28,7 @@ from rlhf_lit.data.formats import Fields, prompt_records
 from rlhf_lit.data.records import SkipCounter
 from rlhf_lit.data.sampler import ResumableSampler
 from rlhf_lit.data.tokenize import Tokenization
+from rlhf_lit.errors import ConfigError
 
 __all__ = ["PromptDataModule"]
 
@@ -202,17 +203,21 @@ class PromptDataModule(RLHFDataModule):
         """Resume: the next training pass continues the order after the saved number of batches.
 
         Raises:
-            ValueError: if seed, batch size or the number of training prompts differ from the saved
+            ConfigError: if seed, batch size or the number of training prompts differ from the saved
                 run (the order could not be reproduced).
         """
         if not state_dict:
             return
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.state.fn not in (None, "fit"):
+            return  # validate / test / predict from a checkpoint: there is no training order to resume
         for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
                           ("num_train_prompts", len(self.train_dataset) if self.train_dataset is not None else -1)):
             saved = state_dict.get(key)
             if saved is not None and mine != -1 and saved != -1 and saved != mine:
-                raise ValueError(
-                    f"cannot resume the prompt order exactly: {key} was {saved} in the checkpoint but is {mine} now"
+                raise ConfigError(
+                    f"cannot resume the prompt order exactly: {key} was {saved} in the checkpoint but is {mine} "
+                    "now; resume with the data settings (files, val_size, batch_size, seed) of the interrupted run"
                 )
         consumed = int(state_dict["batches_consumed_total"])
         per_epoch = self._batches_per_epoch()

@@ -114,6 +114,7 @@ class RewardModule(L.LightningModule):
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
             plain_hparams(
+                type(self),
                 backbone=backbone,
                 optimizer=optimizer,
                 label_smoothing=label_smoothing,
