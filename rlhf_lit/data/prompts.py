@@ -53,8 +53,10 @@ class PromptDataModule(RLHFDataModule):
 
     * ``explicit`` -- a ``prompt`` string field (files of bare JSON strings are read as ``prompt``);
       optional ``reference_field``.
+    * ``alpaca`` -- ``instruction`` and optional ``input``, in the HH transcript form (as in SFT).
     * ``messages`` -- a message list rendered with the chat template and the generation prompt (a
       trailing assistant message is dropped, so SFT conversations can be reused).
+    * ``sharegpt`` -- the same from ``conversations`` of ``{"from", "value"}`` messages.
     * ``hh`` -- the prompt part of the ``chosen`` transcript: up to and including the LAST
       ``"\\n\\nAssistant:"`` (or the FIRST, with ``hh_first_turn_only``).
     * ``gsm8k`` -- ``question``, in the HH transcript form ``"\\n\\nHuman: ...\\n\\nAssistant:"``; the
@@ -74,8 +76,13 @@ class PromptDataModule(RLHFDataModule):
         max_train_samples_per_file: keep at most this many training prompts per file (a fixed,
             seeded subset); None keeps all.
         format: the row format; "auto" detects it per file.
-        prompt_field: field holding the prompt (explicit format).
+        prompt_field: field holding the prompt (explicit format); a dotted / indexed path such as
+            ``instances.0.input`` reads nested rows.
+        prompt_template: build the prompt from several fields instead of ``prompt_field``, e.g.
+            ``"{instruction}\n\n{instances.0.input}"`` for self-instruct seed tasks (placeholders are field
+            paths; empty ends are stripped).
         messages_field: field holding the message list (messages format).
+        conversations_field: field holding the ShareGPT message list (sharegpt format).
         reference_field: optional field holding a reference answer (explicit format).
         hh_first_turn_only: for hh, keep only the first human turn (as the shared benchmark does).
         chat_template: render plain prompts as one user message (HH prompts as their turns) with the
@@ -93,7 +100,7 @@ class PromptDataModule(RLHFDataModule):
     """
 
     stage = "prompt"
-    formats = ("explicit", "messages", "hh", "gsm8k")
+    formats = ("explicit", "alpaca", "messages", "sharegpt", "hh", "gsm8k")
 
     def __init__(
         self,
@@ -101,9 +108,11 @@ class PromptDataModule(RLHFDataModule):
         val_files: list[str] | str | None = None,
         val_size: int | float = 0.05,
         max_train_samples_per_file: int | None = None,
-        format: Literal["auto", "explicit", "messages", "hh", "gsm8k"] = "auto",
+        format: Literal["auto", "explicit", "alpaca", "messages", "sharegpt", "hh", "gsm8k"] = "auto",
         prompt_field: str = "prompt",
+        prompt_template: str | None = None,
         messages_field: str = "messages",
+        conversations_field: str = "conversations",
         reference_field: str | None = None,
         hh_first_turn_only: bool = False,
         chat_template: bool = False,
@@ -120,7 +129,8 @@ class PromptDataModule(RLHFDataModule):
         if pad_to_length is not None and max_prompt_length is not None and max_prompt_length > pad_to_length:
             raise ValueError(f"max_prompt_length ({max_prompt_length}) > pad_to_length ({pad_to_length})")
         limit = max_prompt_length if max_prompt_length is not None else pad_to_length
-        fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field)
+        fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field,
+                        conversations=conversations_field, prompt_template=prompt_template)
         super().__init__(
             train_files=train_files, val_files=val_files, val_size=val_size,
             max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
