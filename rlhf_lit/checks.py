@@ -566,11 +566,19 @@ def _check_lengths(stage: str, init: dict, data: dict) -> None:
 
 
 def check_data_fits_model(model: Any, datamodule: Any) -> None:
-    """After the data is read: PPO prompts without a length limit must leave room for the response.
+    """After the data is read: a reward model gets pairs; PPO prompts without a length limit leave room for
+    the response.
 
     Raises:
-        ConfigError: if the longest prompt plus ``sampling.max_new_tokens`` exceeds the policy's positions.
+        ConfigError: if a RewardModule gets unpaired data, or the longest prompt plus
+            ``sampling.max_new_tokens`` exceeds the policy's positions.
     """
+    if getattr(datamodule, "unpaired", False) and _kind(type(model), ("RewardModule",)):
+        raise ConfigError(
+            "data: the preference files hold unpaired (KTO-style) completions, but RewardModule trains on pairs; "
+            "set data.init_args.pair_unpaired: true to pair each desirable completion with the undesirable ones "
+            "of the same prompt"
+        )
     sampling = getattr(model, "sampling", None)
     backbone = getattr(model, "backbone_cfg", None)
     dataset = getattr(datamodule, "train_dataset", None)
