@@ -247,9 +247,13 @@ def _check_ranges(tree: dict, rules: dict[str, Range], prefix: str) -> None:
         parent, _, _ = key.rpartition(".")
         if parent and _get(tree, parent) is None:
             continue  # the whole section is unset: the module's defaults apply
-        sentinel = object()
-        value = _get(tree, key, sentinel) if parent else tree.get(key, sentinel)
-        if value is sentinel:
+        container = _get(tree, parent) if parent else tree
+        last = key.rpartition(".")[2]
+        if isinstance(container, dict) and last in container:
+            value = container[last]
+        elif isinstance(container, (list, tuple)) and last.isdigit() and int(last) < len(container):
+            value = container[int(last)]
+        else:
             continue
         if not rule.allows(value):
             raise ConfigError(f"{prefix}{key} must be {rule.describe()}, got {value!r}")
@@ -518,13 +522,15 @@ def _check_data_file(key: str, spec: str) -> None:
 # ------------------------------------------------------------------------------------------- lengths
 def model_positions(backbone: dict | Any) -> int | None:
     """The most positions (tokens) a backbone's model takes, read from its config (no weights); None if
-    unknown (a hub id not cached offline, or a config without a position limit)."""
+    unknown (a hub id not cached offline, a GGUF file, or a config without a position limit)."""
     from dataclasses import asdict, is_dataclass
 
     from rlhf_lit.models.backbone import BackboneConfig
     from rlhf_lit.planner import _hf_config
 
     spec = asdict(backbone) if is_dataclass(backbone) else dict(backbone or {})
+    if spec.get("gguf_file"):
+        return None  # reading a GGUF file's metadata takes seconds (its whole vocabulary); the load will tell
     try:
         config, _ = _hf_config(BackboneConfig(**{**spec, "lora": None}), None)
     except Exception:  # noqa: BLE001 - unknown here; the model load will say what is wrong

@@ -92,10 +92,15 @@ class RLHFCLI(LightningCLI):
             check_data_fits_model(self.model, self.datamodule)
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+        defaults = self.trainer_defaults
+        if self._get(self.config, "trainer", {}).get("enable_progress_bar") is False:  # no StageProgressBar then
+            self.trainer_defaults = {k: v for k, v in defaults.items() if k != "callbacks"}
         try:
             return super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as err:  # Lightning's checks of the trainer settings
             raise ConfigError(f"trainer: {str(err).strip().splitlines()[0]}") from err
+        finally:
+            self.trainer_defaults = defaults
 
 
 def _options(parser, args) -> list[str]:
