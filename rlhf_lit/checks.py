@@ -321,6 +321,8 @@ def check_ckpt_path(config: Any) -> None:
 
 
 def _diff(mine: Any, theirs: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    if mine is None and isinstance(theirs, dict):
+        return  # a section the config leaves unset: the module filled in its defaults
     if isinstance(mine, dict) and isinstance(theirs, dict):
         for key in mine:
             if key in theirs and not key.startswith("_"):

@@ -25,7 +25,7 @@ SMALL = [
 ]
 
 
-def test_max_steps_stops_ppo_where_the_progress_bar_says_and_validate_scores_the_checkpoint(tmp_path):
+def test_max_steps_stops_ppo_where_the_progress_bar_says_and_validate_scores_the_checkpoint(tmp_path, caplog):
     with in_repo_root(), one_thread():
         cli = cli_main(["fit", *SMALL, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6",
                         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -37,6 +37,7 @@ def test_max_steps_stops_ppo_where_the_progress_bar_says_and_validate_scores_the
 
         validated = cli_main(["validate", *SMALL, f"--trainer.default_root_dir={tmp_path}",
                               "--data.init_args.val_size=8", "--ckpt_path", str(tmp_path / "ck" / "last.ckpt")])
+        assert "rebuilt with the checkpoint's settings" not in caplog.text  # the same config: nothing differs
         model, batch = validated.model, next(iter(validated.datamodule.val_dataloader()))
         logged = []
         model.log = lambda name, value, **kwargs: logged.append((name, float(value)))
