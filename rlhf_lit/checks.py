@@ -361,6 +361,9 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
             f"data.class_path: {stage} trains on {_STAGE_DATA[stage]} data, but the config gives {data_kind}; "
             f"use rlhf_lit.data.{_STAGE_DATA[stage]}"
         )
+    for key in ("backbone", "reward_model.backbone"):
+        if isinstance(_get(init, key), dict):
+            _check_backbone(f"model.init_args.{key}", _get(init, key))
     if stage == "PPOModule":
         _check_ppo(init, data_init, trainer)
     roots = _config_roots(config)
@@ -368,6 +371,19 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
     if stage:
         _check_lengths(stage, init, data_init)
     _check_outputs(init, trainer, subcommand)
+
+
+def _check_backbone(key: str, backbone: dict) -> None:
+    """What ``BackboneConfig`` would refuse when the model is built, said before (with the config key)."""
+    from rlhf_lit.models.backbone import _DTYPES
+
+    if (backbone.get("name_or_path") is None) == (backbone.get("tiny") is None):
+        raise ConfigError(f"{key}: give exactly one of 'name_or_path' (a folder, hub id or pypi:<package>) and 'tiny'")
+    if backbone.get("dtype", "float32") not in _DTYPES:
+        raise ConfigError(f"{key}.dtype must be one of {sorted(_DTYPES)}, got {backbone.get('dtype')!r}")
+    tiny = backbone.get("tiny")
+    if tiny is not None and not isinstance(tiny, dict):
+        raise ConfigError(f"{key}.tiny must be a transformers config dict (e.g. {{model_type: gpt2, n_layer: 2}})")
 
 
 def _check_data_settings(kind: str, data: dict) -> None:

@@ -176,6 +176,9 @@ def test_max_steps_of_whole_iterations_is_accepted():
     "stage, changes, expected",
     [
         ("SFTModule", {"data.init_args.max_length": 600}, r"max_length \(600\) exceeds the model's 512 positions"),
+        ("SFTModule", {"model.init_args.backbone.name_or_path": "gpt2"},
+         "model.init_args.backbone: give exactly one of 'name_or_path'"),
+        ("RewardModule", {"model.init_args.backbone.dtype": "float8"}, "backbone.dtype must be one of"),
         ("RewardModule", {"data.init_args.val_size": 2.5}, "val_size must be a fraction in .0, 1. or a whole row count"),
         ("RewardModule", {"data.init_args.min_prompt_tokens": 384}, r"min_prompt_tokens \(384\) must be < max_length \(384\)"),
         ("RewardModule", {"data.class_path": "rlhf_lit.data.SFTDataModule"}, "RewardModule trains on PreferenceDataModule"),
