@@ -260,6 +260,12 @@ def detect_format(stage: str, first_row: dict[str, Any], fields: Fields, where: 
     templated = fields.prompt_template is not None and all(
         f.split(".")[0] in first_row for f in template_fields(fields.prompt_template)
     )
+    if stage != "preference" and not templated and "instruction" in keys and "instances" in keys:
+        raise DataFormatError(
+            f"{where} looks like self-instruct seed tasks (instruction + instances[]): reading only `instruction` "
+            'would drop the instance input; set prompt_template: "{instruction}\\n\\n{instances.0.input}"'
+            + (" and response_field: instances.0.output" if stage == "sft" else "")
+        )
     if templated and stage == "prompt":
         return "explicit"  # the template builds the prompt: the explicit format with a template
     if templated and stage == "sft" and (has(fields.response) or has(fields.completion)):

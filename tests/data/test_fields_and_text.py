@@ -3,7 +3,9 @@ pairs that differ only in whitespace."""
 
 from __future__ import annotations
 
-from rlhf_lit.data import PreferenceDataModule, PromptDataModule, SFTDataModule
+import pytest
+
+from rlhf_lit.data import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
 from rlhf_lit.data.formats import get_path, template_fields
 from rlhf_lit.data.records import as_hh_prompt, looks_like_hh
 
@@ -34,6 +36,8 @@ SELF_INSTRUCT = [
 
 def test_self_instruct_prompts_keep_the_instance_input_through_a_template(tok, write_jsonl):
     path = write_jsonl(SELF_INSTRUCT, "seed_tasks.jsonl")
+    with pytest.raises(DataFormatError, match=r"seed_tasks.jsonl looks like self-instruct seed tasks.*prompt_template"):
+        build(PromptDataModule, path, tok)  # never the instruction alone, silently
     dm = build(PromptDataModule, path, tok, prompt_template="{instruction}\n\n{instances.0.input}")
     prompts = [tok.decode(e["prompt_ids"]) for e in dm.train_dataset]
     assert prompts == ["Sort the numbers.\n\n3, 1, 2", "Tell a joke."]  # the empty input leaves no blank lines
@@ -95,3 +99,17 @@ def test_prompt_completion_rows_train_sft_and_alpaca_prompts(tok, write_jsonl):
     alpaca = write_jsonl([{"instruction": "Add.", "input": "2 and 2", "output": "4"}], "alpaca.jsonl")
     prompts = build(PromptDataModule, alpaca, tok)
     assert tok.decode(prompts.train_dataset[0]["prompt_ids"]) == "\n\nHuman: Add.\n\n2 and 2\n\nAssistant:"
+
+
+def test_the_real_self_instruct_seed_tasks_through_the_template(tok, shared_data):
+    import json
+
+    path = shared_data / "sft" / "self_instruct_seed_tasks.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    dm = build(PromptDataModule, str(path), tok, prompt_template="{instruction}\n\n{instances.0.input}",
+               shuffle=False)
+    assert len(dm.train_dataset) == len(rows) == 175
+    with_input = [i for i, r in enumerate(rows) if r["instances"][0]["input"].strip()]
+    assert with_input  # the file does have instance inputs; each one reaches its prompt
+    for i in with_input:
+        assert tok.decode(dm.train_dataset[i]["prompt_ids"]).endswith(rows[i]["instances"][0]["input"].strip())
