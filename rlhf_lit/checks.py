@@ -378,12 +378,16 @@ def _check_backbone(key: str, backbone: dict) -> None:
     from rlhf_lit.models.backbone import _DTYPES
 
     if (backbone.get("name_or_path") is None) == (backbone.get("tiny") is None):
-        raise ConfigError(f"{key}: give exactly one of 'name_or_path' (a folder, hub id or pypi:<package>) and 'tiny'")
+        raise ConfigError(
+            f"{key}: give exactly one of 'name_or_path' (a folder, hub id or pypi:<package>) and 'tiny'"
+        )
     if backbone.get("dtype", "float32") not in _DTYPES:
         raise ConfigError(f"{key}.dtype must be one of {sorted(_DTYPES)}, got {backbone.get('dtype')!r}")
     tiny = backbone.get("tiny")
     if tiny is not None and not isinstance(tiny, dict):
-        raise ConfigError(f"{key}.tiny must be a transformers config dict (e.g. {{model_type: gpt2, n_layer: 2}})")
+        raise ConfigError(
+            f"{key}.tiny must be a transformers config dict (e.g. {{model_type: gpt2, n_layer: 2}})"
+        )
 
 
 def _check_data_settings(kind: str, data: dict) -> None:

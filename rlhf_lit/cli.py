@@ -93,7 +93,9 @@ class RLHFCLI(LightningCLI):
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         defaults = self.trainer_defaults
-        if self._get(self.config, "trainer", {}).get("enable_progress_bar") is False:  # no StageProgressBar then
+        if (
+            self._get(self.config, "trainer", {}).get("enable_progress_bar") is False
+        ):  # no StageProgressBar then
             self.trainer_defaults = {k: v for k, v in defaults.items() if k != "callbacks"}
         try:
             return super().instantiate_trainer(**kwargs)
@@ -226,6 +228,12 @@ def _dispatch(argv: list[str]) -> None:
         )
     if argv and argv[0] == "plan":  # the memory planner: reads configs, loads no weights
         from rlhf_lit.planner import main as plan_main
+
+        for flag, value in zip(argv, argv[1:]):
+            if flag == "--config" and not os.path.isfile(value):
+                raise ConfigError(
+                    f"plan: --config {value}: no such config file (resolved to {os.path.abspath(value)})"
+                )
 
         plan_main(argv[1:])
         return

@@ -51,7 +51,10 @@ def _pins(repo_root) -> dict[str, Version]:
 
 
 def test_the_check_catches_a_range_that_allows_a_compromised_release():
-    loose = {"lightning": Requirement("lightning>=2.5,<2.7"), "pytorch-lightning": Requirement("pytorch-lightning")}
+    loose = {
+        "lightning": Requirement("lightning>=2.5,<2.7"),
+        "pytorch-lightning": Requirement("pytorch-lightning"),
+    }
     assert allowed_compromised(loose) == [f"{n}=={v}" for n, vs in COMPROMISED.items() for v in vs]
     assert allowed_compromised({}) == allowed_compromised(loose)  # no range at all allows everything
 

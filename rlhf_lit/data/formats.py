@@ -141,7 +141,9 @@ class Row:
         self.row, self.where, self.index = row, where, index
 
     def error(self, field: str, problem: str) -> DataFormatError:
-        return DataFormatError(f"malformed data in {self.where}: row {self.index + 1}: field {field!r} {problem}")
+        return DataFormatError(
+            f"malformed data in {self.where}: row {self.index + 1}: field {field!r} {problem}"
+        )
 
     def get(self, field: str) -> Any:
         return get_path(self.row, field)
@@ -158,7 +160,9 @@ class Row:
         if value is None:
             raise SkipRow("missing_field")
         if not isinstance(value, bool):
-            raise self.error(field, f"should be a boolean (true = desirable), got {type(value).__name__} {value!r}")
+            raise self.error(
+                field, f"should be a boolean (true = desirable), got {type(value).__name__} {value!r}"
+            )
         return value
 
     def prompt_text(self, fields: Fields) -> str | None:
@@ -169,7 +173,9 @@ class Row:
         def fill(match: re.Match) -> str:
             value = self.get(match[1])
             if value is not None and not isinstance(value, (str, int, float)):
-                raise self.error(match[1], f"should be text for the prompt template, got {type(value).__name__}")
+                raise self.error(
+                    match[1], f"should be text for the prompt template, got {type(value).__name__}"
+                )
             return "" if value is None else str(value)
 
         escaped = fields.prompt_template.replace("{{", "\0").replace("}}", "\1")
@@ -186,16 +192,24 @@ class Row:
         if isinstance(value, dict):
             value = [value]
         if not isinstance(value, list):
-            raise self.error(field, f'should be a list of {{"role": str, "content": str}} messages, got {type(value).__name__}')
+            raise self.error(
+                field,
+                f'should be a list of {{"role": str, "content": str}} messages, got {type(value).__name__}',
+            )
         out = []
         for position, message in enumerate(value, 1):
             if not isinstance(message, dict):
-                raise self.error(field, f"message {position} should be an object, got {type(message).__name__}")
-            role_key, content_key = ("role", "content") if "role" in message or "content" in message else ("from", "value")
+                raise self.error(
+                    field, f"message {position} should be an object, got {type(message).__name__}"
+                )
+            role_key, content_key = (
+                ("role", "content") if "role" in message or "content" in message else ("from", "value")
+            )
             role, content = message.get(role_key), message.get(content_key)
             if not isinstance(role, str) or not (content is None or isinstance(content, str)):
                 raise self.error(
-                    field, f'message {position} should have a string "{role_key}" and "{content_key}", got {message!r:.80}'
+                    field,
+                    f'message {position} should have a string "{role_key}" and "{content_key}", got {message!r:.80}',
                 )
             mapped = ROLE_ALIASES.get(role.strip().lower())
             if mapped is None:

@@ -128,8 +128,16 @@ def preference_records(
 
     def convert(row: Row):
         if fmt == "ranked":
-            return _ranked(row, fields, chat, source, row.get(fields.prompt), row.get(fields.responses),
-                           row.get(fields.ranks), weight_ranked_pairs)
+            return _ranked(
+                row,
+                fields,
+                chat,
+                source,
+                row.get(fields.prompt),
+                row.get(fields.responses),
+                row.get(fields.ranks),
+                weight_ranked_pairs,
+            )
         if fmt == "oasst_tree":
             return _oasst_tree(row, fields, chat, source, weight_ranked_pairs)
         meta = {"margin": _margin(row, fields), "source": source, "row": row.index}
@@ -216,8 +224,14 @@ def _ranked(
             prompt_out = prompt
             chosen = join_response(prompt, responses[better], fields.separator)
             rejected = join_response(prompt, responses[worse], fields.separator)
-        record = {"prompt": prompt_out, "chosen": chosen, "rejected": rejected,
-                  "margin": None if margin is None else float(margin), "source": source, "row": row.index}
+        record = {
+            "prompt": prompt_out,
+            "chosen": chosen,
+            "rejected": rejected,
+            "margin": None if margin is None else float(margin),
+            "source": source,
+            "row": row.index,
+        }
         if weight is not None:
             record["weight"] = weight
         out.append(record)
@@ -230,14 +244,20 @@ def _oasst_tree(row: Row, fields: Fields, chat: bool, source: int, weighted: boo
     if root is None:
         return ["missing_field"]
     if not isinstance(root, dict):
-        raise row.error(fields.prompt, f"should be a message tree (an object with 'text' and 'replies'), got {type(root).__name__}")
+        raise row.error(
+            fields.prompt,
+            f"should be a message tree (an object with 'text' and 'replies'), got {type(root).__name__}",
+        )
     out: list = []
     stack: list[tuple[dict, list[Message]]] = [(root, [])]
     while stack:
         node, thread = stack.pop()
         text, role = node.get("text"), node.get("role")
         if not isinstance(text, str) or role not in ("prompter", "assistant"):
-            raise row.error(fields.prompt, f"holds a message without a string 'text' and a role prompter/assistant: {str(node)[:80]}")
+            raise row.error(
+                fields.prompt,
+                f"holds a message without a string 'text' and a role prompter/assistant: {str(node)[:80]}",
+            )
         here = thread + [{"role": "user" if role == "prompter" else "assistant", "content": text}]
         replies = node.get("replies") or []
         if not isinstance(replies, list):
@@ -250,14 +270,18 @@ def _oasst_tree(row: Row, fields: Fields, chat: bool, source: int, weighted: boo
                 raise row.error(fields.prompt, "holds an assistant reply without a string 'text'")
             if not chat:
                 responses = [" " + t.strip() for t in responses]
-            out += _ranked(row, fields, chat, source, prompt, responses, [r.get("rank") for r in answers], weighted)
+            out += _ranked(
+                row, fields, chat, source, prompt, responses, [r.get("rank") for r in answers], weighted
+            )
         stack += [(reply, here) for reply in reversed(replies) if isinstance(reply, dict)]
     return out
 
 
 def _hh_transcript(messages: list[Message]) -> str:
     """A thread in the HH transcript form, ending with the assistant's turn to speak."""
-    turns = "".join(f"\n\n{'Human' if m['role'] == 'user' else 'Assistant'}: {m['content'].strip()}" for m in messages)
+    turns = "".join(
+        f"\n\n{'Human' if m['role'] == 'user' else 'Assistant'}: {m['content'].strip()}" for m in messages
+    )
     return turns + "\n\nAssistant:"
 
 
@@ -291,17 +315,25 @@ def _unpaired(
             prompt = value if isinstance(value, str) else row.messages(fields.prompt, value)
             if not isinstance(completion, str):
                 completion = _side(row, fields.completion, completion)[1]
-        if (blank(prompt) if isinstance(prompt, str) else all(blank(m["content"]) for m in prompt)):
+        if blank(prompt) if isinstance(prompt, str) else all(blank(m["content"]) for m in prompt):
             return "empty_prompt"
         if blank(completion if isinstance(completion, str) else completion["content"]):
             return "empty_response"
         if chat or not isinstance(prompt, str) or not isinstance(completion, str):
             prompt = chat_prompt(prompt) if isinstance(prompt, str) else prompt
-            completion = assistant_message(completion if isinstance(completion, str) else completion["content"])
+            completion = assistant_message(
+                completion if isinstance(completion, str) else completion["content"]
+            )
         else:
             completion = join_response(prompt, completion, fields.separator)
-        return {"prompt": prompt, "response": completion, "label": label, "margin": None,
-                "source": source, "row": row.index}
+        return {
+            "prompt": prompt,
+            "response": completion,
+            "label": label,
+            "margin": None,
+            "source": source,
+            "row": row.index,
+        }
 
     converted = convert_rows(rows, where, convert)
     if not pair:
@@ -326,13 +358,22 @@ def _unpaired(
             if isinstance(chosen, str):
                 reason = _text_pair_reason(g["prompt"], chosen, rejected)
             else:
-                reason = "identical_pair" if normalized(chosen["content"]) == normalized(rejected["content"]) else None
+                reason = (
+                    "identical_pair"
+                    if normalized(chosen["content"]) == normalized(rejected["content"])
+                    else None
+                )
             if reason:
                 yield first, reason
                 continue
-            record = {"prompt": g["prompt"], "chosen": chosen, "rejected": rejected, "margin": None,
-                      "source": source, "row": first}
+            record = {
+                "prompt": g["prompt"],
+                "chosen": chosen,
+                "rejected": rejected,
+                "margin": None,
+                "source": source,
+                "row": first,
+            }
             if weight is not None:
                 record["weight"] = weight
             yield first, record
-

@@ -19,12 +19,22 @@ def console_script() -> str:
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``rlhf-lit <args>`` with CWD = the repository root, one thread, offline; captures stdout and stderr."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false"}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     full_env.pop("RLHF_LIT_DEBUG", None)
     full_env.update(env or {})
     return subprocess.run(
-        [console_script(), *args], cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+        [console_script(), *args],
+        cwd=REPO_ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -24,9 +24,16 @@ from rlhf_lit.cli import RLHFCLI, cli_main
 from rlhf_lit.errors import ConfigError
 from tests.tiny_runs import REPO_ROOT, in_repo_root
 
-STAGE_CONFIGS = {"SFTModule": "configs/sft/tiny.yaml", "RewardModule": "configs/reward/tiny.yaml",
-                 "PPOModule": "configs/ppo/tiny.yaml"}
-DATA_OF = {"SFTDataModule": "SFTModule", "PreferenceDataModule": "RewardModule", "PromptDataModule": "PPOModule"}
+STAGE_CONFIGS = {
+    "SFTModule": "configs/sft/tiny.yaml",
+    "RewardModule": "configs/reward/tiny.yaml",
+    "PPOModule": "configs/ppo/tiny.yaml",
+}
+DATA_OF = {
+    "SFTDataModule": "SFTModule",
+    "PreferenceDataModule": "RewardModule",
+    "PromptDataModule": "PPOModule",
+}
 _PARSED: dict[str, dict] = {}
 
 
@@ -36,7 +43,9 @@ def parsed(stage: str) -> dict:
         captured = {}
         patch = pytest.MonkeyPatch()
         patch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
-        patch.setattr(RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict()))
+        patch.setattr(
+            RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict())
+        )
         try:
             with in_repo_root():
                 cli_main(["--config", STAGE_CONFIGS[stage]], run=False)
@@ -83,12 +92,18 @@ def _bad_values(rule: Range) -> list:
 
 def _good_value(rule: Range):
     if rule.low is not None:
-        return rule.low + (1 if rule.integer or rule.high is None else (rule.high - rule.low) / 2) if rule.low_open or rule.integer else rule.low
+        return (
+            rule.low + (1 if rule.integer or rule.high is None else (rule.high - rule.low) / 2)
+            if rule.low_open or rule.integer
+            else rule.low
+        )
     return rule.high if rule.high is not None and not rule.high_open else 0
 
 
 RULES = [("model", stage, key, rule) for stage, rules in MODEL_RULES.items() for key, rule in rules.items()]
-RULES += [("data", DATA_OF[kind], key, rule) for kind, rules in DATA_RULES.items() for key, rule in rules.items()]
+RULES += [
+    ("data", DATA_OF[kind], key, rule) for kind, rules in DATA_RULES.items() for key, rule in rules.items()
+]
 RULES += [("trainer", stage, key, rule) for stage in STAGE_CONFIGS for key, rule in TRAINER_RULES.items()]
 
 
@@ -126,9 +141,24 @@ def test_range_descriptions_and_extras():
 def test_the_issues_nonsense_settings_are_refused():
     for stage, key, value, expected in [
         ("SFTModule", "optimizer.lr", 0.0, "model.init_args.optimizer.lr must be a number > 0, got 0.0"),
-        ("PPOModule", "ppo.ppo_epochs", 0, "model.init_args.ppo.ppo_epochs must be a whole number >= 1, got 0"),
-        ("PPOModule", "kl.target_kl", -1.0, "model.init_args.kl.target_kl must be a number > 0 (or null), got -1.0"),
-        ("PPOModule", "ppo.clip_range", -0.5, "model.init_args.ppo.clip_range must be a number > 0, got -0.5"),
+        (
+            "PPOModule",
+            "ppo.ppo_epochs",
+            0,
+            "model.init_args.ppo.ppo_epochs must be a whole number >= 1, got 0",
+        ),
+        (
+            "PPOModule",
+            "kl.target_kl",
+            -1.0,
+            "model.init_args.kl.target_kl must be a number > 0 (or null), got -1.0",
+        ),
+        (
+            "PPOModule",
+            "ppo.clip_range",
+            -0.5,
+            "model.init_args.ppo.clip_range must be a number > 0, got -0.5",
+        ),
     ]:
         config = parsed(stage)
         _set(config["model"]["init_args"], key, value)
@@ -141,22 +171,51 @@ def test_the_issues_nonsense_settings_are_refused():
     [
         ({"model.init_args.backbone.lora": None}, "backbone.lora is not set: PPO trains LoRA adapters"),
         ({"model.init_args.reward_model.path": "x"}, "reward_model: give exactly one of 'path'"),
-        ({"model.init_args.kl.adaptive": True, "model.init_args.kl.target_kl": None},
-         "kl.adaptive is true but kl.target_kl is not set"),
-        ({"data.init_args.batch_size": 6}, r"batch_size \(6 prompts per rollout\) must be a multiple of .*ppo_minibatch_size \(4\)"),
-        ({"model.init_args.ppo.micro_batch_size": 3}, r"ppo_minibatch_size \(4\) must be a multiple of .*micro_batch_size \(3\)"),
-        ({"model.init_args.sampling.min_new_tokens": 30}, r"min_new_tokens \(30\) must be <= sampling.max_new_tokens \(24\)"),
+        (
+            {"model.init_args.kl.adaptive": True, "model.init_args.kl.target_kl": None},
+            "kl.adaptive is true but kl.target_kl is not set",
+        ),
+        (
+            {"data.init_args.batch_size": 6},
+            r"batch_size \(6 prompts per rollout\) must be a multiple of .*ppo_minibatch_size \(4\)",
+        ),
+        (
+            {"model.init_args.ppo.micro_batch_size": 3},
+            r"ppo_minibatch_size \(4\) must be a multiple of .*micro_batch_size \(3\)",
+        ),
+        (
+            {"model.init_args.sampling.min_new_tokens": 30},
+            r"min_new_tokens \(30\) must be <= sampling.max_new_tokens \(24\)",
+        ),
         ({"model.init_args.ptx": {"coef": 0.5, "train_files": []}}, "ptx.coef > 0 needs ptx.train_files"),
-        ({"trainer.max_steps": 10}, r"trainer.max_steps=10 would stop PPO inside an iteration: one iteration makes 4 "
-                                    r"optimizer steps.*ppo.total_iterations"),
+        (
+            {"trainer.max_steps": 10},
+            r"trainer.max_steps=10 would stop PPO inside an iteration: one iteration makes 4 "
+            r"optimizer steps.*ppo.total_iterations",
+        ),
         ({"data.class_path": "rlhf_lit.data.SFTDataModule"}, "PPOModule trains on PromptDataModule data"),
-        ({"data.init_args.max_prompt_length": 500}, r"max_prompt_length \(500\) \+ .*max_new_tokens \(24\) = 524 "
-                                                    r"tokens exceed the policy's 512 positions"),
+        (
+            {"data.init_args.max_prompt_length": 500},
+            r"max_prompt_length \(500\) \+ .*max_new_tokens \(24\) = 524 "
+            r"tokens exceed the policy's 512 positions",
+        ),
         ({"data.init_args.train_files": []}, "train_files is empty"),
         ({"data.init_args.pad_to_length": 64}, r"max_prompt_length \(96\) must be <= pad_to_length \(64\)"),
     ],
-    ids=["no_lora", "two_reward_models", "adaptive_without_target", "rollout", "micro", "min_new_tokens", "ptx",
-         "max_steps", "stage_data", "positions", "no_train_files", "pad_to_length"],
+    ids=[
+        "no_lora",
+        "two_reward_models",
+        "adaptive_without_target",
+        "rollout",
+        "micro",
+        "min_new_tokens",
+        "ptx",
+        "max_steps",
+        "stage_data",
+        "positions",
+        "no_train_files",
+        "pad_to_length",
+    ],
 )
 def test_ppo_consistency_checks(changes, expected):
     config = parsed("PPOModule")
@@ -175,13 +234,32 @@ def test_max_steps_of_whole_iterations_is_accepted():
 @pytest.mark.parametrize(
     "stage, changes, expected",
     [
-        ("SFTModule", {"data.init_args.max_length": 600}, r"max_length \(600\) exceeds the model's 512 positions"),
-        ("SFTModule", {"model.init_args.backbone.name_or_path": "gpt2"},
-         "model.init_args.backbone: give exactly one of 'name_or_path'"),
+        (
+            "SFTModule",
+            {"data.init_args.max_length": 600},
+            r"max_length \(600\) exceeds the model's 512 positions",
+        ),
+        (
+            "SFTModule",
+            {"model.init_args.backbone.name_or_path": "gpt2"},
+            "model.init_args.backbone: give exactly one of 'name_or_path'",
+        ),
         ("RewardModule", {"model.init_args.backbone.dtype": "float8"}, "backbone.dtype must be one of"),
-        ("RewardModule", {"data.init_args.val_size": 2.5}, "val_size must be a fraction in .0, 1. or a whole row count"),
-        ("RewardModule", {"data.init_args.min_prompt_tokens": 384}, r"min_prompt_tokens \(384\) must be < max_length \(384\)"),
-        ("RewardModule", {"data.class_path": "rlhf_lit.data.SFTDataModule"}, "RewardModule trains on PreferenceDataModule"),
+        (
+            "RewardModule",
+            {"data.init_args.val_size": 2.5},
+            "val_size must be a fraction in .0, 1. or a whole row count",
+        ),
+        (
+            "RewardModule",
+            {"data.init_args.min_prompt_tokens": 384},
+            r"min_prompt_tokens \(384\) must be < max_length \(384\)",
+        ),
+        (
+            "RewardModule",
+            {"data.class_path": "rlhf_lit.data.SFTDataModule"},
+            "RewardModule trains on PreferenceDataModule",
+        ),
     ],
 )
 def test_sft_and_reward_checks(stage, changes, expected):
@@ -195,14 +273,20 @@ def test_sft_and_reward_checks(stage, changes, expected):
 def test_missing_inputs_are_named(tmp_path):
     config = parsed("SFTModule")
     config["data"]["init_args"]["train_files"] = ["../shared/data/sft/nope.jsonl"]
-    with pytest.raises(ConfigError, match=r"data.init_args.train_files\[0\]: data file not found: ../shared/data/sft/nope.jsonl"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.init_args.train_files\[0\]: data file not found: ../shared/data/sft/nope.jsonl",
+    ):
         check(config)
     config["data"]["init_args"]["train_files"] = [str(tmp_path)]
     with pytest.raises(ConfigError, match=r"train_files\[0\]: .* is a folder; give a data file"):
         check(config)
     config = parsed("SFTModule")
-    config["model"]["init_args"]["backbone"] = {**config["model"]["init_args"]["backbone"], "tiny": None,
-                                                "name_or_path": str(tmp_path / "no_model")}
+    config["model"]["init_args"]["backbone"] = {
+        **config["model"]["init_args"]["backbone"],
+        "tiny": None,
+        "name_or_path": str(tmp_path / "no_model"),
+    }
     with pytest.raises(ConfigError, match="backbone.name_or_path: no such model folder"):
         check(config)
     (tmp_path / "empty_dir").mkdir()
@@ -218,7 +302,8 @@ def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(t
     (configs / "sft").mkdir(parents=True)
     (configs / "ppo").mkdir()
     (configs / "sft" / "mine.yaml").write_text(
-        "model:\n  class_path: rlhf_lit.modules.SFTModule\n  init_args:\n    export_dir: out/sft/hf\n")
+        "model:\n  class_path: rlhf_lit.modules.SFTModule\n  init_args:\n    export_dir: out/sft/hf\n"
+    )
     (configs / "ppo" / "mine.yaml").write_text("model: {class_path: rlhf_lit.modules.PPOModule}\n")
     config = parsed("PPOModule")
     config["model"]["init_args"]["backbone"].update(tiny=None, name_or_path="out/sft/hf")
@@ -228,8 +313,10 @@ def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(t
         check_config(config, "fit")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("model.init_args.backbone.name_or_path: out/sft/hf holds no model yet; it is written by "
-                              "the SFT stage: run rlhf-lit fit --config configs/sft/mine.yaml first")
+    assert message.startswith(
+        "model.init_args.backbone.name_or_path: out/sft/hf holds no model yet; it is written by "
+        "the SFT stage: run rlhf-lit fit --config configs/sft/mine.yaml first"
+    )
 
 
 def test_outputs_must_be_writable(tmp_path):
@@ -246,8 +333,12 @@ def test_outputs_must_be_writable(tmp_path):
         with pytest.raises(ConfigError, match=f"{key.replace('.', '[.]')}: cannot write to .*{expected}"):
             check(config)
     config = parsed("RewardModule")
-    config["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                       "init_args": {"dirpath": str(blocker / "ck")}}]
+    config["trainer"]["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(blocker / "ck")},
+        }
+    ]
     with pytest.raises(ConfigError, match=r"trainer.callbacks\[0\].init_args.dirpath: cannot write"):
         check(config)
     config = parsed("RewardModule")
@@ -256,13 +347,22 @@ def test_outputs_must_be_writable(tmp_path):
 
 
 def test_prompts_without_a_length_limit_are_checked_once_read():
-    model = SimpleNamespace(sampling=SimpleNamespace(max_new_tokens=24),
-                            backbone_cfg={"tiny": {"model_type": "gpt2", "n_positions": 64}, "tokenizer": "byte"})
+    model = SimpleNamespace(
+        sampling=SimpleNamespace(max_new_tokens=24),
+        backbone_cfg={"tiny": {"model_type": "gpt2", "n_positions": 64}, "tokenizer": "byte"},
+    )
     examples = [{"prompt_ids": [5] * 50}, {"prompt_ids": [5] * 10}]
-    data = SimpleNamespace(stage="prompt", max_prompt_length=1 << 30, train_dataset=SimpleNamespace(examples=examples),
-                           val_dataset=None)
-    with pytest.raises(ConfigError, match=r"the longest prompt \(50 tokens\) \+ .*max_new_tokens \(24\) exceed the "
-                                          r"policy's 64 positions; set data.init_args.max_prompt_length <= 40"):
+    data = SimpleNamespace(
+        stage="prompt",
+        max_prompt_length=1 << 30,
+        train_dataset=SimpleNamespace(examples=examples),
+        val_dataset=None,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"the longest prompt \(50 tokens\) \+ .*max_new_tokens \(24\) exceed the "
+        r"policy's 64 positions; set data.init_args.max_prompt_length <= 40",
+    ):
         check_data_fits_model(model, data)
     examples.pop(0)
     check_data_fits_model(model, data)
@@ -272,7 +372,9 @@ def test_unpaired_data_is_refused_for_the_pairwise_reward_model():
     from rlhf_lit.modules import RewardModule
 
     model = RewardModule.__new__(RewardModule)
-    with pytest.raises(ConfigError, match="RewardModule trains on pairs; set data.init_args.pair_unpaired: true"):
+    with pytest.raises(
+        ConfigError, match="RewardModule trains on pairs; set data.init_args.pair_unpaired: true"
+    ):
         check_data_fits_model(model, SimpleNamespace(unpaired=True, stage="preference"))
 
 
@@ -313,7 +415,9 @@ def test_all_shipped_configs_pass_the_value_checks():
             continue
         patch = pytest.MonkeyPatch()
         patch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
-        patch.setattr(RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict()))
+        patch.setattr(
+            RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict())
+        )
         patch.setattr("rlhf_lit.checks._model_folder_problem", lambda *a, **k: None)
         try:
             with in_repo_root():

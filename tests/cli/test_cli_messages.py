@@ -66,11 +66,15 @@ def test_did_you_mean():
 
 
 def test_condense_names_the_full_key_and_the_closest_accepted_one():
-    assert condense(NESTED_UNKNOWN).startswith("unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)")
+    assert condense(NESTED_UNKNOWN).startswith(
+        "unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)"
+    )
     assert condense(WRONG_TYPE) == (
         "model.init_args.optimizer.name: expected one of 'adamw', 'adamw_8bit', 'paged_adamw_8bit', got 'sgd'"
     )
-    assert condense(GROUP_OPTION).startswith("unknown key model.init_args.backbone.tokenize (did you mean 'tokenizer'?)")
+    assert condense(GROUP_OPTION).startswith(
+        "unknown key model.init_args.backbone.tokenize (did you mean 'tokenizer'?)"
+    )
     options = ["--trainer.max_steps", "--trainer.max_epochs", "--seed_everything"]
     assert condense("unrecognized arguments: --trainer.max_step=5", options).startswith(
         "unknown option --trainer.max_step (did you mean '--trainer.max_steps'? abbreviations are not accepted)"
@@ -92,10 +96,16 @@ def _parse(monkeypatch, args):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--model.init_args.kl.kl_coeff=0.1"], "unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)"),
+        (
+            ["--model.init_args.kl.kl_coeff=0.1"],
+            "unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)",
+        ),
         (["--trainer.max_step=5"], "unknown option --trainer.max_step (did you mean '--trainer.max_steps'?"),
         (["--model.init_args.ppo.ppo_epochs=abc"], "model.init_args.ppo.ppo_epochs: expected int, got 'abc'"),
-        (["--data.init_args.batch_siz=3"], "unknown key data.init_args.batch_siz (did you mean 'batch_size'?)"),
+        (
+            ["--data.init_args.batch_siz=3"],
+            "unknown key data.init_args.batch_siz (did you mean 'batch_size'?)",
+        ),
     ],
     ids=["nested_key", "abbreviation", "type", "data_key"],
 )
@@ -111,8 +121,11 @@ def test_a_misspelled_yaml_key_is_named_with_its_section(monkeypatch, tmp_path):
     spec["trainr"] = {"max_epochs": 1}
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(spec))
-    with pytest.raises(ConfigError, match=r"unknown key (trainr\.max_epochs \(did you mean 'trainer\.max_epochs'|"
-                                          r"model\.init_args\.reward_model\.backbone\.tokenize \(did you mean 'tokenizer')"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key (trainr\.max_epochs \(did you mean 'trainer\.max_epochs'|"
+        r"model\.init_args\.reward_model\.backbone\.tokenize \(did you mean 'tokenizer')",
+    ):
         _parse(monkeypatch, ["fit", "--config", str(bad)])
 
 

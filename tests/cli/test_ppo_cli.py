@@ -13,7 +13,8 @@ from rlhf_lit.cli import cli_main
 from tests.tiny_runs import in_repo_root, one_thread
 
 SMALL = [
-    "--config", "configs/ppo/tiny.yaml",
+    "--config",
+    "configs/ppo/tiny.yaml",
     "--trainer.logger=false",
     "--model.init_args.export_dir=null",
     "--model.init_args.ppo.ppo_epochs=1",
@@ -27,16 +28,32 @@ SMALL = [
 
 def test_max_steps_stops_ppo_where_the_progress_bar_says_and_validate_scores_the_checkpoint(tmp_path, caplog):
     with in_repo_root(), one_thread():
-        cli = cli_main(["fit", *SMALL, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=6",
-                        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                        f"--trainer.callbacks.dirpath={tmp_path / 'ck'}", "--trainer.callbacks.save_last=true"])
+        cli = cli_main(
+            [
+                "fit",
+                *SMALL,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.max_steps=6",
+                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                f"--trainer.callbacks.dirpath={tmp_path / 'ck'}",
+                "--trainer.callbacks.save_last=true",
+            ]
+        )
         bar = next(c for c in cli.trainer.callbacks if isinstance(c, StageProgressBar))
         # 6 optimizer steps = 3 iterations of 2 (ppo_epochs 1 x 4 prompts / minibatch 2), of the 8 configured
         assert cli.model.iteration == 3 and cli.trainer.global_step == 6
         assert cli.model.ppo.total_iterations == 8 and bar.train_progress_bar.total == 3
 
-        validated = cli_main(["validate", *SMALL, f"--trainer.default_root_dir={tmp_path}",
-                              "--data.init_args.val_size=8", "--ckpt_path", str(tmp_path / "ck" / "last.ckpt")])
+        validated = cli_main(
+            [
+                "validate",
+                *SMALL,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--data.init_args.val_size=8",
+                "--ckpt_path",
+                str(tmp_path / "ck" / "last.ckpt"),
+            ]
+        )
         assert "rebuilt with the checkpoint's settings" not in caplog.text  # the same config: nothing differs
         model, batch = validated.model, next(iter(validated.datamodule.val_dataloader()))
         logged = []

@@ -71,27 +71,46 @@ def test_wrong_columns_list_what_the_format_needs_and_what_the_file_has(tmp_path
     assert "pairs.csv: format 'explicit' needs the field(s) prompt, chosen, rejected" in message
     assert "['bad', 'good', 'question']" in message and "*_field options" in message
     auto = PreferenceDataModule(train_files=str(path), val_size=0, tokenizer=tok)
-    with pytest.raises(DataFormatError, match=r"cannot tell the preference format.*\['bad', 'good', 'question'\]"
-                                              r".*explicit: prompt\+chosen\+rejected.*set `format`"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"cannot tell the preference format.*\['bad', 'good', 'question'\]"
+        r".*explicit: prompt\+chosen\+rejected.*set `format`",
+    ):
         auto.setup("fit")
-    fixed = PreferenceDataModule(train_files=str(path), format="explicit", prompt_field="question",
-                                 chosen_field="good", rejected_field="bad", val_size=0, tokenizer=tok)
+    fixed = PreferenceDataModule(
+        train_files=str(path),
+        format="explicit",
+        prompt_field="question",
+        chosen_field="good",
+        rejected_field="bad",
+        val_size=0,
+        tokenizer=tok,
+    )
     fixed.setup("fit")
     assert len(fixed.train_dataset) == 1
 
 
 def test_a_type_error_in_the_first_row_blames_the_first_row(write_jsonl):
-    path = write_jsonl([{"prompt": ["a"], "response": "x"}, {"prompt": "b", "response": "y"},
-                        {"prompt": "c", "response": "z"}])
+    path = write_jsonl(
+        [
+            {"prompt": ["a"], "response": "x"},
+            {"prompt": "b", "response": "y"},
+            {"prompt": "c", "response": "z"},
+        ]
+    )
     with pytest.raises(DataFormatError) as info:
         load_rows(path)
-    assert "line 1: field 'prompt' is a list, but it is a string in 2 of 3 rows (e.g. line 2)" in _one_line(info.value)
+    assert "line 1: field 'prompt' is a list, but it is a string in 2 of 3 rows (e.g. line 2)" in _one_line(
+        info.value
+    )
 
 
 def test_a_field_of_the_wrong_type_in_a_consistent_file_names_row_and_field(tok, write_jsonl):
     path = write_jsonl([{"prompt": ["a"], "response": "x"}, {"prompt": ["b"], "response": "y"}])
     dm = SFTDataModule(train_files=path, val_size=0, tokenizer=tok)
-    with pytest.raises(DataFormatError, match=r"data\.jsonl: row 1: field 'prompt' should be a string, got list"):
+    with pytest.raises(
+        DataFormatError, match=r"data\.jsonl: row 1: field 'prompt' should be a string, got list"
+    ):
         dm.setup("fit")
 
 

@@ -29,12 +29,21 @@ def decoded(tok, example, keys=("prompt_ids", "chosen_ids", "rejected_ids")):
 
 
 SHAREGPT_DPO = [
-    {"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi there"}],
-     "chosen": {"from": "gpt", "value": "Hello!"}, "rejected": {"from": "gpt", "value": "Go away."}},
-    {"conversations": [{"from": "human", "value": "2+2?"}], "chosen": {"from": "gpt", "value": "4"},
-     "rejected": {"from": "gpt", "value": "  4 "}},  # equal after whitespace normalisation
-    {"conversations": [{"from": "function_call", "value": "{}"}], "chosen": {"from": "gpt", "value": "a"},
-     "rejected": {"from": "gpt", "value": "b"}},  # a tool turn: unknown_role
+    {
+        "conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi there"}],
+        "chosen": {"from": "gpt", "value": "Hello!"},
+        "rejected": {"from": "gpt", "value": "Go away."},
+    },
+    {
+        "conversations": [{"from": "human", "value": "2+2?"}],
+        "chosen": {"from": "gpt", "value": "4"},
+        "rejected": {"from": "gpt", "value": "  4 "},
+    },  # equal after whitespace normalisation
+    {
+        "conversations": [{"from": "function_call", "value": "{}"}],
+        "chosen": {"from": "gpt", "value": "a"},
+        "rejected": {"from": "gpt", "value": "b"},
+    },  # a tool turn: unknown_role
 ]
 
 
@@ -52,8 +61,16 @@ def test_sharegpt_dpo_rows_map_roles_and_skip_identical_and_tool_rows(tok, tmp_p
 
 
 def test_sharegpt_for_sft_and_prompts(tok, write_jsonl):
-    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
-                               {"from": "human", "value": "bye"}, {"from": "GPT", "value": "ciao"}]}]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "yo"},
+                {"from": "human", "value": "bye"},
+                {"from": "GPT", "value": "ciao"},
+            ]
+        }
+    ]
     path = write_jsonl(rows, "sharegpt.jsonl")
     sft = build(SFTDataModule, path, tok)
     prompt, response = decoded(tok, sft.train_dataset[0], ("prompt_ids", "response_ids"))
@@ -80,7 +97,10 @@ def test_unpaired_rows_are_carried_unpaired_with_their_labels(tok, write_jsonl):
     assert batch["label"].tolist() == [True, False, False, True]
     prompt_len = batch["prompt_len"][0]
     # the completion (plus EOS) is the only supervised part; the prompt and padding are -100
-    assert tok.decode(batch["input_ids"][0, prompt_len:][batch["labels"][0, prompt_len:] != -100]) == " good one" + EOS
+    assert (
+        tok.decode(batch["input_ids"][0, prompt_len:][batch["labels"][0, prompt_len:] != -100])
+        == " good one" + EOS
+    )
     assert (batch["labels"][:, :2] == -100).all()
 
 
@@ -88,18 +108,24 @@ def test_unpaired_rows_pair_by_prompt_only_when_asked(tok, write_jsonl):
     dm = build(PreferenceDataModule, write_jsonl(TRL_KTO, "kto.jsonl"), tok, pair_unpaired=True)
     assert not dm.unpaired
     pairs = sorted(decoded(tok, e) for e in dm.train_dataset)
-    assert pairs == [("Q1", " good one" + EOS, " bad one" + EOS), ("Q1", " good one" + EOS, " worse one" + EOS)]
+    assert pairs == [
+        ("Q1", " good one" + EOS, " bad one" + EOS),
+        ("Q1", " good one" + EOS, " worse one" + EOS),
+    ]
     assert dm.skip_counter.skipped("train") == {"missing_field": 1, "no_opposite_label": 1}
     assert {e["row"] for e in dm.train_dataset} == {0}  # one prompt's pairs share a row: same side of a split
 
 
 def test_llamafactory_kto_messages_rows(tok, write_jsonl):
     user = {"role": "user", "content": "hi"}
-    rows = [{"messages": [user, {"role": "assistant", "content": "hello"}], "label": True},
-            {"messages": [user, {"role": "assistant", "content": "go away"}], "label": False}]
+    rows = [
+        {"messages": [user, {"role": "assistant", "content": "hello"}], "label": True},
+        {"messages": [user, {"role": "assistant", "content": "go away"}], "label": False},
+    ]
     dm = build(PreferenceDataModule, write_jsonl(rows, "kto_en_demo.jsonl"), tok, pair_unpaired=True)
     assert decoded(tok, dm.train_dataset[0]) == (
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "hello<|im_end|>\n" + EOS,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "hello<|im_end|>\n" + EOS,
         "go away<|im_end|>\n" + EOS,
     )
 
@@ -123,20 +149,54 @@ def test_a_non_boolean_label_names_file_row_and_field(tok, write_jsonl):
 
 
 def _message(text, role, rank=None, replies=()):
-    return {"message_id": text, "text": text, "role": role, "lang": "en", "rank": rank, "replies": list(replies)}
+    return {
+        "message_id": text,
+        "text": text,
+        "role": role,
+        "lang": "en",
+        "rank": rank,
+        "replies": list(replies),
+    }
 
 
 OASST_TREES = [
-    {"message_tree_id": "t1", "tree_state": "ready_for_export", "prompt": _message("P1", "prompter", replies=[
-        _message("A1", "assistant", 0, [
-            _message("P2", "prompter", replies=[_message("B1", "assistant", 0), _message("B2", "assistant", None)]),
-            _message("P4", "prompter"),  # a follow-up nobody answered: too_few_responses
-        ]),
-        _message("A2", "assistant", 1, [_message("P3", "prompter", replies=[_message("C1", "assistant", 0)])]),
-        _message("A3", "assistant", 2),
-    ])},
-    {"message_tree_id": "t2", "tree_state": "ready_for_export", "prompt": _message("Q", "prompter", replies=[
-        _message("X", "assistant", 0), _message("Y", "assistant", 0)])},  # tied
+    {
+        "message_tree_id": "t1",
+        "tree_state": "ready_for_export",
+        "prompt": _message(
+            "P1",
+            "prompter",
+            replies=[
+                _message(
+                    "A1",
+                    "assistant",
+                    0,
+                    [
+                        _message(
+                            "P2",
+                            "prompter",
+                            replies=[_message("B1", "assistant", 0), _message("B2", "assistant", None)],
+                        ),
+                        _message("P4", "prompter"),  # a follow-up nobody answered: too_few_responses
+                    ],
+                ),
+                _message(
+                    "A2",
+                    "assistant",
+                    1,
+                    [_message("P3", "prompter", replies=[_message("C1", "assistant", 0)])],
+                ),
+                _message("A3", "assistant", 2),
+            ],
+        ),
+    },
+    {
+        "message_tree_id": "t2",
+        "tree_state": "ready_for_export",
+        "prompt": _message(
+            "Q", "prompter", replies=[_message("X", "assistant", 0), _message("Y", "assistant", 0)]
+        ),
+    },  # tied
 ]
 
 
@@ -144,18 +204,25 @@ def test_open_assistant_message_trees_become_ranked_lists_with_skips_counted(tok
     path = write_jsonl(OASST_TREES, "oasst.trees.jsonl")
     dm = build(PreferenceDataModule, path, tok)
     pairs = sorted(decoded(tok, e)[1:] for e in dm.train_dataset)
-    assert pairs == sorted([(" A1" + EOS, " A2" + EOS), (" A1" + EOS, " A3" + EOS), (" A2" + EOS, " A3" + EOS)])
+    assert pairs == sorted(
+        [(" A1" + EOS, " A2" + EOS), (" A1" + EOS, " A3" + EOS), (" A2" + EOS, " A3" + EOS)]
+    )
     assert tok.decode(dm.train_dataset[0]["prompt_ids"]) == "\n\nHuman: P1\n\nAssistant:"
     assert dm.skip_counter.skipped("train") == {"null_rank": 1, "too_few_responses": 2, "tied_ranks": 1}
     assert "kept 3 of 7 rows" in dm.data_report()["train"]
     chat = build(PreferenceDataModule, path, tok, chat_template=True)
-    assert tok.decode(chat.train_dataset[0]["prompt_ids"]) == "<|im_start|>user\nP1<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(chat.train_dataset[0]["prompt_ids"])
+        == "<|im_start|>user\nP1<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_ranked_rows_with_a_null_rank_or_one_response_are_skipped_not_fatal(tok, write_jsonl):
-    rows = [{"prompt": "Q:", "responses": [" a", " b"], "ranks": [1, None]},
-            {"prompt": "Q:", "responses": [" a"], "ranks": [1]},
-            {"prompt": "Q:", "responses": [" a", " b"], "ranks": [2, 1]}]
+    rows = [
+        {"prompt": "Q:", "responses": [" a", " b"], "ranks": [1, None]},
+        {"prompt": "Q:", "responses": [" a"], "ranks": [1]},
+        {"prompt": "Q:", "responses": [" a", " b"], "ranks": [2, 1]},
+    ]
     dm = build(PreferenceDataModule, write_jsonl(rows), tok)
     assert decoded(tok, dm.train_dataset[0])[1:] == (" b" + EOS, " a" + EOS)
     assert dm.skip_counter.skipped("train") == {"null_rank": 1, "too_few_responses": 1}
@@ -163,8 +230,10 @@ def test_ranked_rows_with_a_null_rank_or_one_response_are_skipped_not_fatal(tok,
 
 HH_ROWS = [
     {"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"},
-    {"chosen": "\n\nHuman: hi\n\nAssistant: hello",
-     "rejected": "\n\nHuman: hi\n\nAssistant: go away\n\nHuman: that was rude"},  # an extra human turn
+    {
+        "chosen": "\n\nHuman: hi\n\nAssistant: hello",
+        "rejected": "\n\nHuman: hi\n\nAssistant: go away\n\nHuman: that was rude",
+    },  # an extra human turn
 ]
 
 
@@ -183,9 +252,13 @@ def test_an_sft_hh_transcript_that_ends_with_a_human_turn_is_skipped(tok, write_
 
 
 def test_weight_ranked_pairs_gives_each_prompt_total_weight_one(tok, write_jsonl):
-    rows = [{"prompt": "R:", "responses": [" a", " b", " c"], "ranks": [1, 2, 3]},  # C(3, 2) = 3 pairs
-            {"prompt": "S:", "responses": [" a", " b", " c", " d"], "ranks": [1, 2, 3, 3]}]  # C(4, 2) = 6, 1 tie
-    dm = build(PreferenceDataModule, write_jsonl(rows), tok, weight_ranked_pairs=True, shuffle=False, batch_size=16)
+    rows = [
+        {"prompt": "R:", "responses": [" a", " b", " c"], "ranks": [1, 2, 3]},  # C(3, 2) = 3 pairs
+        {"prompt": "S:", "responses": [" a", " b", " c", " d"], "ranks": [1, 2, 3, 3]},
+    ]  # C(4, 2) = 6, 1 tie
+    dm = build(
+        PreferenceDataModule, write_jsonl(rows), tok, weight_ranked_pairs=True, shuffle=False, batch_size=16
+    )
     batch = next(iter(dm.train_dataloader()))
     expected = [1 / 3] * 3 + [1 / 6] * 5  # the tied pair of row 2 gives no pair, so row 2 weighs 5/6
     torch.testing.assert_close(batch["pair_weight"], torch.tensor(expected))
