@@ -84,8 +84,11 @@ class RLHFCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         """Read the data first (model and data module exist by now), so a data error stops the run before the
-        trainer prints anything; the trainer's own ``setup`` call then finds the data ready."""
-        if self.subcommand in ("fit", "validate") and self.datamodule is not None:
+        trainer prints anything; the trainer's own ``setup`` call then finds the data ready. Only rlhf_lit's
+        data modules, whose ``setup`` needs no trainer."""
+        from rlhf_lit.data.base import RLHFDataModule
+
+        if self.subcommand in ("fit", "validate") and isinstance(self.datamodule, RLHFDataModule):
             from rlhf_lit.checks import check_data_fits_model
 
             self.datamodule.setup(self.subcommand)
@@ -188,7 +191,7 @@ def user_error_message(err: BaseException) -> str | None:
             return condense(str(current))
         if isinstance(current, MisconfigurationException):
             return f"trainer: {str(current).strip().splitlines()[0]}"
-        current = current.__cause__ or current.__context__
+        current = current.__cause__  # not __context__: a bug raised while handling a user error is a bug
     return None
 
 
