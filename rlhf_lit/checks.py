@@ -313,10 +313,9 @@ def check_ckpt_path(config: Any) -> None:
 
             shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
             logging.getLogger("rlhf_lit").warning(
-                "ckpt_path: the model is rebuilt with the checkpoint's settings; the config's %s differ%s and "
-                "are not used",
+                "ckpt_path: the model is rebuilt with the checkpoint's settings; the config's %s %s not used",
                 shown,
-                "s" if len(differ) == 1 else "",
+                "differs from it and is" if len(differ) == 1 else "differ from them and are",
             )
 
 

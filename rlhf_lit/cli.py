@@ -96,9 +96,8 @@ class RLHFCLI(LightningCLI):
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         defaults = self.trainer_defaults
-        if (
-            self._get(self.config, "trainer", {}).get("enable_progress_bar") is False
-        ):  # no StageProgressBar then
+        if self._get(self.config, "trainer", {}).get("enable_progress_bar") is False:
+            # a trainer without a progress bar refuses a progress-bar callback: leave StageProgressBar out
             self.trainer_defaults = {k: v for k, v in defaults.items() if k != "callbacks"}
         try:
             return super().instantiate_trainer(**kwargs)

@@ -404,7 +404,7 @@ def test_ckpt_path_checks(tmp_path, caplog):
         check_ckpt_path(_cli_config(ckpt, "rlhf_lit.modules.PPOModule"))
     with caplog.at_level("WARNING", logger="rlhf_lit"):
         check_ckpt_path(_cli_config(ckpt, init_args={"ece_bins": 15}))
-    assert "the model is rebuilt with the checkpoint's settings; the config's ece_bins differs" in caplog.text
+    assert "the model is rebuilt with the checkpoint's settings; the config's ece_bins differs from it and is not used" in caplog.text
 
 
 def test_all_shipped_configs_pass_the_value_checks():
