@@ -304,6 +304,12 @@ def check_ckpt_path(config: Any) -> None:
             f"ckpt_path: {ckpt_path} was written by {saved_class.rsplit('.', 1)[-1]}, but the config's model is "
             f"{config_class.rsplit('.', 1)[-1]}; give the config of the stage that wrote the checkpoint"
         )
+    if hparams and not saved_class and _kind(_import(config_class), MODEL_RULES):
+        raise ConfigError(
+            f"ckpt_path: {ckpt_path} stores its hyper-parameters without '_class_path' (written before rlhf_lit "
+            "stored it), so LightningCLI cannot re-parse them; resume it in Python with Trainer.fit(..., "
+            "ckpt_path=...), or add hyper_parameters['_class_path'] (the module's import path) to the file"
+        )
     if saved_class and model is not None:
         init = model.get("init_args")
         init = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})

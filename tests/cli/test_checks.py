@@ -399,12 +399,18 @@ def test_ckpt_path_checks(tmp_path, caplog):
     (tmp_path / "junk.ckpt").write_text("not a checkpoint")
     with pytest.raises(ConfigError, match="is not a readable checkpoint"):
         check_ckpt_path(_cli_config(str(tmp_path / "junk.ckpt")))
+    old = _ckpt(tmp_path, {"ece_bins": 10})  # hyper-parameters saved before _class_path was stored
+    with pytest.raises(ConfigError, match="stores its hyper-parameters without '_class_path'"):
+        check_ckpt_path(_cli_config(old))
     ckpt = _ckpt(tmp_path, {"_class_path": "rlhf_lit.modules.reward.RewardModule", "ece_bins": 10})
     with pytest.raises(ConfigError, match="was written by RewardModule, but the config's model is PPOModule"):
         check_ckpt_path(_cli_config(ckpt, "rlhf_lit.modules.PPOModule"))
     with caplog.at_level("WARNING", logger="rlhf_lit"):
         check_ckpt_path(_cli_config(ckpt, init_args={"ece_bins": 15}))
-    assert "the model is rebuilt with the checkpoint's settings; the config's ece_bins differs from it and is not used" in caplog.text
+    assert (
+        "the model is rebuilt with the checkpoint's settings; the config's ece_bins differs from it and is not used"
+        in caplog.text
+    )
 
 
 def test_all_shipped_configs_pass_the_value_checks():
