@@ -33,7 +33,9 @@ class StageProgressBar(TQDMProgressBar):
         stage = _stage(pl_module)
         if stage == "ppo" and pl_module.ppo.total_iterations:
             remaining = pl_module.ppo.total_iterations - pl_module.iteration
-            self.train_progress_bar.reset(min(self.total_train_batches, remaining))
+            self.train_progress_bar.reset(
+                min(self.total_train_batches, remaining, _max_steps_left(trainer, pl_module))
+            )
         what = "iterations" if stage == "ppo" else f"epoch {trainer.current_epoch}"
         self.train_progress_bar.set_description(f"[{stage}] {what}")
 
@@ -48,6 +50,16 @@ class StageProgressBar(TQDMProgressBar):
         export_dir = getattr(pl_module, "export_dir", None)
         if trainer.is_global_zero and export_dir and os.path.isdir(export_dir):
             print(f"[{_stage(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
+
+
+def _max_steps_left(trainer, pl_module) -> float:
+    """PPO iterations left before ``trainer.max_steps`` (optimizer steps: ``ppo_epochs`` x minibatches per
+    iteration; the CLI accepts only whole iterations), or infinity without a ``max_steps``."""
+    if trainer.max_steps is None or trainer.max_steps < 0:
+        return float("inf")
+    rollout = getattr(trainer.datamodule, "batch_size", None) or pl_module.ppo.ppo_minibatch_size
+    per_iteration = pl_module.ppo.ppo_epochs * max(1, rollout // pl_module.ppo.ppo_minibatch_size)
+    return -(-(trainer.max_steps - trainer.global_step) // per_iteration)
 
 
 def _in_se(change: float, se: float) -> float:

@@ -14,6 +14,9 @@ TRAIN_LOSS = "train/loss"
 TRAIN_ACCURACY = "train/accuracy"
 VAL_LOSS = "val/loss"
 VAL_PERPLEXITY = "val/perplexity"
+VAL_SCORE_MEAN = "val/score_mean"
+VAL_KL_REF = "val/kl_ref"
+VAL_RESPONSE_LEN = "val/response_len"
 
 # Reward model (validation)
 REWARD_ACCURACY = "reward/accuracy"
@@ -79,6 +82,9 @@ GLOSSARY: dict[str, str] = {
     TRAIN_ACCURACY: "reward model: fraction of training pairs with r_chosen > r_rejected (ties count as wrong)",
     VAL_LOSS: "validation loss, same definition as train/loss",
     VAL_PERPLEXITY: "SFT: exp(val/loss), per response token",
+    VAL_SCORE_MEAN: "PPO validation: mean reward-model score of responses sampled for the validation prompts",
+    VAL_KL_REF: "PPO validation: KL(policy || reference) per response (k1, summed over its tokens, nats)",
+    VAL_RESPONSE_LEN: "PPO validation: mean number of real response tokens",
     REWARD_ACCURACY: "fraction of validation pairs with r_chosen > r_rejected (ties count as wrong); "
     "`reward/accuracy/<file>` per input file",
     REWARD_MARGIN: "mean of r_chosen - r_rejected over validation pairs (reward units)",

@@ -77,6 +77,7 @@ from typing import Any
 import yaml
 
 from rlhf_lit.models.backbone import BackboneConfig, resolve_path
+from rlhf_lit.stage_outputs import not_written_yet, producing_config
 
 GiB = 1024**3
 MiB = 1024**2
@@ -307,31 +308,21 @@ def load_stacked(configs: list[str]) -> dict:
     return merged
 
 
-def _not_written_yet(name_or_path: str) -> bool:
-    """A local path (an earlier stage's export) that holds no model yet; hub ids are not local paths."""
-    path = resolve_path(name_or_path)
-    looks_local = name_or_path.startswith((".", "/", "checkpoints")) or os.path.isdir(path)
-    has_model = any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "rlhf_lit.json"))
-    return looks_local and not has_model
-
-
 def _export_backbone(path: str, configs_root: Path) -> BackboneConfig | None:
     """The backbone an export folder was (or will be) made from: its rlhf_lit.json, else the stage config
-    under ``configs/`` whose ``export_dir`` is that folder."""
+    under ``configs/`` whose ``export_dir`` is that folder (``rlhf_lit.stage_outputs``)."""
     meta_file = Path(path) / "rlhf_lit.json"
     if meta_file.exists():
         base = json.loads(meta_file.read_text()).get("base")
         if base:
             return BackboneConfig(**{**base, "lora": None})
-    for candidate in sorted(configs_root.rglob("*.yaml")):
-        spec = yaml.safe_load(candidate.read_text()) or {}
-        init = (spec.get("model") or {}).get("init_args") or {}
-        if init.get("export_dir") and os.path.normpath(init["export_dir"]) == os.path.normpath(path):
-            if init.get("backbone"):
-                found = BackboneConfig(**{**init["backbone"], "lora": None})
-                if found.name_or_path and _not_written_yet(found.name_or_path):
-                    return _export_backbone(found.name_or_path, configs_root) or found
-                return found
+    found_config = producing_config(path, configs_root)
+    init = ((found_config[1].get("model") or {}).get("init_args") or {}) if found_config else {}
+    if init.get("backbone"):
+        found = BackboneConfig(**{**init["backbone"], "lora": None})
+        if found.name_or_path and not_written_yet(found.name_or_path):
+            return _export_backbone(found.name_or_path, configs_root) or found
+        return found
     return None
 
 
@@ -344,7 +335,7 @@ def settings_from_config(spec: dict, configs_root: Path | None = None) -> RunSet
     stage = "ppo" if "PPO" in class_path else "reward" if "Reward" in class_path else "sft"
     backbone_spec = dict(init.get("backbone") or {})
     backbone = BackboneConfig(**backbone_spec)
-    if backbone.name_or_path and _not_written_yet(backbone.name_or_path):
+    if backbone.name_or_path and not_written_yet(backbone.name_or_path):
         found = _export_backbone(backbone.name_or_path, configs_root)
         if found is not None:  # where the weights come from; how they are held stays this run's
             source = {

@@ -17,10 +17,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 
-from rlhf_lit.data.formats import Fields, detect_format
+from rlhf_lit.data.formats import Fields, detect_format, required_fields
 from rlhf_lit.data.loading import DataFormatError, display_name, is_hub_id, load_rows, source_name
 from rlhf_lit.data.records import SkipCounter
 from rlhf_lit.data.tokenize import Tokenization
+from rlhf_lit.errors import ConfigError
 
 __all__ = ["ExampleDataset", "RLHFDataModule", "split_examples"]
 
@@ -42,11 +43,11 @@ class ExampleDataset(Dataset):
 
 def _val_count(val_size: int | float, num_rows: int) -> int:
     if isinstance(val_size, bool) or val_size < 0:
-        raise ValueError(f"val_size must be a fraction in [0, 1) or a row count >= 1, got {val_size!r}")
+        raise ConfigError(f"val_size must be a fraction in [0, 1) or a row count >= 1, got {val_size!r}")
     if val_size < 1:
         return int(round(val_size * num_rows))
     if val_size != int(val_size):
-        raise ValueError(f"val_size >= 1 is a row count and must be a whole number, got {val_size!r}")
+        raise ConfigError(f"val_size >= 1 is a row count and must be a whole number, got {val_size!r}")
     return int(val_size)
 
 
@@ -66,12 +67,12 @@ def split_examples(
         ``(train, val)``, each in the file's original order.
 
     Raises:
-        ValueError: if ``val_size`` is invalid or would leave no training rows.
+        ConfigError: if ``val_size`` is invalid or would leave no training rows.
     """
     rows = sorted({e["row"] for e in examples})
     n_val = _val_count(val_size, len(rows))
     if rows and n_val >= len(rows):
-        raise ValueError(f"val_size={val_size} takes all {len(rows)} kept rows of {name}; nothing is left to train on")
+        raise ConfigError(f"val_size={val_size} takes all {len(rows)} kept rows of {name}; nothing is left to train on")
     generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
     order = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
     val_rows = set(order[:n_val])
@@ -113,15 +114,15 @@ class RLHFDataModule(L.LightningDataModule):
         self.train_files = [train_files] if isinstance(train_files, str) else list(train_files)
         self.val_files = [val_files] if isinstance(val_files, str) else list(val_files) if val_files else None
         if not self.train_files:
-            raise ValueError("train_files is empty; give at least one file or hub id")
+            raise ConfigError("train_files is empty; give at least one file or hub id")
         if format not in ("auto",) + self.formats:
-            raise ValueError(f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}")
+            raise ConfigError(f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}")
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size or 1),
                             ("pad_to_multiple_of", pad_to_multiple_of or 1)):
             if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         if max_train_samples_per_file is not None and max_train_samples_per_file < 1:
-            raise ValueError(f"max_train_samples_per_file must be >= 1 or None, got {max_train_samples_per_file}")
+            raise ConfigError(f"max_train_samples_per_file must be >= 1 or None, got {max_train_samples_per_file}")
         _val_count(val_size, 0)  # validates the value early
         self.val_size, self.max_train_samples_per_file = val_size, max_train_samples_per_file
         self.format, self.fields, self.chat_template = format, fields, chat_template
@@ -146,6 +147,17 @@ class RLHFDataModule(L.LightningDataModule):
 
     def _collator(self) -> Callable:
         raise NotImplementedError  # pragma: no cover - abstract
+
+    def _check_file(self, rows: Any, fmt: str, path: str) -> None:
+        """One error for a file whose columns cannot hold ``fmt`` (rather than every row skipped as
+        ``missing_field``): it names the fields missing and the columns found."""
+        columns = set(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))
+        missing = [f for f in required_fields(self.stage, fmt, self.fields) if f not in columns]
+        if missing:
+            raise DataFormatError(
+                f"{display_name(path)}: format {fmt!r} needs the field(s) {', '.join(missing)}, but the file's columns "
+                f"are {sorted(columns)}; set `format` or the *_field options (e.g. prompt_field) to match the file"
+            )
 
     def _tokenization(self) -> Tokenization:
         return Tokenization(self.tokenizer, self.max_length, self.max_prompt_length,
@@ -172,6 +184,7 @@ class RLHFDataModule(L.LightningDataModule):
         if len(rows) == 0:
             return []
         fmt = self.format if self.format != "auto" else detect_format(self.stage, rows[0], self.fields, path)
+        self._check_file(rows, fmt, path)
         records = []
         for _, item in self._convert(rows, fmt, source, path):
             counter.count_seen(split)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "PreferenceCollator", "PromptCollator", "SFTCollator", "pad_sequences"]
+__all__ = ["IGNORE_INDEX", "PreferenceCollator", "PromptCollator", "SFTCollator", "UnpairedCollator", "pad_sequences"]
 
 IGNORE_INDEX = -100
 
@@ -63,7 +63,8 @@ class PreferenceCollator:
     ``rejected_attention_mask``, ``chosen_labels`` (B, T) (-100 on prompt and padding, for an optional
     LM term), ``margin`` (B,) float (0.0 where the data gives none), ``source`` (B,) long (index into
     ``source_names``), ``chosen_response_len``, ``rejected_response_len``, ``prompt_len`` (B,) long
-    (response lengths include the EOS).
+    (response lengths include the EOS), and with ``weight_ranked_pairs`` ``pair_weight`` (B,) float
+    (``1 / C(K, 2)`` for a pair of a ranked row of K responses, 1 otherwise).
 
     Args:
         pad_token_id: the id written into padding positions.
@@ -92,7 +93,15 @@ class PreferenceCollator:
             "chosen_response_len": torch.tensor([len(e["chosen_ids"]) for e in examples], dtype=torch.long),
             "rejected_response_len": torch.tensor([len(e["rejected_ids"]) for e in examples], dtype=torch.long),
             "prompt_len": torch.tensor(prompt_lens, dtype=torch.long),
+            **self._weights(examples),
         }
+
+    @staticmethod
+    def _weights(examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        """``pair_weight`` (B,) float when the data module weighs pairs (``weight_ranked_pairs``), else nothing."""
+        if "weight" not in examples[0]:
+            return {}
+        return {"pair_weight": torch.tensor([float(e.get("weight", 1.0)) for e in examples], dtype=torch.float)}
 
 
 @dataclass
@@ -123,6 +132,21 @@ class SFTCollator:
             "labels": _response_labels(prompt_lens, sequences, length),
             "prompt_len": torch.tensor(prompt_lens, dtype=torch.long),
         }
+
+
+@dataclass
+class UnpairedCollator(SFTCollator):
+    """Unpaired (KTO-style) completions: the SFT batch plus ``label`` (B,) bool (True = desirable) and
+    ``source`` (B,) long, for an unpaired objective.
+
+    Batch keys: ``input_ids``, ``attention_mask``, ``labels`` (B, T), ``prompt_len``, ``label``, ``source``.
+    """
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(examples)
+        batch["label"] = torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool)
+        batch["source"] = torch.tensor([e.get("source", 0) for e in examples], dtype=torch.long)
+        return batch
 
 
 @dataclass

@@ -9,28 +9,45 @@ list where text is expected) is not a skip but a :class:`DataFormatError` naming
 Formats ("auto" picks one per file from the first row's keys):
 
 * preference — ``hh`` (``chosen``/``rejected`` transcripts), ``explicit`` (prompt/chosen/rejected
-  strings), ``messages`` (message lists), ``ranked`` (one prompt, K responses, ``ranks``: LOWER rank is
-  BETTER; each untied pair gives one example, ties are counted as ``tied_ranks``).
-* SFT — ``explicit`` (prompt/response), ``alpaca`` (instruction/input/output), ``messages`` (the last
-  assistant message is the response), ``hh`` (the ``chosen`` transcript), ``gsm8k`` (question/answer).
-* prompts — ``explicit`` (prompt field; bare-string files arrive as ``prompt``), ``messages``, ``hh``,
-  ``gsm8k`` (the reference is the final number after ``####``).
+  strings), ``messages`` (message lists), ``sharegpt`` (``conversations`` of ``{from, value}`` plus
+  ``chosen``/``rejected`` messages), ``ranked`` (one prompt, K responses, ``ranks``: LOWER rank is BETTER;
+  each untied pair gives one example, ties are counted as ``tied_ranks``), ``oasst_tree`` (Open-Assistant
+  message trees -> one ranked list per prompter message), ``unpaired`` (KTO-style prompt, completion,
+  boolean label).
+* SFT — ``explicit`` (prompt/response, or prompt/completion), ``alpaca`` (instruction/input/output),
+  ``messages`` and ``sharegpt`` (the last assistant message is the response), ``hh`` (the ``chosen``
+  transcript), ``gsm8k`` (question/answer).
+* prompts — ``explicit`` (prompt field; bare-string files arrive as ``prompt``), ``alpaca``
+  (instruction + input), ``messages``, ``sharegpt``, ``hh``, ``gsm8k`` (the reference is the final number
+  after ``####``).
 
-With ``chat=True`` text records become chat records: a plain prompt becomes one user message, an HH
-prompt is parsed into its user/assistant turns, and responses become stripped assistant messages.
+Field names may be dotted / indexed paths into nested rows (``instances.0.input``, ``messages.-1.content``),
+and ``prompt_template`` joins several fields into the prompt (``"{instruction}\\n\\n{instances.0.input}"``;
+empty parts leave no stray blank lines at the ends). ShareGPT roles map ``human``/``user``/``prompter`` to
+``user``, ``gpt``/``assistant``/``bot``/``model`` to ``assistant`` and ``system`` to ``system`` (any case);
+a row with another role (tool calls) is skipped as ``unknown_role``.
+
+Text mode (no chat template): an explicit prompt and response are joined with ``separator`` (default one
+space) unless the prompt already ends, or the response already starts, with whitespace. With ``chat=True``
+text records become chat records: a plain prompt becomes one user message, a prompt in the HH transcript
+form (``Human: ... Assistant:``) is parsed into its turns (never wrapped again), and responses become
+stripped assistant messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_lit.data.loading import DataFormatError
 from rlhf_lit.data.records import (
+    HUMAN_MARK,
     as_hh_prompt,
     gsm8k_reference,
     hh_first_turn_prompt,
+    looks_like_hh,
     parse_hh_messages,
     split_hh_transcript,
 )
@@ -38,10 +55,32 @@ from rlhf_lit.data.records import (
 Message = dict[str, str]
 Converted = Iterator[tuple[int, "dict[str, Any] | str"]]
 
+#: ShareGPT / Open-Assistant role names -> chat-template roles (compared lower-cased).
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "prompter": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
+
 
 @dataclass(frozen=True)
 class Fields:
-    """Field names in the raw rows (configurable on the DataModules)."""
+    """Field names (or dotted paths) in the raw rows and how fields become texts (set on the DataModules).
+
+    Args:
+        prompt, chosen, rejected, response, responses, ranks, messages, margin, reference: field names.
+        conversations: the ShareGPT message list (``sharegpt`` format).
+        completion: the completion of an unpaired row (and SFT's fallback response field).
+        label: the boolean desirability label of unpaired (KTO-style) rows; None ignores labels.
+        prompt_template: builds the prompt from several fields (``{path}`` placeholders) instead of ``prompt``.
+        separator: put between an explicit prompt and its response in text mode (see the module docstring).
+    """
 
     prompt: str = "prompt"
     chosen: str = "chosen"
@@ -52,6 +91,47 @@ class Fields:
     messages: str = "messages"
     margin: str | None = None
     reference: str | None = None
+    conversations: str = "conversations"
+    completion: str = "completion"
+    label: str | None = "label"
+    prompt_template: str | None = None
+    separator: str = " "
+
+
+class SkipRow(Exception):
+    """Raised inside a row's conversion to skip it for ``reason`` (a ``SKIP_REASONS`` string)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_MISSING = object()
+_PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
+
+
+def get_path(row: Any, path: str) -> Any:
+    """The value at ``path`` in a row: the key itself, else a dotted path (``a.b``, list indexes ``a.0``,
+    ``a.-1``); None where any part is missing (or out of range)."""
+    if isinstance(row, dict) and path in row:
+        return row[path]
+    node = row
+    for part in path.split("."):
+        if isinstance(node, dict):
+            node = node.get(part, _MISSING)
+        elif isinstance(node, (list, tuple)) and re.fullmatch(r"-?\d+", part):
+            index = int(part)
+            node = node[index] if -len(node) <= index < len(node) else _MISSING
+        else:
+            node = _MISSING
+        if node is _MISSING or node is None:
+            return None
+    return node
+
+
+def template_fields(template: str) -> list[str]:
+    """The field paths a prompt template reads (its ``{...}`` placeholders, in order)."""
+    return _PLACEHOLDER.findall(template.replace("{{", "").replace("}}", ""))
 
 
 class Row:
@@ -61,30 +141,104 @@ class Row:
         self.row, self.where, self.index = row, where, index
 
     def error(self, field: str, problem: str) -> DataFormatError:
-        return DataFormatError(f"malformed data in {self.where}: row {self.index + 1}: field {field!r} {problem}")
+        return DataFormatError(
+            f"malformed data in {self.where}: row {self.index + 1}: field {field!r} {problem}"
+        )
 
     def get(self, field: str) -> Any:
-        return self.row.get(field)
+        return get_path(self.row, field)
 
     def text(self, field: str) -> str | None:
-        value = self.row.get(field)
+        value = self.get(field)
         if value is not None and not isinstance(value, str):
             raise self.error(field, f"should be a string, got {type(value).__name__}")
         return value
 
+    def label(self, field: str) -> bool:
+        """A boolean label (True = desirable); a missing one skips the row (``missing_field``)."""
+        value = self.get(field)
+        if value is None:
+            raise SkipRow("missing_field")
+        if not isinstance(value, bool):
+            raise self.error(
+                field, f"should be a boolean (true = desirable), got {type(value).__name__} {value!r}"
+            )
+        return value
+
+    def prompt_text(self, fields: Fields) -> str | None:
+        """The prompt: ``prompt_template`` filled from the row, else the ``prompt`` field."""
+        if fields.prompt_template is None:
+            return self.text(fields.prompt)
+
+        def fill(match: re.Match) -> str:
+            value = self.get(match[1])
+            if value is not None and not isinstance(value, (str, int, float)):
+                raise self.error(
+                    match[1], f"should be text for the prompt template, got {type(value).__name__}"
+                )
+            return "" if value is None else str(value)
+
+        escaped = fields.prompt_template.replace("{{", "\0").replace("}}", "\1")
+        return _PLACEHOLDER.sub(fill, escaped).replace("\0", "{").replace("\1", "}").strip()
+
     def messages(self, field: str, value: Any) -> list[Message]:
+        """A message list from ``{"role", "content"}`` or ShareGPT ``{"from", "value"}`` messages (a single
+        message is accepted too); roles are mapped with ``ROLE_ALIASES``.
+
+        Raises:
+            DataFormatError: if it is not a list of such messages.
+            SkipRow: ``unknown_role`` for a role outside ``ROLE_ALIASES`` (e.g. a tool call).
+        """
         if isinstance(value, dict):
             value = [value]
-        if not isinstance(value, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value
-        ):
-            raise self.error(field, 'should be a list of {"role": str, "content": str} messages')
-        return [{"role": m["role"], "content": m["content"]} for m in value]
+        if not isinstance(value, list):
+            raise self.error(
+                field,
+                f'should be a list of {{"role": str, "content": str}} messages, got {type(value).__name__}',
+            )
+        out = []
+        for position, message in enumerate(value, 1):
+            if not isinstance(message, dict):
+                raise self.error(
+                    field, f"message {position} should be an object, got {type(message).__name__}"
+                )
+            role_key, content_key = (
+                ("role", "content") if "role" in message or "content" in message else ("from", "value")
+            )
+            role, content = message.get(role_key), message.get(content_key)
+            if not isinstance(role, str) or not (content is None or isinstance(content, str)):
+                raise self.error(
+                    field,
+                    f'message {position} should have a string "{role_key}" and "{content_key}", got {message!r:.80}',
+                )
+            mapped = ROLE_ALIASES.get(role.strip().lower())
+            if mapped is None:
+                raise SkipRow("unknown_role")
+            out.append({"role": mapped, "content": content or ""})
+        return out
+
+
+def convert_rows(rows: Iterable[dict[str, Any]], where: str, convert: Callable[[Row], Any]) -> Converted:
+    """Run ``convert`` on every row; it returns a record, a skip reason, or a list of them (one row, many
+    examples); a :class:`SkipRow` raised inside skips the row."""
+    for index, raw in enumerate(rows):
+        row = Row(raw, where, index)
+        try:
+            result = convert(row)
+        except SkipRow as skip:
+            yield index, skip.reason
+            continue
+        for item in result if isinstance(result, list) else [result]:
+            yield index, item
 
 
 def blank(text: str | None) -> bool:
     return text is None or not text.strip()
+
+
+def normalized(text: str) -> str:
+    """Whitespace-normalised text: pairs equal after this are identical (``identical_pair``)."""
+    return " ".join(text.split())
 
 
 def user_message(text: str) -> list[Message]:
@@ -95,104 +249,194 @@ def assistant_message(text: str) -> Message:
     return {"role": "assistant", "content": text.strip()}
 
 
-def chat_prompt(prompt: str, is_hh: bool) -> list[Message]:
-    return parse_hh_messages(prompt) if is_hh else user_message(prompt)
+def chat_prompt(prompt: str, is_hh: bool = False) -> list[Message]:
+    """A text prompt as chat messages: HH transcripts (or prompts in that form) are parsed into their turns."""
+    return parse_hh_messages(prompt) if is_hh or looks_like_hh(prompt) else user_message(prompt)
+
+
+def join_response(prompt: str, response: str, separator: str) -> str:
+    """The response as it follows the prompt in text mode: ``separator`` first, unless the prompt ends or the
+    response starts with whitespace already (so HH-style data keeps its own leading space)."""
+    if not prompt or not response or prompt[-1].isspace() or response[0].isspace():
+        return response
+    return separator + response
 
 
 def detect_format(stage: str, first_row: dict[str, Any], fields: Fields, where: str) -> str:
     """Pick the row format of one file from its first row's keys.
 
     Raises:
-        DataFormatError: if no format matches (the message lists the keys found).
+        DataFormatError: if no format matches (the message lists the keys found and what each format needs).
     """
     keys = {k for k, v in first_row.items() if v is not None}
-    listy = any(isinstance(first_row.get(f), (list, dict)) for f in (fields.prompt, fields.chosen))
+    has = lambda *names: all(get_path(first_row, n) is not None for n in names)  # noqa: E731
+    listy = any(isinstance(get_path(first_row, f), (list, dict)) for f in (fields.prompt, fields.chosen))
+    templated = fields.prompt_template is not None and all(
+        f.split(".")[0] in first_row for f in template_fields(fields.prompt_template)
+    )
+    if stage != "preference" and not templated and "instruction" in keys and "instances" in keys:
+        raise DataFormatError(
+            f"{where} looks like self-instruct seed tasks (instruction + instances[]): reading only `instruction` "
+            'would drop the instance input; set prompt_template: "{instruction}\\n\\n{instances.0.input}"'
+            + (" and response_field: instances.0.output" if stage == "sft" else "")
+        )
+    if templated and stage == "prompt":
+        return "explicit"  # the template builds the prompt: the explicit format with a template
+    if templated and stage == "sft" and (has(fields.response) or has(fields.completion)):
+        return "explicit"
+    if templated and stage == "preference" and has(fields.chosen, fields.rejected) and not listy:
+        return "explicit"
     if stage == "preference":
-        if {fields.responses, fields.ranks} <= keys:
+        if isinstance(first_row.get(fields.prompt), dict) and "replies" in first_row[fields.prompt]:
+            return "oasst_tree"
+        if has(fields.responses, fields.ranks):
             return "ranked"
-        if {fields.chosen, fields.rejected} <= keys:
-            return "messages" if listy else "explicit" if fields.prompt in keys else "hh"
+        if has(fields.conversations, fields.chosen, fields.rejected):
+            return "sharegpt"
+        if fields.label and has(fields.label) and (has(fields.completion) or has(fields.messages)):
+            return "unpaired"
+        if has(fields.chosen, fields.rejected):
+            return "messages" if listy else "explicit" if has(fields.prompt) else "hh"
     elif stage == "sft":
         for fmt, needed in (
-            ("messages", {fields.messages}),
-            ("alpaca", {"instruction", "output"}),
-            ("gsm8k", {"question", "answer"}),
-            ("explicit", {fields.prompt, fields.response}),
-            ("hh", {fields.chosen}),
+            ("messages", (fields.messages,)),
+            ("sharegpt", (fields.conversations,)),
+            ("alpaca", ("instruction", "output")),
+            ("gsm8k", ("question", "answer")),
+            ("explicit", (fields.prompt, fields.response)),
+            ("explicit", (fields.prompt, fields.completion)),
+            ("hh", (fields.chosen,)),
         ):
-            if needed <= keys:
+            if has(*needed):
                 return fmt
     else:
         for fmt, needed in (
-            ("messages", {fields.messages}),
-            ("explicit", {fields.prompt}),
-            ("gsm8k", {"question"}),
-            ("hh", {fields.chosen}),
+            ("messages", (fields.messages,)),
+            ("sharegpt", (fields.conversations,)),
+            ("explicit", (fields.prompt,)),
+            ("alpaca", ("instruction",)),
+            ("gsm8k", ("question",)),
+            ("hh", (fields.chosen,)),
         ):
-            if needed <= keys:
+            if has(*needed):
                 return fmt
+    expected = {
+        "preference": "hh: chosen+rejected transcripts; explicit: prompt+chosen+rejected; messages or sharegpt: "
+        "message lists; ranked: prompt+responses+ranks; unpaired: prompt+completion+label",
+        "sft": "explicit: prompt+response; alpaca: instruction+output; messages / sharegpt: message lists; "
+        "gsm8k: question+answer; hh: chosen",
+        "prompt": "explicit: prompt; alpaca: instruction; messages / sharegpt: message lists; gsm8k: question; "
+        "hh: chosen",
+    }[stage]
     raise DataFormatError(
-        f"cannot tell the {stage} format of {where} from its first row's keys {sorted(keys)}; "
-        "set `format` and the field names explicitly"
+        f"cannot tell the {stage} format of {where} from its first row's keys {sorted(keys)} ({expected}); "
+        "set `format` and the *_field options"
     )
+
+
+def required_fields(stage: str, fmt: str, fields: Fields) -> list[str]:
+    """Top-level columns every row of a format needs (a file without one is a format mistake, not a skip)."""
+    prompt = template_fields(fields.prompt_template) if fields.prompt_template else [fields.prompt]
+    table = {
+        ("preference", "hh"): [fields.chosen, fields.rejected],
+        ("preference", "explicit"): [*prompt, fields.chosen, fields.rejected],
+        ("preference", "messages"): [fields.chosen, fields.rejected],
+        ("preference", "sharegpt"): [fields.conversations, fields.chosen, fields.rejected],
+        ("preference", "ranked"): [fields.prompt, fields.responses, fields.ranks],
+        ("preference", "oasst_tree"): [fields.prompt],
+        ("preference", "unpaired"): [fields.label] if fields.label else [],
+        ("sft", "explicit"): prompt,
+        ("sft", "alpaca"): ["instruction", "output"],
+        ("sft", "messages"): [fields.messages],
+        ("sft", "sharegpt"): [fields.conversations],
+        ("sft", "hh"): [fields.chosen],
+        ("sft", "gsm8k"): ["question", "answer"],
+        ("prompt", "explicit"): prompt,
+        ("prompt", "alpaca"): ["instruction"],
+        ("prompt", "messages"): [fields.messages],
+        ("prompt", "sharegpt"): [fields.conversations],
+        ("prompt", "hh"): [fields.chosen],
+        ("prompt", "gsm8k"): ["question"],
+    }
+    return [f.split(".")[0] for f in table.get((stage, fmt), [])]
+
+
+def _conversation(row: Row, field: str) -> list[Message]:
+    value = row.get(field)
+    if value is None:
+        raise SkipRow("missing_field")
+    return row.messages(field, value)
 
 
 # ----------------------------------------------------------------------------------------------- SFT
 def sft_records(
-    rows: Iterable[dict[str, Any]], fmt: str, fields: Fields, chat: bool, source: int, where: str
+    rows: Iterable[dict[str, Any]],
+    fmt: str,
+    fields: Fields,
+    chat: bool,
+    source: int,
+    where: str,
+    keep_label: bool | None = None,
 ) -> Converted:
-    """Convert SFT rows of one file into ``{"prompt", "response"}`` records."""
-    for index, raw in enumerate(rows):
-        row = Row(raw, where, index)
-        meta = {"source": source, "row": index}
-        if fmt == "messages":
-            value = row.get(fields.messages)
-            if value is None:
-                yield index, "missing_field"
-                continue
-            messages = row.messages(fields.messages, value)
+    """Convert SFT rows of one file into ``{"prompt", "response"}`` records.
+
+    ``keep_label``: keep only rows whose ``fields.label`` equals it (the others are skipped as
+    ``filtered_by_label``); None reads no label.
+    """
+
+    def convert(row: Row) -> dict | str:
+        if keep_label is not None and fields.label and row.label(fields.label) != keep_label:
+            return "filtered_by_label"
+        meta = {"source": source, "row": row.index}
+        if fmt in ("messages", "sharegpt"):
+            messages = _conversation(row, fields.messages if fmt == "messages" else fields.conversations)
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None or blank(messages[last]["content"]):
-                yield index, "empty_response"
-            elif not messages[:last] or all(blank(m["content"]) for m in messages[:last]):
-                yield index, "empty_prompt"
-            else:
-                yield index, {"prompt": messages[:last], "response": messages[last], **meta}
-            continue
-        needed = {
-            "explicit": (fields.prompt, fields.response),
-            "alpaca": ("instruction", "output"),
-            "gsm8k": ("question", "answer"),
-            "hh": (fields.chosen,),
-        }[fmt]
-        if any(row.get(f) is None for f in needed):
-            yield index, "missing_field"
-            continue
-        texts = [row.text(f) for f in needed]
+                return "empty_response"
+            if not messages[:last] or all(blank(m["content"]) for m in messages[:last]):
+                return "empty_prompt"
+            return {"prompt": messages[:last], "response": messages[last], **meta}
         is_hh = fmt == "hh"
-        if is_hh:
-            if blank(texts[0]):
-                yield index, "empty_response"
-                continue
-            parts = split_hh_transcript(texts[0])
-            if parts is None:
-                yield index, "no_shared_prefix"
-                continue
-            prompt, response = parts
-        else:
-            prompt, response = texts
-            if fmt == "alpaca" and not blank(row.text("input")):
+        if fmt == "explicit":
+            response_field = fields.response if row.get(fields.response) is not None else fields.completion
+            prompt, response = row.prompt_text(fields), row.text(response_field)
+            if prompt is None or response is None:
+                return "missing_field"
+        elif fmt == "alpaca":
+            prompt, response = row.text("instruction"), row.text("output")
+            if prompt is None or response is None:
+                return "missing_field"
+            if not blank(row.text("input")):
                 prompt = f"{prompt.strip()}\n\n{row.text('input').strip()}"
-            if fmt != "explicit" and not chat and not blank(prompt):
-                prompt, response = as_hh_prompt(prompt), " " + response.strip()
+        elif fmt == "gsm8k":
+            prompt, response = row.text("question"), row.text("answer")
+            if prompt is None or response is None:
+                return "missing_field"
+        else:  # hh
+            transcript = row.text(fields.chosen)
+            if transcript is None:
+                return "missing_field"
+            if blank(transcript):
+                return "empty_response"
+            parts = split_hh_transcript(transcript)
+            if parts is None:
+                return "no_shared_prefix"
+            prompt, response = parts
+            if HUMAN_MARK in response:  # the transcript ends with a human turn: no single response
+                return "multi_turn_response"
         if blank(prompt):
-            yield index, "empty_prompt"
-        elif blank(response):
-            yield index, "empty_response"
-        elif chat:
-            yield index, {"prompt": chat_prompt(prompt, is_hh), "response": assistant_message(response), **meta}
-        else:
-            yield index, {"prompt": prompt, "response": response, **meta}
+            return "empty_prompt"
+        if blank(response):
+            return "empty_response"
+        if chat:
+            return {"prompt": chat_prompt(prompt, is_hh), "response": assistant_message(response), **meta}
+        if fmt in ("alpaca", "gsm8k"):
+            prompt, response = as_hh_prompt(prompt), " " + response.strip()
+        elif fmt == "explicit":
+            response = join_response(prompt, response, fields.separator)
+        return {"prompt": prompt, "response": response, **meta}
+
+    return convert_rows(rows, where, convert)
 
 
 # ------------------------------------------------------------------------------------------- prompts
@@ -206,39 +450,44 @@ def prompt_records(
     hh_first_turn_only: bool = False,
 ) -> Converted:
     """Convert prompt rows of one file into ``{"prompt", "reference"}`` records."""
-    for index, raw in enumerate(rows):
-        row = Row(raw, where, index)
-        meta = {"source": source, "row": index}
-        field = {"explicit": fields.prompt, "messages": fields.messages, "gsm8k": "question", "hh": fields.chosen}[fmt]
-        if row.get(field) is None:
-            yield index, "missing_field"
-            continue
-        reference = None
-        if fmt == "messages":
-            messages = row.messages(field, row.get(field))
+
+    def convert(row: Row) -> dict | str:
+        meta = {"source": source, "row": row.index}
+        if fmt in ("messages", "sharegpt"):
+            messages = _conversation(row, fields.messages if fmt == "messages" else fields.conversations)
             if messages and messages[-1]["role"] == "assistant":
                 messages = messages[:-1]  # SFT-style conversations: prompt for the last reply
             if not messages or all(blank(m["content"]) for m in messages):
-                yield index, "empty_prompt"
-            else:
-                yield index, {"prompt": messages, "reference": None, **meta}
-            continue
-        text = row.text(field)
-        if fmt == "hh" and not blank(text):
-            parts = split_hh_transcript(text)
-            text = hh_first_turn_prompt(text) if hh_first_turn_only else parts[0] if parts else None
-            if text is None:
-                yield index, "no_shared_prefix"
-                continue
+                return "empty_prompt"
+            return {"prompt": messages, "reference": None, **meta}
+        reference = None
+        if fmt == "explicit":
+            text = row.prompt_text(fields)
+        elif fmt == "alpaca":
+            text = row.text("instruction")
+            if text is not None and not blank(row.text("input")):
+                text = f"{text.strip()}\n\n{row.text('input').strip()}"
         elif fmt == "gsm8k":
+            text = row.text("question")
             answer = row.get("answer")
             reference = gsm8k_reference(answer) if isinstance(answer, str) else None
-            text = text if chat or blank(text) else as_hh_prompt(text)
-        elif fields.reference is not None and row.get(fields.reference) is not None:
+        else:  # hh
+            text = row.text(fields.chosen)
+            if not blank(text):
+                parts = split_hh_transcript(text)
+                text = hh_first_turn_prompt(text) if hh_first_turn_only else parts[0] if parts else None
+                if text is None:
+                    return "no_shared_prefix"
+        if text is None:
+            return "missing_field"
+        if fmt == "explicit" and fields.reference is not None and row.get(fields.reference) is not None:
             reference = str(row.get(fields.reference))
         if blank(text):
-            yield index, "empty_prompt"
-        elif chat:
-            yield index, {"prompt": chat_prompt(text, fmt == "hh"), "reference": reference, **meta}
-        else:
-            yield index, {"prompt": text, "reference": reference, **meta}
+            return "empty_prompt"
+        if chat:
+            return {"prompt": chat_prompt(text, fmt == "hh"), "reference": reference, **meta}
+        if fmt in ("alpaca", "gsm8k"):
+            text = as_hh_prompt(text)
+        return {"prompt": text, "reference": reference, **meta}
+
+    return convert_rows(rows, where, convert)

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import datasets
 
-__all__ = ["DataFormatError", "display_name", "is_hub_id", "load_rows", "register_source", "source_name"]
+from rlhf_lit.errors import UserError
+
+__all__ = ["DataFileNotFoundError", "DataFormatError", "display_name", "is_hub_id", "load_rows", "register_source", "source_name"]
 
 JSON_EXTENSIONS = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DATA_EXTENSIONS = JSON_EXTENSIONS + (".parquet", ".csv", ".csv.gz")
@@ -42,8 +44,12 @@ def _demo_rows(name: str, split: str) -> datasets.Dataset:
 _SOURCE_LOADERS: dict[str, SourceLoader] = {"demo": _demo_rows}
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError, ValueError):
     """Data that cannot be read as rows. The message is what the user sees: file, row and field."""
+
+
+class DataFileNotFoundError(DataFormatError, FileNotFoundError):
+    """A data file that does not exist (the message gives the path as written and as resolved)."""
 
 
 def register_source(scheme: str, loader: SourceLoader) -> None:
@@ -95,7 +101,7 @@ def load_rows(path_or_id: str, split: str = "train") -> datasets.Dataset:
         The rows. Bare-string JSON rows become ``{"prompt": s}``.
 
     Raises:
-        FileNotFoundError: if a local path does not exist.
+        DataFileNotFoundError: (a ``FileNotFoundError``) if a local path does not exist.
         DataFormatError: if the file is malformed (invalid JSON, a field whose type changes between
             rows, an unsupported extension) or a hub dataset cannot be loaded.
     """
@@ -106,9 +112,12 @@ def load_rows(path_or_id: str, split: str = "train") -> datasets.Dataset:
     if path.is_file():
         return _load_local(path)
     if path.exists():
-        raise DataFormatError(f"{path_or_id} is not a data file (resolved to {path.resolve()})")
+        raise DataFormatError(
+            f"{path_or_id} is a folder, not a data file (resolved to {path.resolve()}); give the file(s) inside it "
+            f"({', '.join(DATA_EXTENSIONS)})"
+        )
     if _looks_local(path_or_id):
-        raise FileNotFoundError(f"data file not found: {path_or_id} (resolved to {path.resolve()})")
+        raise DataFileNotFoundError(f"data file not found: {path_or_id} (resolved to {path.resolve()})")
     return _load_hub(path_or_id, split)
 
 
@@ -147,16 +156,59 @@ def _quiet_datasets() -> Iterator[None]:
 
 def _load_local(path: Path) -> datasets.Dataset:
     lowered = path.name.lower()
-    if lowered.endswith(JSON_EXTENSIONS):
-        return _load_json(path)
-    builder = "parquet" if lowered.endswith(".parquet") else "csv" if lowered.endswith((".csv", ".csv.gz")) else None
+    builder = (
+        "json" if lowered.endswith(JSON_EXTENSIONS)
+        else "parquet" if lowered.endswith(".parquet")
+        else "csv" if lowered.endswith((".csv", ".csv.gz"))
+        else None
+    )
     if builder is None:
         raise DataFormatError(f"{path}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}")
+    _sniff(path, builder)
+    if builder == "json":
+        rows = _load_json(path)
+    else:
+        try:
+            with _quiet_datasets():
+                rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as err:
+            if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
+                raise DataFormatError(f"{path} holds no rows (only a header); give a file with data") from None
+            raise DataFormatError(f"malformed {builder} file {path}: {_root_message(err)}") from None
+    if len(rows) == 0:
+        raise DataFormatError(f"{path} holds no rows (only a header or an empty list); give a file with data")
+    return rows
+
+
+def _sniff(path: Path, builder: str) -> None:
+    """One clear error for an empty file, or content that does not match the extension (JSON Lines named
+    ``.csv``, CSV named ``.jsonl``, a text file named ``.parquet``), before ``datasets`` reads it."""
+    if builder == "parquet":
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+        if magic != b"PAR1":
+            hint = " (it looks like text: rename it to .jsonl or .csv)" if magic[:1] in (b"{", b"[") or magic.isascii() else ""
+            raise DataFormatError(f"{path} is not a Parquet file{hint}" if magic else f"{path} is empty (0 bytes)")
+        return
     try:
-        with _quiet_datasets():
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:
-        raise DataFormatError(f"malformed {builder} file {path}: {_root_message(err)}") from None
+        with _open_text(path) as handle:
+            first = next((line for line in handle if line.strip()), None)
+    except (UnicodeDecodeError, OSError, EOFError) as err:
+        raise DataFormatError(f"{path} is not a UTF-8 text file ({type(err).__name__}: {err})") from None
+    if first is None:
+        raise DataFormatError(f"{path} is empty (no rows, only blank lines or nothing)")
+    head = first.lstrip()[:1]
+    if builder == "csv" and head in ("{", "["):
+        raise DataFormatError(
+            f"{path} holds JSON (its first line starts with {head!r}), not CSV; rename it to .jsonl (one object per "
+            "line) or .json"
+        )
+    if builder == "json" and head not in ("{", "[", '"'):
+        looks_csv = "," in first or "\t" in first
+        hint = "; it looks like CSV: rename it to .csv" if looks_csv else ""
+        raise DataFormatError(
+            f"{path} is not JSON: its first line starts with {first.strip()[:40]!r}{hint}"
+        )
 
 
 def _load_json(path: Path) -> datasets.Dataset:
@@ -168,6 +220,8 @@ def _load_json(path: Path) -> datasets.Dataset:
             ds = datasets.load_dataset("json", data_files=str(path), split="train")
     except Exception as err:
         problem = _diagnose_json(path)
+        if problem is None and not any(True for _ in _iter_json_rows(path)):
+            problem = f"{path} holds no rows (an empty JSON list); give a file with data"
         raise DataFormatError(problem or f"malformed JSON file {path}: {_root_message(err)}") from None
     if any(isinstance(feature, datasets.Json) for feature in ds.features.values()):
         problem = _diagnose_json(path)  # an untyped column: some field changes type between rows
@@ -242,27 +296,38 @@ def _iter_json_rows(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _diagnose_json(path: Path) -> str | None:
-    """Find the first invalid row or field type change; return the message (None if none found)."""
-    first_types: dict[str, tuple[str, str]] = {}
+    """Find the first invalid row, or the first row whose field has another type than in most rows; return
+    the message (None if none found). The majority decides, so an odd FIRST row is the one named."""
+    kinds: dict[str, dict[str, list[str]]] = {}  # field -> type -> rows (where) holding it
     try:
         for where, row in _iter_json_rows(path):
             if not isinstance(row, dict):
                 return f"malformed JSON in {path}: {where}: expected a JSON object, got {_type_name(row)}"
             for field, value in row.items():
-                if value is None:
-                    continue
-                kind = _type_name(value)
-                if field not in first_types:
-                    first_types[field] = (kind, where)
-                elif first_types[field][0] != kind:
-                    seen_kind, seen_where = first_types[field]
-                    return (
-                        f"malformed JSON in {path}: {where}: field {field!r} is {kind}, "
-                        f"but it is {seen_kind} in {seen_where}"
-                    )
+                if value is not None:
+                    kinds.setdefault(field, {}).setdefault(_type_name(value), []).append(where)
     except DataFormatError as err:
         return str(err)
-    return None
+    culprits = []
+    for field, by_kind in kinds.items():
+        if len(by_kind) < 2:
+            continue
+        usual = max(by_kind, key=lambda k: len(by_kind[k]))
+        total = sum(len(v) for v in by_kind.values())
+        for kind, wheres in by_kind.items():
+            if kind != usual:
+                culprits.append((_row_number(wheres[0]), wheres[0], field, kind, usual, by_kind[usual], total))
+    if not culprits:
+        return None
+    _, where, field, kind, usual, usual_rows, total = min(culprits)
+    return (
+        f"malformed JSON in {path}: {where}: field {field!r} is {kind}, but it is {usual} in "
+        f"{len(usual_rows)} of {total} rows (e.g. {usual_rows[0]})"
+    )
+
+
+def _row_number(where: str) -> int:
+    return int(where.rsplit(" ", 1)[-1])
 
 
 def _type_name(value: object) -> str:

@@ -28,6 +28,7 @@ from rlhf_lit.data.formats import Fields, prompt_records
 from rlhf_lit.data.records import SkipCounter
 from rlhf_lit.data.sampler import ResumableSampler
 from rlhf_lit.data.tokenize import Tokenization
+from rlhf_lit.errors import ConfigError
 
 __all__ = ["PromptDataModule"]
 
@@ -52,8 +53,10 @@ class PromptDataModule(RLHFDataModule):
 
     * ``explicit`` -- a ``prompt`` string field (files of bare JSON strings are read as ``prompt``);
       optional ``reference_field``.
+    * ``alpaca`` -- ``instruction`` and optional ``input``, in the HH transcript form (as in SFT).
     * ``messages`` -- a message list rendered with the chat template and the generation prompt (a
       trailing assistant message is dropped, so SFT conversations can be reused).
+    * ``sharegpt`` -- the same from ``conversations`` of ``{"from", "value"}`` messages.
     * ``hh`` -- the prompt part of the ``chosen`` transcript: up to and including the LAST
       ``"\\n\\nAssistant:"`` (or the FIRST, with ``hh_first_turn_only``).
     * ``gsm8k`` -- ``question``, in the HH transcript form ``"\\n\\nHuman: ...\\n\\nAssistant:"``; the
@@ -74,8 +77,13 @@ class PromptDataModule(RLHFDataModule):
         max_train_samples_per_file: keep at most this many training prompts per file (a fixed,
             seeded subset); None keeps all.
         format: the row format; "auto" detects it per file.
-        prompt_field: field holding the prompt (explicit format).
+        prompt_field: field holding the prompt (explicit format); a dotted / indexed path such as
+            ``instances.0.input`` reads nested rows.
+        prompt_template: build the prompt from several fields instead of ``prompt_field``, e.g.
+            ``"{instruction}\n\n{instances.0.input}"`` for self-instruct seed tasks (placeholders are field
+            paths; empty ends are stripped).
         messages_field: field holding the message list (messages format).
+        conversations_field: field holding the ShareGPT message list (sharegpt format).
         reference_field: optional field holding a reference answer (explicit format).
         hh_first_turn_only: for hh, keep only the first human turn (as the shared benchmark does).
         chat_template: render plain prompts as one user message (HH prompts as their turns) with the
@@ -93,7 +101,7 @@ class PromptDataModule(RLHFDataModule):
     """
 
     stage = "prompt"
-    formats = ("explicit", "messages", "hh", "gsm8k")
+    formats = ("explicit", "alpaca", "messages", "sharegpt", "hh", "gsm8k")
 
     def __init__(
         self,
@@ -101,9 +109,11 @@ class PromptDataModule(RLHFDataModule):
         val_files: list[str] | str | None = None,
         val_size: int | float = 0.05,
         max_train_samples_per_file: int | None = None,
-        format: Literal["auto", "explicit", "messages", "hh", "gsm8k"] = "auto",
+        format: Literal["auto", "explicit", "alpaca", "messages", "sharegpt", "hh", "gsm8k"] = "auto",
         prompt_field: str = "prompt",
+        prompt_template: str | None = None,
         messages_field: str = "messages",
+        conversations_field: str = "conversations",
         reference_field: str | None = None,
         hh_first_turn_only: bool = False,
         chat_template: bool = False,
@@ -120,7 +130,8 @@ class PromptDataModule(RLHFDataModule):
         if pad_to_length is not None and max_prompt_length is not None and max_prompt_length > pad_to_length:
             raise ValueError(f"max_prompt_length ({max_prompt_length}) > pad_to_length ({pad_to_length})")
         limit = max_prompt_length if max_prompt_length is not None else pad_to_length
-        fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field)
+        fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field,
+                        conversations=conversations_field, prompt_template=prompt_template)
         super().__init__(
             train_files=train_files, val_files=val_files, val_size=val_size,
             max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
@@ -203,17 +214,21 @@ class PromptDataModule(RLHFDataModule):
         """Resume: the next training pass continues the order after the saved number of batches.
 
         Raises:
-            ValueError: if seed, batch size or the number of training prompts differ from the saved
+            ConfigError: if seed, batch size or the number of training prompts differ from the saved
                 run (the order could not be reproduced).
         """
         if not state_dict:
             return
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.state.fn not in (None, "fit"):
+            return  # validate / test / predict from a checkpoint: there is no training order to resume
         for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
                           ("num_train_prompts", len(self.train_dataset) if self.train_dataset is not None else -1)):
             saved = state_dict.get(key)
             if saved is not None and mine != -1 and saved != -1 and saved != mine:
-                raise ValueError(
-                    f"cannot resume the prompt order exactly: {key} was {saved} in the checkpoint but is {mine} now"
+                raise ConfigError(
+                    f"cannot resume the prompt order exactly: {key} was {saved} in the checkpoint but is {mine} "
+                    "now; resume with the data settings (files, val_size, batch_size, seed) of the interrupted run"
                 )
         consumed = int(state_dict["batches_consumed_total"])
         per_epoch = self._batches_per_epoch()

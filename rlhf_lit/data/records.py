@@ -31,6 +31,7 @@ __all__ = [
     "SkipCounter",
     "as_hh_prompt",
     "gsm8k_reference",
+    "looks_like_hh",
     "hh_first_turn_prompt",
     "parse_hh_messages",
     "split_hh_pair",
@@ -50,6 +51,12 @@ SKIP_REASONS = (
     "no_shared_prefix",  # HH: the transcripts share no "\n\nAssistant:"; chat: different contexts
     "response_too_long",  # response + EOS does not fit max_length with min_prompt_tokens of prompt
     "tied_ranks",  # ranked lists: a tied pair gives no preference pair
+    "null_rank",  # ranked lists / message trees: a candidate without a rank (the whole list is skipped)
+    "too_few_responses",  # ranked lists / message trees: fewer than 2 candidates to compare
+    "multi_turn_response",  # HH: a response holds a further "Human:" turn, so it is not one reply
+    "unknown_role",  # ShareGPT / messages: a role other than user / assistant / system (e.g. a tool call)
+    "filtered_by_label",  # SFT with keep_label: the row's label is not the one kept
+    "no_opposite_label",  # unpaired -> pairs: no completion of the other label for the same prompt
     "no_response_boundary",  # the chat template's prompt rendering is not a prefix of the full one
 )
 
@@ -224,8 +231,20 @@ def parse_hh_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
+_HH_START = re.compile(r"\s*Human:")
+
+
+def looks_like_hh(text: str) -> bool:
+    """True for text already in the HH transcript form: it opens with ``Human:`` (after whitespace) and holds
+    an ``"\\n\\nAssistant:"`` turn. Such prompts are parsed into turns, never wrapped a second time."""
+    return bool(_HH_START.match(text)) and ASSISTANT_MARK in text
+
+
 def as_hh_prompt(text: str) -> str:
-    """Wrap a plain request in the HH transcript form: ``"\\n\\nHuman: {text}\\n\\nAssistant:"``."""
+    """Wrap a plain request in the HH transcript form: ``"\\n\\nHuman: {text}\\n\\nAssistant:"`` (text already
+    in that form is returned as it is)."""
+    if looks_like_hh(text):
+        return text
     return f"{HUMAN_MARK} {text.strip()}{ASSISTANT_MARK}"
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.errors import ConfigError
 
 __all__ = ["Tokenization", "fit_prompt", "left_truncate"]
 
@@ -86,7 +87,8 @@ class Tokenization:
         append_eos: append EOS to every response that does not already end with it.
 
     Raises:
-        ValueError: if the tokenizer is None, lacks a pad/EOS token, or the lengths are inconsistent.
+        ValueError: if the tokenizer is None. ConfigError (a ValueError): if it lacks a pad/EOS token, or the
+            lengths are inconsistent.
     """
 
     def __init__(
@@ -100,13 +102,13 @@ class Tokenization:
         if tokenizer is None:
             raise ValueError("no tokenizer: pass `tokenizer=` to the DataModule (the CLI links the model's)")
         if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
+            raise ConfigError("the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
         if append_eos and tokenizer.eos_token_id is None:
-            raise ValueError("append_eos=True but the tokenizer has no EOS token")
+            raise ConfigError("append_eos=True but the tokenizer has no EOS token")
         if min_prompt_tokens < 0 or max_length <= min_prompt_tokens:
-            raise ValueError(f"need 0 <= min_prompt_tokens ({min_prompt_tokens}) < max_length ({max_length})")
+            raise ConfigError(f"need 0 <= min_prompt_tokens ({min_prompt_tokens}) < max_length ({max_length})")
         if max_prompt_length is not None and max_prompt_length < max(min_prompt_tokens, 1):
-            raise ValueError(
+            raise ConfigError(
                 f"max_prompt_length ({max_prompt_length}) must be >= max(min_prompt_tokens, 1) ({min_prompt_tokens})"
             )
         self.tokenizer = tokenizer
@@ -129,7 +131,7 @@ class Tokenization:
         if isinstance(prompt, str):
             return prompt, response if isinstance(response, str) or response is None else response["content"], False
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
+            raise ConfigError(
                 "chat data (message lists, or chat_template=True) needs a tokenizer with a chat template; "
                 f"{type(self.tokenizer).__name__} has none"
             )
@@ -194,8 +196,11 @@ class Tokenization:
                 counter.count_skip(split, "identical_pair")
             else:
                 counter.count_truncated(split, int(len(cut) < len(p)))
-                out.append({"prompt_ids": cut, "chosen_ids": c, "rejected_ids": r, "margin": rec["margin"],
-                            "source": rec["source"], "row": rec["row"]})
+                example = {"prompt_ids": cut, "chosen_ids": c, "rejected_ids": r, "margin": rec["margin"],
+                           "source": rec["source"], "row": rec["row"]}
+                if "weight" in rec:
+                    example["weight"] = rec["weight"]
+                out.append(example)
         return out
 
     def sft(self, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
@@ -216,7 +221,10 @@ class Tokenization:
                 counter.count_skip(split, "response_too_long")
                 continue
             counter.count_truncated(split, int(len(cut) < len(p)))
-            out.append({"prompt_ids": cut, "response_ids": r, "source": rec["source"], "row": rec["row"]})
+            example = {"prompt_ids": cut, "response_ids": r, "source": rec["source"], "row": rec["row"]}
+            if "label" in rec:  # an unpaired (KTO-style) completion keeps its desirability label
+                example["label"] = rec["label"]
+            out.append(example)
         return out
 
     def prompts(self, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:

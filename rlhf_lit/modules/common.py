@@ -27,9 +27,12 @@ def as_config(cls: type[C], value: C | dict | None) -> C | None:
     raise TypeError(f"expected {cls.__name__} or a dict, got {type(value).__name__}")
 
 
-def plain_hparams(**kwargs: Any) -> dict[str, Any]:
-    """Hyper-parameters with dataclasses turned into dicts, so checkpoints load with ``weights_only=True``."""
-    return {k: asdict(v) if is_dataclass(v) else v for k, v in kwargs.items()}
+def plain_hparams(module_class: type, **kwargs: Any) -> dict[str, Any]:
+    """Hyper-parameters with dataclasses turned into dicts, so checkpoints load with ``weights_only=True``,
+    plus ``_class_path`` (the module's import path): the form in which LightningCLI re-parses a checkpoint's
+    hyper-parameters for ``--ckpt_path`` (``load_from_checkpoint`` ignores the key)."""
+    plain = {k: asdict(v) if is_dataclass(v) else v for k, v in kwargs.items()}
+    return {"_class_path": f"{module_class.__module__}.{module_class.__qualname__}", **plain}
 
 
 @dataclass

@@ -145,6 +145,7 @@ class PPOModule(L.LightningModule):
         # Every switch (PPO-Max tricks included) is recorded, as plain dicts so checkpoints load weights-only.
         self.save_hyperparameters(
             plain_hparams(
+                type(self),
                 backbone=backbone,
                 reward_model=self.reward_model_cfg,
                 sampling=self.sampling,
@@ -398,6 +399,30 @@ class PPOModule(L.LightningModule):
             old.append(out.logprobs)
             values.append(out.values)
         return torch.cat(ref), torch.cat(old), torch.cat(values)
+
+    # ------------------------------------------------------------------ validation (rlhf-lit validate)
+    @torch.no_grad()
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Sample responses to validation prompts and log ``val/score_mean``, ``val/kl_ref`` (k1, nats per
+        response) and ``val/response_len``. Sampling draws from a forked RNG seeded with ``ppo.seed`` and the
+        batch index, so validation is repeatable and leaves the training trajectory untouched."""
+        prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
+        prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
+        with torch.random.fork_rng(devices=[]), self.policy.lm.adapter("actor"):
+            torch.manual_seed(self.ppo.seed * 1_000_003 + batch_idx)
+            response_ids, response_mask, _ = sample_responses(
+                self.policy.lm, prompt_ids, prompt_mask, self.sampling, self.stop_ids,
+                self.tokenizer.pad_token_id, synced_gpus=self._synced_generation(),
+            )
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+        ref_logprobs, logprobs, _ = self._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
+        scores = self.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+        n = scores.shape[0]
+        kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
+        self.log(M.VAL_SCORE_MEAN, scores.mean(), batch_size=n, sync_dist=True)
+        self.log(M.VAL_KL_REF, kl.mean(), batch_size=n, sync_dist=True)
+        self.log(M.VAL_RESPONSE_LEN, response_mask.sum(-1).float().mean(), batch_size=n, sync_dist=True)
 
     # ------------------------------------------------------------------ step 6
     def _update(

@@ -121,6 +121,7 @@ class RewardModule(L.LightningModule):
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
             plain_hparams(
+                type(self),
                 backbone=backbone,
                 optimizer=optimizer,
                 label_smoothing=label_smoothing,
@@ -196,7 +197,7 @@ class RewardModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
         chosen, rejected, hidden_chosen = self._score_pairs(batch, need_hidden=hp.beta_rm > 0)
-        loss = bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing).mean()
+        loss = self._pair_mean(bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing), batch)
         if hp.center_rewards_coef > 0:
             loss = loss + hp.center_rewards_coef * ((chosen + rejected) ** 2).mean()
         if hp.beta_rm > 0:
@@ -211,6 +212,21 @@ class RewardModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self._pair_mean.rescale_gradients(self, optimizer)
+
+    def _pair_mean(self, losses: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The mean of per-pair losses ``(B,)``; with the data module's ``pair_weight`` ``(B,)``
+        (``weight_ranked_pairs``) the weighted mean ``sum(w * loss) / sum(w)`` over the GLOBAL batch, so each
+        prompt of a ranked list weighs the same (Ouyang et al. 2022, eq. 1). Under DDP/FSDP, whose gradient is
+        the mean over ranks, this rank's sum is divided by the mean over ranks of ``sum(w)``."""
+        weights = batch.get("pair_weight")
+        if weights is None:
+            return losses.mean()
+        weights = weights.to(losses.dtype)
+        total = weights.sum().detach()
+        world_size = self._trainer.world_size if self._trainer is not None else 1
+        if world_size > 1:
+            total = self.trainer.strategy.reduce(total.clone(), reduce_op="sum") / world_size
+        return (losses * weights).sum() / total.clamp(min=torch.finfo(losses.dtype).tiny)
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]

@@ -58,6 +58,7 @@ class SFTModule(L.LightningModule):
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
             plain_hparams(
+                type(self),
                 backbone=backbone, optimizer=optimizer, export_dir=export_dir, export_mode=export_mode
             )
         )

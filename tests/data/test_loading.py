@@ -54,7 +54,7 @@ def test_field_with_wrong_type_names_file_line_and_field(write_jsonl):
         load_rows(path)
     message = str(info.value)
     assert path in message and "line 3" in message and "'chosen'" in message
-    assert "a list" in message and "a string in line 1" in message
+    assert "a list" in message and "a string in 2 of 3 rows (e.g. line 1)" in message
 
 
 def test_json_array_with_wrong_type_names_row(tmp_path):

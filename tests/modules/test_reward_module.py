@@ -514,3 +514,24 @@ def test_length_groups_give_the_scores_and_gradients_of_one_padded_forward(rm, s
     for name, grad in results[1][1].items():
         torch.testing.assert_close(results[groups][1][name], grad, atol=1e-5, rtol=1e-4)
     rm.zero_grad()
+
+
+def test_pair_weights_give_each_ranked_prompt_the_same_total_weight(rm, monkeypatch):
+    """weight_ranked_pairs: loss = sum(w * loss_i) / sum(w), by hand.
+
+    Pairs: rewards (chosen, rejected) = (2, 0) with w = 1/3 (a pair of a 3-response list) and (0, 0) with
+    w = 1 (a plain pair): loss_1 = softplus(-2) = ln(1 + e^-2) = 0.126928, loss_2 = ln 2 = 0.693147;
+    weighted = (0.126928 / 3 + 0.693147) / (1/3 + 1) = 0.735456 / 1.333333 = 0.551592 (unweighted: 0.410038).
+    """
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    monkeypatch.setattr(rm, "_score_pairs", lambda batch, need_hidden=False: (chosen, rejected, None))
+    monkeypatch.setattr(rm, "log", lambda *a, **k: None)
+    monkeypatch.setitem(rm.hparams, "label_smoothing", 0.0)
+    monkeypatch.setitem(rm.hparams, "beta_rm", 0.0)
+    monkeypatch.setitem(rm.hparams, "center_rewards_coef", 0.0)
+    weighted = rm.training_step({"margin": torch.zeros(2), "pair_weight": torch.tensor([1 / 3, 1.0])}, 0)
+    torch.testing.assert_close(weighted, torch.tensor(0.551592), atol=1e-6, rtol=0)
+    plain = rm.training_step({"margin": torch.zeros(2)}, 0)
+    torch.testing.assert_close(plain, torch.tensor(0.410038), atol=1e-6, rtol=0)
+    equal = rm.training_step({"margin": torch.zeros(2), "pair_weight": torch.tensor([0.5, 0.5])}, 0)
+    torch.testing.assert_close(equal, plain)  # equal weights are the plain mean

@@ -1,0 +1,208 @@
+"""jsonargparse's parse errors, condensed to one line that names the key, with a "did you mean".
+
+jsonargparse reports a bad key or value under a subclass-mode argument (``model``, ``data``, a logger, a
+dataclass option) as a tree: ``Parser key "model": / Does not validate against any of the Union subtypes /
+Errors: / - Problem with given class_path '...PPOModule': / Parser key "kl": ... / Option 'kl_coeff' is not
+accepted``, followed by a dump of the value. :func:`condense` walks that tree to its first real error (the
+leaf), rebuilds the dotted key the user wrote (``model.init_args.kl.kl_coeff``), and for an unknown key
+suggests the closest accepted name (from the class's signature, or the parser's options).
+
+This module is the one place that reads jsonargparse's message text: the layout was checked against
+jsonargparse 4.53 with Lightning 2.6.6, and ``tests/cli/test_cli_messages.py`` fails loudly if it changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import re
+from typing import Any
+
+__all__ = ["condense", "did_you_mean"]
+
+_NOISE = (
+    "Does not validate against any of the Union subtypes",
+    "Subtypes:",
+    "Errors:",
+    "Given value type:",
+    "Given value:",
+    "Expected a <class 'NoneType'>",
+    "Expected a <class 'bool'>",
+    "Expected a <class 'collections.abc.Iterable'>",
+    "Expected a path but",
+    "Expected a dot import path string",
+)
+_PARSER_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)$')
+_CLASS_PATH = re.compile(r"^Problem with given class_path '(?P<path>[^']+)':\s*$")
+_OPTION = re.compile(r"^Option '(?P<key>[^']+)' is not accepted$")
+_GROUP_OPTION = re.compile(r"^Group '(?P<group>[^']+)' does not accept option '(?P<key>[^']+)'$")
+_KEY_NOT_EXPECTED = re.compile(r'^Key "(?P<key>[^"]+)" is not expected$')
+_SUBCOMMAND_OPTION = re.compile(
+    r"^Subcommand '(?P<subcommand>[^']+)' does not accept option '(?P<key>[^']+)'$"
+)
+_UNRECOGNIZED = re.compile(r"^unrecognized arguments: (?P<args>.+)$")
+_EXPECTED = re.compile(r"^Expected an? (?P<type>.+?)\. Got value: (?P<value>.*)$")
+_NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'$")
+
+
+def did_you_mean(name: str, candidates: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate (a unique prefix match first), else ``""``."""
+    candidates = sorted(set(candidates))
+    prefixed = [c for c in candidates if c.startswith(name) and c != name]
+    if len(prefixed) == 1:
+        abbreviated = name.startswith("--")
+        return f" (did you mean {prefixed[0]!r}?{' abbreviations are not accepted' if abbreviated else ''})"
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _accepted_names(cls: Any) -> list[str]:
+    """The keys a class (or a dataclass) accepts: its ``__init__`` parameters."""
+    if cls is None:
+        return []
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _field_type(cls: Any, name: str) -> Any:
+    """The class behind option ``name`` of ``cls`` (through ``X | None``), for dotted unknown keys."""
+    try:
+        hints = inspect.get_annotations(cls if dataclasses.is_dataclass(cls) else cls.__init__, eval_str=True)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation just means no suggestion
+        return None
+    hint = hints.get(name)
+    for arg in (*getattr(hint, "__args__", ()), hint):
+        if (
+            inspect.isclass(arg)
+            and arg is not type(None)
+            and (dataclasses.is_dataclass(arg) or _accepted_names(arg))
+        ):
+            return arg
+    return None
+
+
+def _unknown_key(path: str, key: str, cls: Any, options: list[str]) -> str:
+    """``unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)``."""
+    full = f"{path}.{key}" if path else key
+    parts = key.split(".")
+    if cls is not None:  # descend a dotted key through nested dataclasses to the part that is wrong
+        for i, part in enumerate(parts[:-1]):
+            nested = _field_type(cls, part)
+            if nested is None or part not in _accepted_names(cls):
+                parts = parts[i:]
+                break
+            cls = nested
+        else:
+            parts = parts[-1:]
+        hint = did_you_mean(parts[0], _accepted_names(cls))
+    else:
+        hint = did_you_mean(full, options)
+    return f"unknown key {full}{hint}; 'rlhf-lit fit --print_config' lists every key"
+
+
+def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
+    """The first real error of a jsonargparse tree: ``(stack of (kind, value), text)``."""
+    stack: list[tuple[int, str, str]] = []
+    for raw in message.splitlines():
+        if not raw.strip():
+            continue
+        indent = len(raw) - len(raw.lstrip(" -"))
+        line = raw.strip().lstrip("- ").strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        match = _PARSER_KEY.match(line)
+        if match:
+            stack.append((indent, "key", match["key"]))
+            if match["rest"] and not match["rest"].startswith(_NOISE):
+                return [(k, v) for _, k, v in stack], match["rest"]
+            continue
+        match = _CLASS_PATH.match(line)
+        if match:
+            stack.append((indent, "class", match["path"]))
+            continue
+        if line.startswith(_NOISE):
+            continue
+        return [(k, v) for _, k, v in stack], line
+    return None
+
+
+def _path(stack: list[tuple[str, str]]) -> tuple[str, Any]:
+    """The dotted key of a stack (``init_args`` after a class that is not a dataclass) and its last class."""
+    parts: list[str] = []
+    cls = None
+    for kind, value in stack:
+        if kind == "key":
+            parts.append(value)
+        else:
+            cls = _import(value)
+            if cls is not None and not dataclasses.is_dataclass(cls):
+                parts.append("init_args")
+    return ".".join(parts), cls
+
+
+def condense(message: str, options: list[str] | None = None) -> str:
+    """One line for a jsonargparse error message: the key (as the user writes it), what is wrong, a fix.
+
+    Args:
+        message: ``str()`` of jsonargparse's ``ArgumentError`` (or of the ``ValueError`` it raises when a
+            class fails to instantiate).
+        options: the subcommand parser's option names (``--trainer.max_steps``, ...), for "did you mean"
+            on unrecognized command-line arguments and unknown top-level keys.
+
+    Returns:
+        The condensed line; the message's first line if its layout is not recognised.
+    """
+    options = options or []
+    found = _leaf(message)
+    if found is None:
+        return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
+    stack, text = found
+    path, cls = _path(stack)
+    keys = [o.lstrip("-") for o in options]
+    if match := _UNRECOGNIZED.match(text):
+        bad = [a.split("=", 1)[0] for a in match["args"].split() if a.startswith("-")]
+        if bad:
+            return f"unknown option {bad[0]}{did_you_mean(bad[0], options)}; 'rlhf-lit fit --help' lists every option"
+        return f"unexpected argument {match['args'].split()[0]!r}; options are written --key=value"
+    if match := _OPTION.match(text) or _KEY_NOT_EXPECTED.match(text):
+        return _unknown_key(path, match["key"], cls, keys)
+    if match := _SUBCOMMAND_OPTION.match(text):
+        return _unknown_key(path, match["key"], None, keys)
+    if match := _GROUP_OPTION.match(text):
+        return _unknown_key(path, f"{match['group']}.{match['key']}", cls, keys)
+    if match := _NO_ATTRIBUTE.match(text):
+        module = _import_module(match["module"])
+        names = [n for n in dir(module) if not n.startswith("_")] if module else []
+        return (
+            f"{path}.class_path: {match['module']}.{match['name']} does not exist"
+            f"{did_you_mean(match['name'], names)}"
+        )
+    if match := _EXPECTED.match(text):
+        expected = match["type"].replace("<class '", "").replace("'>", "").replace("typing.", "")
+        if expected.startswith("Literal[") and expected.endswith("]"):
+            expected = f"one of {expected[len('Literal[') : -1]}"
+        return f"{path}: expected {expected}, got {match['value']!r}"
+    where = f"{path}: " if path else ""
+    return f"{where}{text}"
+
+
+def _import_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -1,0 +1,22 @@
+"""The one exception type for user mistakes, which the ``rlhf-lit`` command prints as one line.
+
+A :class:`UserError` is a mistake in what the user gave: a config key or value, a path, a data file. The
+command prints its message (what is wrong, where, how to fix it) and exits with status 2, without a
+traceback; ``RLHF_LIT_DEBUG=1`` or ``--debug`` shows the traceback too. Every other exception is an internal
+error and keeps its traceback. Subclasses also derive from the builtin they refine (``ValueError``,
+``FileNotFoundError``), so code that catches those still catches them.
+
+No imports from the rest of the package: every layer may raise these.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "UserError"]
+
+
+class UserError(Exception):
+    """A mistake in the user's config, paths or data; its message is what the user reads (one or two lines)."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config key or value that cannot work: unknown, out of range, inconsistent, or a missing path."""

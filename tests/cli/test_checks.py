@@ -1,0 +1,433 @@
+"""``rlhf_lit.checks``: every value rule, the consistency and path checks, lengths against the model's
+positions, writable outputs, and the checkpoint checks -- each on a parsed tiny config, before any model."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_lit.checks import (
+    DATA_RULES,
+    MODEL_RULES,
+    TRAINER_RULES,
+    Range,
+    check_ckpt_path,
+    check_config,
+    check_data_fits_model,
+)
+from rlhf_lit.cli import RLHFCLI, cli_main
+from rlhf_lit.errors import ConfigError
+from tests.tiny_runs import REPO_ROOT, in_repo_root
+
+STAGE_CONFIGS = {
+    "SFTModule": "configs/sft/tiny.yaml",
+    "RewardModule": "configs/reward/tiny.yaml",
+    "PPOModule": "configs/ppo/tiny.yaml",
+}
+DATA_OF = {
+    "SFTDataModule": "SFTModule",
+    "PreferenceDataModule": "RewardModule",
+    "PromptDataModule": "PPOModule",
+}
+_PARSED: dict[str, dict] = {}
+
+
+def parsed(stage: str) -> dict:
+    """The tiny config of a stage, parsed by the CLI into plain dicts (cached), as check_config sees it."""
+    if stage not in _PARSED:
+        captured = {}
+        patch = pytest.MonkeyPatch()
+        patch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
+        patch.setattr(
+            RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict())
+        )
+        try:
+            with in_repo_root():
+                cli_main(["--config", STAGE_CONFIGS[stage]], run=False)
+        finally:
+            patch.undo()
+        _PARSED[stage] = captured["c"]
+    return copy.deepcopy(_PARSED[stage])
+
+
+def check(config: dict, subcommand: str | None = "fit") -> None:
+    with in_repo_root():
+        check_config(config, subcommand)
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        if part.isdigit():
+            tree = tree[int(part)]
+            continue
+        if tree.get(part) is None:
+            tree[part] = {}
+        tree = tree[part]
+    last = parts[-1]
+    if last.isdigit():
+        tree[int(last)] = value
+    else:
+        tree[last] = value
+
+
+def _bad_values(rule: Range) -> list:
+    """Values a rule must refuse: just past each bound, a fraction for whole numbers, NaN and infinity."""
+    bad = [math.nan, math.inf]
+    if rule.low is not None:
+        bad.append(rule.low if rule.low_open else rule.low - 1)
+    if rule.high is not None:
+        bad.append(rule.high if rule.high_open else rule.high + 1)
+    if rule.integer:
+        bad.append((rule.low or 0) + 1.5)
+    if not rule.optional:
+        bad.append(None)
+    return [v for v in bad if v not in rule.also]
+
+
+def _good_value(rule: Range):
+    if rule.low is not None:
+        return (
+            rule.low + (1 if rule.integer or rule.high is None else (rule.high - rule.low) / 2)
+            if rule.low_open or rule.integer
+            else rule.low
+        )
+    return rule.high if rule.high is not None and not rule.high_open else 0
+
+
+RULES = [("model", stage, key, rule) for stage, rules in MODEL_RULES.items() for key, rule in rules.items()]
+RULES += [
+    ("data", DATA_OF[kind], key, rule) for kind, rules in DATA_RULES.items() for key, rule in rules.items()
+]
+RULES += [("trainer", stage, key, rule) for stage in STAGE_CONFIGS for key, rule in TRAINER_RULES.items()]
+
+
+@pytest.mark.parametrize("where, stage, key, rule", RULES, ids=[f"{s}:{w}.{k}" for w, s, k, _ in RULES])
+def test_every_value_rule_refuses_values_outside_its_range(where, stage, key, rule):
+    prefix = {"model": "model.init_args.", "data": "data.init_args.", "trainer": "trainer."}[where]
+    for value in _bad_values(rule):
+        config = parsed(stage)
+        section = config[where] if where == "trainer" else config[where]["init_args"]
+        if key.startswith("optimizer.betas."):  # a tuple in the parsed config
+            section["optimizer"]["betas"] = list(section["optimizer"]["betas"])
+        _set(section, key, value)
+        with pytest.raises(ConfigError) as info:
+            check(config)
+        assert str(info.value).startswith(f"{prefix}{key} must be {rule.describe()}, got {value!r}")
+    config = parsed(stage)
+    section = config[where] if where == "trainer" else config[where]["init_args"]
+    if key.startswith("optimizer.betas."):
+        section["optimizer"]["betas"] = list(section["optimizer"]["betas"])
+    _set(section, key, _good_value(rule))
+    try:  # a value inside the range passes this rule (it may break another one, e.g. a divisibility)
+        check(config)
+    except ConfigError as err:
+        assert not str(err).startswith(f"{prefix}{key} must be"), err
+
+
+def test_range_descriptions_and_extras():
+    assert Range(low=0, low_open=True).describe() == "a number > 0"
+    assert Range(low=0, high=1, low_open=True).describe() == "a number in (0, 1]"
+    rule = Range(low=1, integer=True, also=(-1,))
+    assert rule.describe() == "a whole number >= 1 (or -1)" and rule.allows(-1) and not rule.allows(0)
+    assert not Range().allows(True) and Range(optional=True).allows(None)
+
+
+def test_the_issues_nonsense_settings_are_refused():
+    for stage, key, value, expected in [
+        ("SFTModule", "optimizer.lr", 0.0, "model.init_args.optimizer.lr must be a number > 0, got 0.0"),
+        (
+            "PPOModule",
+            "ppo.ppo_epochs",
+            0,
+            "model.init_args.ppo.ppo_epochs must be a whole number >= 1, got 0",
+        ),
+        (
+            "PPOModule",
+            "kl.target_kl",
+            -1.0,
+            "model.init_args.kl.target_kl must be a number > 0 (or null), got -1.0",
+        ),
+        (
+            "PPOModule",
+            "ppo.clip_range",
+            -0.5,
+            "model.init_args.ppo.clip_range must be a number > 0, got -0.5",
+        ),
+    ]:
+        config = parsed(stage)
+        _set(config["model"]["init_args"], key, value)
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            check(config)
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"model.init_args.backbone.lora": None}, "backbone.lora is not set: PPO trains LoRA adapters"),
+        ({"model.init_args.reward_model.path": "x"}, "reward_model: give exactly one of 'path'"),
+        (
+            {"model.init_args.kl.adaptive": True, "model.init_args.kl.target_kl": None},
+            "kl.adaptive is true but kl.target_kl is not set",
+        ),
+        (
+            {"data.init_args.batch_size": 6},
+            r"batch_size \(6 prompts per rollout\) must be a multiple of .*ppo_minibatch_size \(4\)",
+        ),
+        (
+            {"model.init_args.ppo.micro_batch_size": 3},
+            r"ppo_minibatch_size \(4\) must be a multiple of .*micro_batch_size \(3\)",
+        ),
+        (
+            {"model.init_args.sampling.min_new_tokens": 30},
+            r"min_new_tokens \(30\) must be <= sampling.max_new_tokens \(24\)",
+        ),
+        ({"model.init_args.ptx": {"coef": 0.5, "train_files": []}}, "ptx.coef > 0 needs ptx.train_files"),
+        (
+            {"trainer.max_steps": 10},
+            r"trainer.max_steps=10 would stop PPO inside an iteration: one iteration makes 4 "
+            r"optimizer steps.*ppo.total_iterations",
+        ),
+        ({"data.class_path": "rlhf_lit.data.SFTDataModule"}, "PPOModule trains on PromptDataModule data"),
+        (
+            {"data.init_args.max_prompt_length": 500},
+            r"max_prompt_length \(500\) \+ .*max_new_tokens \(24\) = 524 "
+            r"tokens exceed the policy's 512 positions",
+        ),
+        ({"data.init_args.train_files": []}, "train_files is empty"),
+        ({"data.init_args.pad_to_length": 64}, r"max_prompt_length \(96\) must be <= pad_to_length \(64\)"),
+    ],
+    ids=[
+        "no_lora",
+        "two_reward_models",
+        "adaptive_without_target",
+        "rollout",
+        "micro",
+        "min_new_tokens",
+        "ptx",
+        "max_steps",
+        "stage_data",
+        "positions",
+        "no_train_files",
+        "pad_to_length",
+    ],
+)
+def test_ppo_consistency_checks(changes, expected):
+    config = parsed("PPOModule")
+    for key, value in changes.items():
+        _set(config, key, value)
+    with pytest.raises(ConfigError, match=expected):
+        check(config)
+
+
+def test_max_steps_of_whole_iterations_is_accepted():
+    config = parsed("PPOModule")
+    config["trainer"]["max_steps"] = 12  # 3 iterations of 2 epochs x 2 minibatches
+    check(config)
+
+
+@pytest.mark.parametrize(
+    "stage, changes, expected",
+    [
+        (
+            "SFTModule",
+            {"data.init_args.max_length": 600},
+            r"max_length \(600\) exceeds the model's 512 positions",
+        ),
+        (
+            "SFTModule",
+            {"model.init_args.backbone.name_or_path": "gpt2"},
+            "model.init_args.backbone: give exactly one of 'name_or_path'",
+        ),
+        ("RewardModule", {"model.init_args.backbone.dtype": "float8"}, "backbone.dtype must be one of"),
+        (
+            "RewardModule",
+            {"data.init_args.val_size": 2.5},
+            "val_size must be a fraction in .0, 1. or a whole row count",
+        ),
+        (
+            "RewardModule",
+            {"data.init_args.min_prompt_tokens": 384},
+            r"min_prompt_tokens \(384\) must be < max_length \(384\)",
+        ),
+        (
+            "RewardModule",
+            {"data.class_path": "rlhf_lit.data.SFTDataModule"},
+            "RewardModule trains on PreferenceDataModule",
+        ),
+    ],
+)
+def test_sft_and_reward_checks(stage, changes, expected):
+    config = parsed(stage)
+    for key, value in changes.items():
+        _set(config, key, value)
+    with pytest.raises(ConfigError, match=expected):
+        check(config)
+
+
+def test_missing_inputs_are_named(tmp_path):
+    config = parsed("SFTModule")
+    config["data"]["init_args"]["train_files"] = ["../shared/data/sft/nope.jsonl"]
+    with pytest.raises(
+        ConfigError,
+        match=r"data.init_args.train_files\[0\]: data file not found: ../shared/data/sft/nope.jsonl",
+    ):
+        check(config)
+    config["data"]["init_args"]["train_files"] = [str(tmp_path)]
+    with pytest.raises(ConfigError, match=r"train_files\[0\]: .* is a folder; give a data file"):
+        check(config)
+    config = parsed("SFTModule")
+    config["model"]["init_args"]["backbone"] = {
+        **config["model"]["init_args"]["backbone"],
+        "tiny": None,
+        "name_or_path": str(tmp_path / "no_model"),
+    }
+    with pytest.raises(ConfigError, match="backbone.name_or_path: no such model folder"):
+        check(config)
+    (tmp_path / "empty_dir").mkdir()
+    config["model"]["init_args"]["backbone"]["name_or_path"] = str(tmp_path / "empty_dir")
+    with pytest.raises(ConfigError, match="is not a model folder"):
+        check(config)
+    config["model"]["init_args"]["backbone"]["name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    check(config)  # a hub id is left to transformers (positions unknown offline: not checked)
+
+
+def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    (configs / "sft").mkdir(parents=True)
+    (configs / "ppo").mkdir()
+    (configs / "sft" / "mine.yaml").write_text(
+        "model:\n  class_path: rlhf_lit.modules.SFTModule\n  init_args:\n    export_dir: out/sft/hf\n"
+    )
+    (configs / "ppo" / "mine.yaml").write_text("model: {class_path: rlhf_lit.modules.PPOModule}\n")
+    config = parsed("PPOModule")
+    config["model"]["init_args"]["backbone"].update(tiny=None, name_or_path="out/sft/hf")
+    config["config"] = [str(configs / "ppo" / "mine.yaml")]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        check_config(config, "fit")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "model.init_args.backbone.name_or_path: out/sft/hf holds no model yet; it is written by "
+        "the SFT stage: run rlhf-lit fit --config configs/sft/mine.yaml first"
+    )
+
+
+def test_outputs_must_be_writable(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for key, value, expected in [
+        ("model.init_args.export_dir", str(blocker / "hf"), "a_file is a file, not a folder"),
+        ("model.init_args.export_dir", str(blocker), "it is a file, not a folder"),
+        ("trainer.default_root_dir", str(blocker / "runs"), "a_file is a file, not a folder"),
+        ("trainer.logger.init_args.save_dir", str(blocker / "tb"), "a_file is a file, not a folder"),
+    ]:
+        config = parsed("RewardModule")
+        _set(config, key, value)
+        with pytest.raises(ConfigError, match=f"{key.replace('.', '[.]')}: cannot write to .*{expected}"):
+            check(config)
+    config = parsed("RewardModule")
+    config["trainer"]["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(blocker / "ck")},
+        }
+    ]
+    with pytest.raises(ConfigError, match=r"trainer.callbacks\[0\].init_args.dirpath: cannot write"):
+        check(config)
+    config = parsed("RewardModule")
+    config["model"]["init_args"]["export_dir"] = str(blocker / "hf")
+    check(config, "validate")  # validate writes no export
+
+
+def test_prompts_without_a_length_limit_are_checked_once_read():
+    model = SimpleNamespace(
+        sampling=SimpleNamespace(max_new_tokens=24),
+        backbone_cfg={"tiny": {"model_type": "gpt2", "n_positions": 64}, "tokenizer": "byte"},
+    )
+    examples = [{"prompt_ids": [5] * 50}, {"prompt_ids": [5] * 10}]
+    data = SimpleNamespace(
+        stage="prompt",
+        max_prompt_length=1 << 30,
+        train_dataset=SimpleNamespace(examples=examples),
+        val_dataset=None,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"the longest prompt \(50 tokens\) \+ .*max_new_tokens \(24\) exceed the "
+        r"policy's 64 positions; set data.init_args.max_prompt_length <= 40",
+    ):
+        check_data_fits_model(model, data)
+    examples.pop(0)
+    check_data_fits_model(model, data)
+
+
+def test_unpaired_data_is_refused_for_the_pairwise_reward_model():
+    from rlhf_lit.modules import RewardModule
+
+    model = RewardModule.__new__(RewardModule)
+    with pytest.raises(
+        ConfigError, match="RewardModule trains on pairs; set data.init_args.pair_unpaired: true"
+    ):
+        check_data_fits_model(model, SimpleNamespace(unpaired=True, stage="preference"))
+
+
+def _ckpt(tmp_path: Path, hparams: dict) -> str:
+    path = tmp_path / "x.ckpt"
+    torch.save({"hyper_parameters": hparams, "state_dict": {}}, path)
+    return str(path)
+
+
+def _cli_config(ckpt: str, class_path: str = "rlhf_lit.modules.RewardModule", init_args: dict | None = None):
+    from jsonargparse import Namespace
+
+    model = Namespace(class_path=class_path, init_args=Namespace(**(init_args or {})))
+    return Namespace(subcommand="fit", fit=Namespace(ckpt_path=ckpt, model=model))
+
+
+def test_ckpt_path_checks(tmp_path, caplog):
+    with pytest.raises(ConfigError, match="ckpt_path: .*nope.ckpt does not exist"):
+        check_ckpt_path(_cli_config(str(tmp_path / "nope.ckpt")))
+    with pytest.raises(ConfigError, match="is a folder, not a checkpoint file"):
+        check_ckpt_path(_cli_config(str(tmp_path)))
+    (tmp_path / "junk.ckpt").write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match="is not a readable checkpoint"):
+        check_ckpt_path(_cli_config(str(tmp_path / "junk.ckpt")))
+    old = _ckpt(tmp_path, {"ece_bins": 10})  # hyper-parameters saved before _class_path was stored
+    with pytest.raises(ConfigError, match="stores its hyper-parameters without '_class_path'"):
+        check_ckpt_path(_cli_config(old))
+    ckpt = _ckpt(tmp_path, {"_class_path": "rlhf_lit.modules.reward.RewardModule", "ece_bins": 10})
+    with pytest.raises(ConfigError, match="was written by RewardModule, but the config's model is PPOModule"):
+        check_ckpt_path(_cli_config(ckpt, "rlhf_lit.modules.PPOModule"))
+    with caplog.at_level("WARNING", logger="rlhf_lit"):
+        check_ckpt_path(_cli_config(ckpt, init_args={"ece_bins": 15}))
+    assert (
+        "the model is rebuilt with the checkpoint's settings; the config's ece_bins differs from it and is not used"
+        in caplog.text
+    )
+
+
+def test_all_shipped_configs_pass_the_value_checks():
+    """Every stage config under configs/ is within the rules (model folders of earlier stages aside)."""
+    captured = {}
+    for path in sorted((REPO_ROOT / "configs").rglob("*.yaml")):
+        if "trainer" in path.parts:
+            continue
+        patch = pytest.MonkeyPatch()
+        patch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
+        patch.setattr(
+            RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict())
+        )
+        patch.setattr("rlhf_lit.checks._model_folder_problem", lambda *a, **k: None)
+        try:
+            with in_repo_root():
+                cli_main(["--config", str(path.relative_to(REPO_ROOT))], run=False)
+                check_config(captured["c"], "fit")
+        finally:
+            patch.undo()

@@ -1,0 +1,72 @@
+"""PPO through the CLI in-process: ``--trainer.max_steps`` stops at a whole iteration where the progress bar
+says, and ``validate --ckpt_path`` scores sampled responses (``val/*``) without touching the training RNG."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlhf_lit import metrics as M
+from rlhf_lit.callbacks import StageProgressBar
+from rlhf_lit.cli import cli_main
+from tests.tiny_runs import in_repo_root, one_thread
+
+SMALL = [
+    "--config",
+    "configs/ppo/tiny.yaml",
+    "--trainer.logger=false",
+    "--model.init_args.export_dir=null",
+    "--model.init_args.ppo.ppo_epochs=1",
+    "--model.init_args.ppo.ppo_minibatch_size=2",
+    "--data.init_args.batch_size=4",
+    "--data.init_args.max_prompt_length=32",
+    "--model.init_args.sampling.max_new_tokens=8",
+    "--model.init_args.log_samples_every=0",
+]
+
+
+def test_max_steps_stops_ppo_where_the_progress_bar_says_and_validate_scores_the_checkpoint(tmp_path, caplog):
+    with in_repo_root(), one_thread():
+        cli = cli_main(
+            [
+                "fit",
+                *SMALL,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.max_steps=6",
+                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                f"--trainer.callbacks.dirpath={tmp_path / 'ck'}",
+                "--trainer.callbacks.save_last=true",
+            ]
+        )
+        bar = next(c for c in cli.trainer.callbacks if isinstance(c, StageProgressBar))
+        # 6 optimizer steps = 3 iterations of 2 (ppo_epochs 1 x 4 prompts / minibatch 2), of the 8 configured
+        assert cli.model.iteration == 3 and cli.trainer.global_step == 6
+        assert cli.model.ppo.total_iterations == 8 and bar.train_progress_bar.total == 3
+
+        validated = cli_main(
+            [
+                "validate",
+                *SMALL,
+                f"--trainer.default_root_dir={tmp_path}",
+                "--data.init_args.val_size=8",
+                "--ckpt_path",
+                str(tmp_path / "ck" / "last.ckpt"),
+            ]
+        )
+        assert "rebuilt with the checkpoint's settings" not in caplog.text  # the same config: nothing differs
+        model, batch = validated.model, next(iter(validated.datamodule.val_dataloader()))
+        logged = []
+        model.log = lambda name, value, **kwargs: logged.append((name, float(value)))
+        rng = torch.get_rng_state()
+        model.validation_step(batch, 0)
+        assert torch.equal(torch.get_rng_state(), rng)  # validation samples from a forked generator
+        model.validation_step(batch, 0)
+        assert logged[:3] == logged[3:]  # and repeatably (seeded from ppo.seed and the batch index)
+    metrics = validated.trainer.callback_metrics
+    assert validated.model.iteration == 3  # restored from the checkpoint
+    for name in (M.VAL_SCORE_MEAN, M.VAL_KL_REF, M.VAL_RESPONSE_LEN):
+        assert math.isfinite(float(metrics[name])), name
+    assert 1 <= float(metrics[M.VAL_RESPONSE_LEN]) <= 8
+    # the trained adapters differ from the reference, so the sampled responses' KL is not exactly zero
+    assert float(metrics[M.VAL_KL_REF]) != 0.0
