@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lit.functional.masked import masked_mean
-from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.functional.sequence import chunk_views, gather_logprobs
 
 __all__ = ["bt_pairwise_loss", "sft_nll", "ppo_policy_loss", "ppo_value_loss", "entropy_from_logits"]
 
@@ -203,16 +203,56 @@ def ppo_value_loss(
     return loss, {"value_clipfrac": clipfrac.detach()}
 
 
+class _ChunkedEntropy(torch.autograd.Function):
+    """``H = sum_v entr(softmax(x / T)_v)`` piece by piece; the backward recomputes the softmax piece by piece.
+
+    Saves only the logits (already alive) and the (B, R) entropies, so no second (B, R, V) tensor is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, temperature, pieces):
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(logits.shape[:-1], dtype=compute_dtype, device=logits.device)
+        for rows, cols in pieces:
+            x = logits[rows, cols].to(compute_dtype)
+            p = torch.softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+            out[rows, cols] = torch.special.entr(p).sum(dim=-1)
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.pieces = temperature, pieces
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        # with z = x / T and p = softmax(z): dH/dz_v = -p_v (log p_v + H), so dH/dx_v = -p_v (log p_v + H) / T;
+        # a token of probability 0 (a -inf logit) contributes 0, not 0 * -inf
+        logits, entropy = ctx.saved_tensors
+        T = ctx.temperature
+        compute_dtype = entropy.dtype
+        grad = torch.empty_like(logits)
+        for rows, cols in ctx.pieces:
+            x = logits[rows, cols].to(compute_dtype)
+            logp = torch.log_softmax(x / T if T != 1.0 else x, dim=-1)
+            p = logp.exp()
+            piece = logp.add_(entropy[rows, cols].unsqueeze(-1)).mul_(p).masked_fill_(p == 0, 0.0)
+            piece = piece.mul_(grad_out[rows, cols].unsqueeze(-1).to(compute_dtype) * (-1.0 / T))
+            grad[rows, cols] = piece
+        return grad, None, None
+
+
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` at every position, in nats.
 
-    ``H = -sum_v p_v log p_v``, computed in float32 one chunk of batch rows at a time (so no full
-    float32 copy of bf16 logits), with ``0 log 0 = 0``.
+    ``H = -sum_v p_v log p_v``, computed in float32 piece by piece over the positions
+    (``rlhf_lit.functional.sequence.chunk_views``), with ``0 log 0 = 0``. Like ``gather_logprobs`` it never
+    materialises a second (B, R, V) tensor: the softmax of one piece is alive at a time, and the backward
+    (a custom autograd function) recomputes it instead of keeping it.
 
     Args:
-        logits: (B, R, V) logits.
+        logits: (B, R, V) logits; any strides.
         temperature: T > 0, the sampling temperature.
-        chunk_size: Batch rows per chunk; None processes the whole batch at once.
+        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions (extra memory
+            under 5% of one float32 (B, R, V) tensor).
 
     Returns:
         (B, R) entropies in nats, in [0, log V]; float32 (float64 for float64 logits);
@@ -225,14 +265,6 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: in
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    step = chunk_size or max(logits.shape[0], 1)
-    pieces = []
-    for start in range(0, logits.shape[0], step):
-        chunk = logits[start : start + step].to(compute_dtype)
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        pieces.append(torch.special.entr(torch.softmax(chunk, dim=-1)).sum(dim=-1))
-    if not pieces:
-        return logits.new_zeros(logits.shape[:-1], dtype=compute_dtype)
-    return torch.cat(pieces, dim=0)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, R, V), got shape {tuple(logits.shape)}")
+    return _ChunkedEntropy.apply(logits, float(temperature), chunk_views(logits.shape, chunk_size))

@@ -20,6 +20,7 @@ from torch import Tensor
 __all__ = [
     "position_ids_from_mask",
     "last_real_index",
+    "chunk_views",
     "gather_logprobs",
     "stop_mask",
     "truncate_after_stop",
@@ -92,24 +93,104 @@ def last_real_index(mask: Tensor) -> Tensor:
     return last
 
 
+# The default (``chunk_size=None``) path cuts the B x R positions into at least AUTO_CHUNK_PARTS pieces of at
+# most AUTO_CHUNK_MAX_ELEMENTS logits each, so its float32 temporaries stay a small fraction of one (B, R, V)
+# tensor (and at most a few times 16 MiB) whatever the batch, the vocabulary or the temperature.
+AUTO_CHUNK_PARTS = 64
+AUTO_CHUNK_MAX_ELEMENTS = 1 << 22
+
+
+def chunk_views(shape: torch.Size, chunk_size: int | None) -> list[tuple[slice, slice]]:
+    """``(rows, positions)`` slices that tile a ``(B, R, V)`` tensor into pieces of a few positions each.
+
+    Slicing (never reshaping) keeps every piece a view, also of non-contiguous logits (e.g. ``logits[:, :-1]``).
+
+    Args:
+        shape: ``(B, R, V)``.
+        chunk_size: batch rows per piece; ``None`` picks ``max(1, min(ceil(B * R / AUTO_CHUNK_PARTS),
+            AUTO_CHUNK_MAX_ELEMENTS // V))`` positions per piece (whole rows when that is at least R).
+
+    Returns:
+        The pieces, in row-major order; empty when ``B * R == 0``.
+    """
+    B, R, V = shape
+    if B == 0 or R == 0:
+        return []
+    if chunk_size is not None:
+        step = chunk_size * R
+    else:
+        step = max(1, min(-(-(B * R) // AUTO_CHUNK_PARTS), AUTO_CHUNK_MAX_ELEMENTS // max(V, 1)))
+    if step >= R:
+        rows = step // R
+        return [(slice(b, min(b + rows, B)), slice(0, R)) for b in range(0, B, rows)]
+    return [(slice(b, b + 1), slice(r, min(r + step, R))) for b in range(B) for r in range(0, R, step)]
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """``x[token] / T - logsumexp(x / T)`` piece by piece; the backward recomputes the softmax piece by piece.
+
+    Saves only the logits (already alive) and the (B, R) log-sum-exp, so neither pass holds a second
+    (B, R, V) tensor: the only full-size tensor made is the gradient of the logits itself.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, pieces):
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(tokens.shape, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for rows, cols in pieces:
+            x = logits[rows, cols].to(compute_dtype)
+            if temperature != 1.0:
+                x = x / temperature
+            lse[rows, cols] = torch.logsumexp(x, dim=-1)
+            picked = x.gather(-1, tokens[rows, cols].unsqueeze(-1)).squeeze(-1)
+            out[rows, cols] = picked - lse[rows, cols]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.pieces = temperature, pieces
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        # d logp / d x_v = (onehot_v - softmax_v) / T
+        logits, tokens, lse = ctx.saved_tensors
+        T = ctx.temperature
+        compute_dtype = lse.dtype
+        grad = torch.empty_like(logits)
+        for rows, cols in ctx.pieces:
+            x = logits[rows, cols].to(compute_dtype)
+            p = (x / T if T != 1.0 else x) - lse[rows, cols].unsqueeze(-1)
+            p = p.exp_()
+            g = grad_out[rows, cols].unsqueeze(-1).to(compute_dtype)
+            piece = p.mul_(-g).scatter_add_(-1, tokens[rows, cols].unsqueeze(-1), g)
+            if T != 1.0:
+                piece = piece.div_(T)
+            grad[rows, cols] = piece
+        return grad, None, None, None
+
+
 def gather_logprobs(
     logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
     """Log-probability of each token under ``softmax(logits / temperature)``, selectively.
 
     Computes ``logits[token] / T - logsumexp(logits / T)`` instead of ``log_softmax`` followed by a
-    gather, so no second (B, R, V) tensor is materialised (PITFALLS B21). Work is done in float32
-    (float64 stays float64) one chunk of batch rows at a time, so bf16 logits are upcast per chunk
-    only. The temperature must be the sampling temperature, for rollout, training and reference
-    passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
+    gather, piece by piece over the positions (``chunk_views``), so no second (B, R, V) tensor is
+    materialised at any temperature (PITFALLS B21): the temporaries of one piece (the float32 working
+    copy, ``logits / T``, the exponentials of the log-sum-exp) are all that is alive at once, and the
+    backward recomputes the softmax piece by piece instead of keeping it (a custom autograd function; the
+    one full-size tensor it makes is the logits' gradient). Work is done in float32 (float64 stays
+    float64), so bf16 logits are upcast per piece only. The temperature must be the sampling temperature,
+    for rollout, training and reference passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
 
     Args:
         logits: (B, R, V) logits already aligned with ``tokens``: ``logits[:, i]`` predicts
-            ``tokens[:, i]`` (the caller slices the model output at positions P-1 .. T-2).
+            ``tokens[:, i]`` (the caller slices the model output at positions P-1 .. T-2); any strides.
         tokens: (B, R) long token ids.
         temperature: Sampling temperature T > 0.
-        chunk_size: Batch rows per chunk; None processes the whole batch at once. Peak extra
-            memory is about two float32 tensors of shape (chunk_size, R, V).
+        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions, so the
+            extra memory is under 5% of one float32 (B, R, V) tensor (and at most a few times 16 MiB).
+            With rows, the extra memory is about two float32 tensors of shape (chunk_size, R, V).
 
     Returns:
         (B, R) log-probabilities in nats (<= 0), float32 (float64 for float64 logits);
@@ -118,24 +199,14 @@ def gather_logprobs(
     Raises:
         ValueError: If shapes disagree, ``temperature <= 0`` or ``chunk_size < 1``.
     """
-    if logits.shape[:-1] != tokens.shape:
+    if logits.dim() != 3 or logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} + (V,)")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    step = chunk_size or max(logits.shape[0], 1)
-    pieces = []
-    for start in range(0, logits.shape[0], step):
-        chunk = logits[start : start + step].to(compute_dtype)
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        picked = chunk.gather(-1, tokens[start : start + step].long().unsqueeze(-1)).squeeze(-1)
-        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
-    if not pieces:  # B == 0
-        return logits.new_zeros(tokens.shape, dtype=compute_dtype)
-    return torch.cat(pieces, dim=0)
+    pieces = chunk_views(logits.shape, chunk_size)
+    return _SelectiveLogSoftmax.apply(logits, tokens.long(), float(temperature), pieces)
 
 
 def _as_id_tensor(stop_token_ids: int | Sequence[int] | Tensor, device: torch.device) -> Tensor:
