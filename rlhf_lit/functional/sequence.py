@@ -21,6 +21,7 @@ __all__ = [
     "position_ids_from_mask",
     "last_real_index",
     "chunk_views",
+    "scaled_piece",
     "gather_logprobs",
     "stop_mask",
     "truncate_after_stop",
@@ -93,10 +94,13 @@ def last_real_index(mask: Tensor) -> Tensor:
     return last
 
 
-# The default (``chunk_size=None``) path cuts the B x R positions into at least AUTO_CHUNK_PARTS pieces of at
-# most AUTO_CHUNK_MAX_ELEMENTS logits each, so its float32 temporaries stay a small fraction of one (B, R, V)
-# tensor (and at most a few times 16 MiB) whatever the batch, the vocabulary or the temperature.
-AUTO_CHUNK_PARTS = 64
+# The default (``chunk_size=None``) path cuts the B x R positions into AUTO_CHUNK_PARTS pieces, each of at
+# least AUTO_CHUNK_MIN_ELEMENTS logits (256 KiB in float32: smaller pieces only add per-op overhead) and at
+# most AUTO_CHUNK_MAX_ELEMENTS (16 MiB). The functions below hold at most two float32 temporaries of one piece
+# at a time, so their extra memory stays under 7% of one (B, R, V) tensor once that tensor holds 32 minimum
+# pieces (8 MiB), and under 32 MiB however large it is.
+AUTO_CHUNK_PARTS = 32
+AUTO_CHUNK_MIN_ELEMENTS = 1 << 16
 AUTO_CHUNK_MAX_ELEMENTS = 1 << 22
 
 
@@ -107,8 +111,9 @@ def chunk_views(shape: torch.Size, chunk_size: int | None) -> list[tuple[slice, 
 
     Args:
         shape: ``(B, R, V)``.
-        chunk_size: batch rows per piece; ``None`` picks ``max(1, min(ceil(B * R / AUTO_CHUNK_PARTS),
-            AUTO_CHUNK_MAX_ELEMENTS // V))`` positions per piece (whole rows when that is at least R).
+        chunk_size: batch rows per piece; ``None`` picks ``ceil(B * R / AUTO_CHUNK_PARTS)`` positions per
+            piece, raised to ``AUTO_CHUNK_MIN_ELEMENTS / V`` and lowered to ``AUTO_CHUNK_MAX_ELEMENTS / V``
+            (at least 1; whole rows when that is at least R).
 
     Returns:
         The pieces, in row-major order; empty when ``B * R == 0``.
@@ -119,18 +124,35 @@ def chunk_views(shape: torch.Size, chunk_size: int | None) -> list[tuple[slice, 
     if chunk_size is not None:
         step = chunk_size * R
     else:
-        step = max(1, min(-(-(B * R) // AUTO_CHUNK_PARTS), AUTO_CHUNK_MAX_ELEMENTS // max(V, 1)))
+        V = max(V, 1)
+        step = max(-(-(B * R) // AUTO_CHUNK_PARTS), -(-AUTO_CHUNK_MIN_ELEMENTS // V))
+        step = max(1, min(step, AUTO_CHUNK_MAX_ELEMENTS // V))
     if step >= R:
         rows = step // R
         return [(slice(b, min(b + rows, B)), slice(0, R)) for b in range(0, B, rows)]
     return [(slice(b, b + 1), slice(r, min(r + step, R))) for b in range(B) for r in range(0, R, step)]
 
 
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """``x[token] / T - logsumexp(x / T)`` piece by piece; the backward recomputes the softmax piece by piece.
+def scaled_piece(piece: Tensor, temperature: float, compute_dtype: torch.dtype) -> tuple[Tensor, bool]:
+    """``piece / temperature`` in ``compute_dtype``, and whether it is a new tensor (safe to edit in place).
 
-    Saves only the logits (already alive) and the (B, R) log-sum-exp, so neither pass holds a second
-    (B, R, V) tensor: the only full-size tensor made is the gradient of the logits itself.
+    Without a temperature or a dtype change the piece itself (a view of the caller's logits) comes back.
+    """
+    if piece.dtype != compute_dtype:
+        x = piece.to(compute_dtype)
+        return (x.div_(temperature) if temperature != 1.0 else x), True
+    if temperature != 1.0:
+        return piece / temperature, True
+    return piece, False
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """``z[token] - logsumexp(z)`` with ``z = logits / T``, piece by piece; the backward recomputes the
+    softmax piece by piece.
+
+    Saves only the logits (already alive) and the (B, R) log-sum-exp, and holds one float32 temporary of one
+    piece at a time (in-place arithmetic on it), so neither pass holds a second (B, R, V) tensor: the only
+    full-size tensor made is the gradient of the logits itself.
     """
 
     @staticmethod
@@ -139,12 +161,13 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         out = torch.empty(tokens.shape, dtype=compute_dtype, device=logits.device)
         lse = torch.empty_like(out)
         for rows, cols in pieces:
-            x = logits[rows, cols].to(compute_dtype)
-            if temperature != 1.0:
-                x = x / temperature
-            lse[rows, cols] = torch.logsumexp(x, dim=-1)
-            picked = x.gather(-1, tokens[rows, cols].unsqueeze(-1)).squeeze(-1)
-            out[rows, cols] = picked - lse[rows, cols]
+            z, own = scaled_piece(logits[rows, cols], temperature, compute_dtype)
+            picked = z.gather(-1, tokens[rows, cols].unsqueeze(-1)).squeeze(-1)
+            peak = z.amax(dim=-1, keepdim=True)
+            e = z.sub_(peak) if own else z - peak  # the one temporary
+            piece_lse = e.exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
+            lse[rows, cols] = piece_lse
+            out[rows, cols] = picked - piece_lse
         ctx.save_for_backward(logits, tokens, lse)
         ctx.temperature, ctx.pieces = temperature, pieces
         return out
@@ -155,17 +178,14 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         # d logp / d x_v = (onehot_v - softmax_v) / T
         logits, tokens, lse = ctx.saved_tensors
         T = ctx.temperature
-        compute_dtype = lse.dtype
         grad = torch.empty_like(logits)
         for rows, cols in ctx.pieces:
-            x = logits[rows, cols].to(compute_dtype)
-            p = (x / T if T != 1.0 else x) - lse[rows, cols].unsqueeze(-1)
-            p = p.exp_()
-            g = grad_out[rows, cols].unsqueeze(-1).to(compute_dtype)
-            piece = p.mul_(-g).scatter_add_(-1, tokens[rows, cols].unsqueeze(-1), g)
-            if T != 1.0:
-                piece = piece.div_(T)
-            grad[rows, cols] = piece
+            z, own = scaled_piece(logits[rows, cols], T, lse.dtype)
+            shift = lse[rows, cols].unsqueeze(-1)
+            p = (z.sub_(shift) if own else z - shift).exp_()  # softmax, the one temporary
+            g = grad_out[rows, cols].unsqueeze(-1).to(lse.dtype)
+            p.mul_(-g).scatter_add_(-1, tokens[rows, cols].unsqueeze(-1), g)
+            grad[rows, cols] = p.div_(T) if T != 1.0 else p
         return grad, None, None, None
 
 
@@ -176,10 +196,10 @@ def gather_logprobs(
 
     Computes ``logits[token] / T - logsumexp(logits / T)`` instead of ``log_softmax`` followed by a
     gather, piece by piece over the positions (``chunk_views``), so no second (B, R, V) tensor is
-    materialised at any temperature (PITFALLS B21): the temporaries of one piece (the float32 working
-    copy, ``logits / T``, the exponentials of the log-sum-exp) are all that is alive at once, and the
-    backward recomputes the softmax piece by piece instead of keeping it (a custom autograd function; the
-    one full-size tensor it makes is the logits' gradient). Work is done in float32 (float64 stays
+    materialised at any temperature (PITFALLS B21): one float32 temporary of one piece (``logits / T``,
+    then its exponentials, in place) is all that is alive at once, and the backward recomputes the softmax
+    piece by piece instead of keeping it (a custom autograd function; the one full-size tensor it makes is
+    the logits' gradient). Work is done in float32 (float64 stays
     float64), so bf16 logits are upcast per piece only. The temperature must be the sampling temperature,
     for rollout, training and reference passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
 
@@ -189,8 +209,8 @@ def gather_logprobs(
         tokens: (B, R) long token ids.
         temperature: Sampling temperature T > 0.
         chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions, so the
-            extra memory is under 5% of one float32 (B, R, V) tensor (and at most a few times 16 MiB).
-            With rows, the extra memory is about two float32 tensors of shape (chunk_size, R, V).
+            extra memory is under 4% of one float32 (B, R, V) tensor of 8 MiB or more, and never above
+            16 MiB (``chunk_views``). With rows, it is one float32 tensor of shape (chunk_size, R, V).
 
     Returns:
         (B, R) log-probabilities in nats (<= 0), float32 (float64 for float64 logits);

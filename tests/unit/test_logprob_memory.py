@@ -17,8 +17,8 @@ from rlhf_lit.functional.losses import entropy_from_logits
 from rlhf_lit.functional.sequence import chunk_views, gather_logprobs
 from tests.memory_tracker import TensorMemoryTracker
 
-B, P, R, V = 4, 16, 48, 1024
-FULL_BTV = B * (P + R) * V * 4  # bytes of one float32 (B, T, V) tensor: 1 MiB
+B, P, R, V = 8, 16, 112, 4096
+FULL_BTV = B * (P + R) * V * 4  # bytes of one float32 (B, T, V) tensor: 16 MiB
 
 
 def _naive_logprobs(logits, tokens, t):
@@ -64,6 +64,27 @@ def test_values_and_gradients_equal_the_plain_log_softmax(temperature, chunk_siz
         assert_close(ours_in.grad, ref_in.grad, atol=1e-12, rtol=1e-12)
 
 
+def test_pieces_of_a_few_positions_equal_the_plain_log_softmax():
+    # V = 4096: pieces of 16 positions (2^16 logits), so rows are cut inside (41 = 16 + 16 + 9)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 42, 4096, dtype=torch.float64, generator=gen) * 3
+    full[1, 20, :100] = float("-inf")
+    tokens = torch.randint(100, 4096, (2, 41), generator=gen)
+    assert len(chunk_views(full[:, :-1].shape, None)) == 6
+    weights = torch.randn(2, 41, dtype=torch.float64, generator=gen)
+    for fn, naive in (
+        (lambda x: gather_logprobs(x, tokens, 0.7), lambda x: _naive_logprobs(x, tokens, 0.7)),
+        (lambda x: entropy_from_logits(x, 0.7), lambda x: _naive_entropy(x, 0.7)),
+    ):
+        ours_in = full.clone().requires_grad_()
+        ref_in = full.nan_to_num(neginf=-1e4).requires_grad_()
+        ours, ref = fn(ours_in[:, :-1]), naive(ref_in[:, :-1])
+        assert_close(ours, ref, atol=1e-10, rtol=1e-10)
+        (ours * weights).sum().backward()
+        (ref * weights).sum().backward()
+        assert_close(ours_in.grad, ref_in.grad, atol=1e-10, rtol=1e-10)
+
+
 def test_gradcheck_both_functions():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 5, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -73,17 +94,21 @@ def test_gradcheck_both_functions():
 
 
 def test_default_pieces_tile_the_positions_exactly_once():
-    for shape in [(4, 48, 1024), (3, 5, 7), (1, 1, 2), (70, 1, 3), (2, 200, 50_000)]:
-        b, r, _ = shape
+    for shape in [(8, 112, 4096), (3, 5, 7), (1, 1, 2), (70, 1, 3), (2, 200, 50_000), (4, 48, 128_256)]:
+        b, r, v = shape
         seen = torch.zeros(b, r, dtype=torch.long)
         pieces = chunk_views(torch.Size(shape), None)
         for rows, cols in pieces:
             seen[rows, cols] += 1
         assert torch.equal(seen, torch.ones_like(seen)), shape
+        # ceil(B R / 32) positions, at least 2^16 logits, at most 2^22 logits (or one position)
         biggest = max((rows.stop - rows.start) * (cols.stop - cols.start) for rows, cols in pieces)
-        assert biggest <= max(1, math.ceil(b * r / 64)), shape
-    # (2, 200, 50000): at most 2**22 logits per piece -> 83 positions
-    assert max(c.stop - c.start for _, c in chunk_views(torch.Size((2, 200, 50_000)), None)) <= 83
+        assert biggest <= max(math.ceil(b * r / 32), math.ceil(2**16 / v)), shape
+        assert biggest * v <= max(2**22, v), shape
+    # (8, 112, 4096): ceil(896 / 32) = 28 positions per piece, 32 pieces
+    assert len(chunk_views(torch.Size((8, 112, 4096)), None)) == 32
+    # (3, 5, 7): at least 2^16 logits per piece -> everything in one piece
+    assert chunk_views(torch.Size((3, 5, 7)), None) == [(slice(0, 3), slice(0, 5))]
     # explicit rows per piece, as before
     assert chunk_views(torch.Size((5, 4, 3)), 2) == [
         (slice(0, 2), slice(0, 4)),
