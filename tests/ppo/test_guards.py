@@ -215,3 +215,15 @@ def test_missing_eos_penalty_with_a_stop_token_is_accepted():
         reward=RewardShapingConfig(missing_eos_penalty=1.0),
     )
     assert module.stop_ids == [3]
+
+
+def test_the_prompt_data_module_holds_no_validation_split_by_default():
+    """PPO never validates, so the prompts are not cut by a silent 5% hold-out."""
+    from rlhf_lit.data import PromptDataModule
+    from rlhf_lit.models.tokenizer import build_byte_tokenizer
+
+    dm = PromptDataModule(
+        train_files=["demo:prompts?n=40&seed=0&split=train"], tokenizer=build_byte_tokenizer()
+    )
+    dm.setup("fit")
+    assert len(dm.train_dataset) == 40 and not dm.val_dataset
