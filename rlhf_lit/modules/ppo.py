@@ -6,21 +6,27 @@ One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al
 1. rollout: the actor adapter samples responses;
 2. reference log-probs with every adapter switched off;
 3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off;
-4. reward-model scores (calibrated), missing-EOS penalty, normalisation and clipping;
+4. reward-model scores (calibrated; an inf / nan one raises ``NonFiniteError``, or with
+   ``reward.skip_non_finite`` leaves the update), missing-EOS penalty, normalisation and clipping;
 5. shaped token rewards, GAE, advantage whitening;
 6. ``ppo_epochs`` x shuffled minibatches x micro-batches: clipped policy loss + value loss - entropy bonus
-   (+ PTX), one optimizer step per minibatch with global-norm gradient clipping;
+   (+ PTX), one optimizer step per minibatch with global-norm gradient clipping (a step whose norm is inf or
+   nan is skipped and counted; ``ppo.max_consecutive_skips`` in a row raise ``NonFiniteError``);
 7. the KL controller update and the iteration's metrics.
+
+Refused before any model loads: dropout left on, ``top_k`` / ``top_p`` sampling, a missing-EOS penalty
+without a stop token (each would make the ratio, the KL or the reward wrong without an error).
 
 Manual optimization: Lightning never calls ``optimizer_step`` here; ``trainer.global_step`` counts
 optimizer steps, so ``ppo/iteration`` is our own counter.
 
 Several processes (``ddp``, or FSDP2 via ``ModelParallelStrategy`` / ``FSDP2Strategy``; each rank holds
 its own slice of the rollout): advantage whitening, reward normalisation and the KL controller's input
-use statistics of all ranks; the loss of a minibatch is the token mean over the GLOBAL minibatch (see
-``_update``); generation keeps every rank stepping until all have finished (``synced_gpus``); gradient
-clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences make the same update as
-1 rank x 8. State that a resumed run needs (iteration, KL
+use statistics of all ranks; every rank draws the same permutation of the GLOBAL batch per epoch and takes its
+own rows of each global minibatch (``epoch_schedule``); the loss of a minibatch is the token mean over the
+global minibatch (see ``_update``); generation keeps every rank stepping until all have finished
+(``synced_gpus``); gradient clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences
+make the same update as 1 rank x 8, with any number of minibatches and epochs. State that a resumed run needs (iteration, KL
 controller, reward statistics, RNG, PTX position) is saved in the checkpoint, so a resumed run equals an
 uninterrupted one.
 """
