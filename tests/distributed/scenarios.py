@@ -118,8 +118,15 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
     batch = GLOBAL_BATCH // world_size
     module = equality_module(batch)
     before = trainable_state(module)
-    original = ppo_mod.sample_responses
-    ppo_mod.sample_responses = fixed_rollout
+    original, original_schedule = ppo_mod.sample_responses, ppo_mod.epoch_schedule
+    rows_per_minibatch: list[int] = []  # this rank's rows in each global minibatch, in order
+
+    def schedule(*args):
+        out = original_schedule(*args)
+        rows_per_minibatch.extend(int(rows.numel()) for rows, _ in out)
+        return out
+
+    ppo_mod.sample_responses, ppo_mod.epoch_schedule = fixed_rollout, schedule
     ROLLOUT_TOKENS.clear()
     try:
         if strategy is None:
@@ -131,7 +138,7 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
         trainer = make_trainer(out / "run", **kwargs)
         trainer.fit(module, datamodule=make_data(module, batch_size=batch))
     finally:
-        ppo_mod.sample_responses = original
+        ppo_mod.sample_responses, ppo_mod.epoch_schedule = original, original_schedule
     after = trainable_state(module)
     result = {
         "delta": {n: after[n] - before[n] for n in after},
@@ -148,6 +155,7 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
             out / f"tokens_rank{rank()}.json",
             {
                 "tokens": list(ROLLOUT_TOKENS),
+                "rows_per_minibatch": rows_per_minibatch,
                 "kl_coef": module.kl_ctl.value,
                 "score_stats": module.score_stats.state_dict(),
             },

@@ -203,6 +203,12 @@ def _check_equality(out: Path, one_rank: dict) -> dict:
     ranks = [_read(out / "equality" / f"tokens_rank{r}.json") for r in (0, 1)]
     tokens = [r["tokens"] for r in ranks]
     assert len(tokens[0]) == S.EQUALITY_ITERATIONS and all(a != b for a, b in zip(*tokens)), tokens
+    # each global minibatch (4 rows) is split between the ranks by the shared permutation: uneven at least once
+    # (so a rank ran an empty, zero-weight micro-batch), and always 4 rows in all
+    rows = [r["rows_per_minibatch"] for r in ranks]
+    assert len(rows[0]) == S.EQUALITY_ITERATIONS * S.EQUALITY_EPOCHS * S.MINIBATCHES_PER_EPOCH
+    assert all(a + b == S.GLOBAL_BATCH // S.MINIBATCHES_PER_EPOCH for a, b in zip(*rows)), rows
+    assert any(a != b for a, b in zip(*rows)), rows
     # the KL controller and the reward normaliser hold the same state on both ranks
     assert ranks[0]["kl_coef"] == ranks[1]["kl_coef"]
     assert ranks[0]["score_stats"] == ranks[1]["score_stats"]
