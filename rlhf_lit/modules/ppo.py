@@ -26,9 +26,9 @@ use statistics of all ranks; every rank draws the same permutation of the GLOBAL
 own rows of each global minibatch (``epoch_schedule``); the loss of a minibatch is the token mean over the
 global minibatch (see ``_update``); generation keeps every rank stepping until all have finished
 (``synced_gpus``); gradient clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences
-make the same update as 1 rank x 8, with any number of minibatches and epochs. State that a resumed run needs (iteration, KL
-controller, reward statistics, RNG, PTX position) is saved in the checkpoint, so a resumed run equals an
-uninterrupted one.
+make the same update as 1 rank x 8, with any number of minibatches and epochs. State that a resumed run
+needs (iteration, KL controller, reward statistics, RNG, PTX position, skipped-step count) is saved in the
+checkpoint, so a resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
