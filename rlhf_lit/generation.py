@@ -25,8 +25,10 @@ class SamplingConfig:
         min_new_tokens: suppress the stop tokens until this many tokens were sampled.
         temperature: softmax temperature; the log-probs used by PPO are computed at the same temperature
             (PITFALLS B10).
-        top_k: keep the k most likely tokens (0 = off).
-        top_p: nucleus sampling threshold (1.0 = off).
+        top_k: keep the k most likely tokens (0 = off). PPO refuses it: its ratio and KL use the log-probs
+            of the full softmax at ``temperature``, which are not those of a truncated distribution, so the
+            rollout would be off-policy (PITFALLS B10). For evaluation sampling only.
+        top_p: nucleus sampling threshold (1.0 = off); refused by PPO like ``top_k``.
         stop_at_eos: stop a response at the tokenizer's EOS token.
         stop_token_ids: further token ids that end a response (e.g. ``<|im_end|>``).
         stop_strings: further tokens given as strings, converted with the tokenizer (each must be a single

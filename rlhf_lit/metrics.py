@@ -38,6 +38,7 @@ ROLLOUT_KL_ESTIMATOR = "rollout/kl_ref_{estimator}"
 ROLLOUT_NON_SCORE_REWARD = "rollout/non_score_reward"
 ROLLOUT_RESPONSE_LEN = "rollout/response_len"
 ROLLOUT_NO_EOS_FRAC = "rollout/no_eos_frac"
+ROLLOUT_NON_FINITE_SCORES = "rollout/non_finite_scores"
 
 # PPO update (means over the iteration's minibatches)
 PPO_POLICY_LOSS = "ppo/policy_loss"
@@ -50,6 +51,7 @@ PPO_ENTROPY = "ppo/entropy"
 PPO_RATIO_MEAN = "ppo/ratio_mean"
 PPO_KL_COEF = "ppo/kl_coef"
 PPO_GRAD_NORM = "ppo/grad_norm"
+PPO_SKIPPED_STEPS = "ppo/skipped_steps"
 PPO_ADVANTAGE_MEAN = "ppo/advantage_mean"
 PPO_RETURN_MEAN = "ppo/return_mean"
 PPO_ITERATION = "ppo/iteration"
@@ -103,6 +105,8 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_NON_SCORE_REWARD: "mean over responses of the summed KL penalty -kl_coef * KL_t",
     ROLLOUT_RESPONSE_LEN: "mean number of real response tokens (up to and including the stop token)",
     ROLLOUT_NO_EOS_FRAC: "fraction of responses that reached max_new_tokens without a stop token",
+    ROLLOUT_NON_FINITE_SCORES: "responses of the iteration (all ranks) whose reward-model score was inf or nan, "
+    "dropped from the update (reward.skip_non_finite; without it such a score stops the run)",
     PPO_POLICY_LOSS: "clipped surrogate loss (token-level mean)",
     PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2) (token-level mean)",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",
@@ -112,7 +116,9 @@ GLOSSARY: dict[str, str] = {
     PPO_ENTROPY: "mean policy entropy per response token (nats)",
     PPO_RATIO_MEAN: "mean probability ratio pi_new / pi_old over response tokens",
     PPO_KL_COEF: "the KL penalty coefficient in force for this iteration",
-    PPO_GRAD_NORM: "global gradient norm before clipping (mean over optimizer steps)",
+    PPO_GRAD_NORM: "global gradient norm before clipping (mean over the optimizer steps applied)",
+    PPO_SKIPPED_STEPS: "optimizer steps of the iteration skipped because the global gradient norm was inf or nan "
+    "(ppo.max_consecutive_skips in a row stop the run)",
     PPO_ADVANTAGE_MEAN: "mean advantage before whitening",
     PPO_RETURN_MEAN: "mean return (advantages + values)",
     PPO_ITERATION: "PPO iterations completed (one rollout + its updates)",

@@ -37,12 +37,12 @@ Formulae (bytes; every figure per device):
 * autocast weight copies: under bf16-mixed with fp32 (non-4-bit) weights every block Linear weight is cast
   to bf16 and the copy is saved for backward: ``2 * N_linear`` per training forward (one block's worth with
   checkpointing); a 4-bit base dequantizes one layer at a time: ``2 * N_linear / L``.
-* logits (the LM head output; only the R response positions in PPO): ``B * T * V * c`` for the loss with
-  its backward, c = 12 bytes with fp32 logits (logits, softmax and gradient in the log-sum-exp backward)
-  and 16 with bf16 logits (+ the fp32 working copy, + the gradient cast back to bf16); PPO adds the
-  entropy (softmax and its entr term, fp32): ``c + 8``. The selective log-prob
-  (``gather - logsumexp``, PITFALLS B21) saves a full log-softmax copy, ``B * T * V * 4``, which the table
-  reports as the saving.
+* logits (the LM head output; only the R response positions in PPO): ``B * T * V * 2 * s_a`` for the loss
+  with its backward: the logits and their gradient, at the logits' dtype. The selective log-prob and the
+  entropy (``rlhf_lit.functional``, PITFALLS B21) work on pieces of a few positions in fp32 and recompute the
+  softmax in the backward, so they keep no full-size copy (a full log-softmax, ``B * T * V * 4``, is
+  reported as the saving); PPO's entropy bonus, when ``ppo.entropy_coef`` is not 0, adds its own gradient
+  and autograd's sum of the two: ``+ 2 * s_a``.
 * KV cache (PPO rollout): ``2 * L * B_rollout * (P + R) * kv * s_a``, plus the prefill's transient
   ``B_rollout * P * (2H + 2I) * s_a`` and per-step logits ``3 * B_rollout * V * 4``.
 * separate reward model: its weights as above; its forward is no-grad and short-lived.
@@ -279,6 +279,7 @@ class RunSettings:
     ppo_micro_batch: int = 4
     rollout_forward_batch: int | None = None
     logprob_chunk: int | None = None
+    entropy_coef: float = 0.0
     shared_critic: bool = False
     critic_lora: dict | None = None
     reward_mode: str | None = None  # separate | adapter (PPO)
@@ -369,6 +370,7 @@ def settings_from_config(spec: dict, configs_root: Path | None = None) -> RunSet
         settings.ppo_micro_batch = int(ppo.get("micro_batch_size") or ppo.get("ppo_minibatch_size", 4))
         settings.rollout_forward_batch = ppo.get("rollout_forward_batch_size")
         settings.logprob_chunk = ppo.get("logprob_chunk_size")
+        settings.entropy_coef = float(ppo.get("entropy_coef") or 0.0)
         settings.shared_critic = bool(critic.get("shared_trunk", False))
         settings.critic_lora = critic.get("lora") or {"r": 8, "target_modules": "all-linear"}
         settings.reward_mode = reward_model.get("mode", "separate")
@@ -422,9 +424,9 @@ def _activation_dtype(s: RunSettings) -> int:
 
 
 def _loss_bytes(s_a: int) -> int:
-    """Bytes per logit for the log-prob loss with its backward: the logits, the fp32 log-sum-exp working
-    copy (none when the logits are fp32), its softmax and gradient (fp32), the gradient cast back."""
-    return 4 + 8 if s_a == 4 else 2 + 4 + 8 + 2
+    """Bytes per logit for the log-prob loss with its backward: the logits and their gradient (same dtype);
+    the fp32 working pieces of ``gather_logprobs`` are a few positions each."""
+    return 2 * s_a
 
 
 def layer_activation_bytes(shape: ModelShape, s_a: int, autocast: bool, s_w: int) -> float:
@@ -567,13 +569,9 @@ def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape 
         prefill = B * P * (2 * H + 2 * shape.intermediate) * s_a + 3 * B * V * 4
         est.phases["rollout"] = kv_cache + prefill
         f = s.rollout_forward_batch or B
-        chunk_rows = min(s.logprob_chunk or f, f)
-        experience = (
-            f * T * (2 * H + 2 * shape.intermediate) * s_a
-            + f * T * H * 4
-            + f * R * V * s_a
-            + chunk_rows * R * V * 8
-        )
+        # explicit logprob_chunk_size rows: two fp32 temporaries of that many rows; by default a few positions
+        pieces = min(s.logprob_chunk, f) * R * V * 8 if s.logprob_chunk else 0
+        experience = f * T * (2 * H + 2 * shape.intermediate) * s_a + f * T * H * 4 + f * R * V * s_a + pieces
         est.add(
             "experience forwards (no grad)", experience, f"{f} rows; logits over R={R} response positions"
         )
@@ -592,7 +590,7 @@ def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape 
             est.add("autocast weight copies", copies, "bf16 casts saved for backward")
         logits = est.add(
             "response logits + loss + entropy",
-            m * R * V * (_loss_bytes(s_a) + 8),
+            m * R * V * (_loss_bytes(s_a) + (2 * s_a if s.entropy_coef else 0)),
             f"{m} x {R} x {V}; a full log_softmax would add {m * R * V * 4 / GiB:.2f} GiB",
         )
         est.add("gradients", grads, "fp32")

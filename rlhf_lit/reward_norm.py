@@ -123,10 +123,18 @@ def normalize_scores(
         (B,) new tensor in the dtype of ``scores``.
 
     Raises:
-        ValueError: If ``clip <= 0``.
+        ValueError: If ``clip <= 0``, or if a score is inf or nan (clipping would turn +inf into the best
+            reward ``+clip``; the message names the indices).
     """
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be > 0, got {clip}")
+    finite = torch.isfinite(scores)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(
+            f"normalize_scores: non-finite score(s) at index {bad} ({scores[~finite].tolist()}); clipping "
+            "would turn +inf into the best reward"
+        )
     out = scores.clone()
     if running is not None:
         centred = out - running.mean if shift_mean else out

@@ -89,6 +89,21 @@ def test_tiny_config_fits_on_cpu_with_outputs_in_tmp(config, tmp_path_factory):
         assert (run.export_dir / "tokenizer.json").is_file()
 
 
+def test_ppo_max_config_turns_every_ppo_max_switch_on_and_runs(tmp_path_factory):
+    """``configs/ppo/ppo_max.yaml`` (named by ``rlhf_lit/modules/ppo_config.py``): every PPO-Max switch of
+    Zheng et al. 2023 is on, and the config trains (2 iterations, with its PTX term) and exports."""
+    run = run_tiny("configs/ppo/ppo_max.yaml", tmp_path_factory)
+    h = run.cli.model.hparams
+    assert h.reward["normalize"] and h.reward["clip"] is not None  # score normalisation and clipping
+    assert h.kl["kl_coef"] > 0  # token-level KL penalty
+    assert h.critic["init_from_reward"]  # critic from the reward model
+    assert h.ppo["whiten_advantages"] and h.ppo["value_clip_range"] and h.ppo["max_grad_norm"]
+    assert h.ptx["coef"] > 0 and h.ptx["train_files"]  # pretraining loss
+    assert run.cli.trainer.state.finished and run.cli.model.iteration == 2
+    assert all(entry["ppo/ptx_loss"] > 0 for entry in run.cli.model.history)
+    assert (run.export_dir / "model.safetensors").is_file()
+
+
 def _normalized(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 

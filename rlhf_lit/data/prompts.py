@@ -73,7 +73,8 @@ class PromptDataModule(RLHFDataModule):
     Args:
         train_files: training files or hub ids (``":test"`` picks a split); one string is accepted.
         val_files: validation files; when given, ``val_size`` is ignored.
-        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.
+        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count. Default 0:
+            PPO (the stage these prompts feed) never validates, so nothing is held out unless asked for.
         max_train_samples_per_file: keep at most this many training prompts per file (a fixed,
             seeded subset); None keeps all.
         format: the row format; "auto" detects it per file.
@@ -107,7 +108,7 @@ class PromptDataModule(RLHFDataModule):
         self,
         train_files: list[str] | str,
         val_files: list[str] | str | None = None,
-        val_size: int | float = 0.05,
+        val_size: int | float = 0,
         max_train_samples_per_file: int | None = None,
         format: Literal["auto", "explicit", "alpaca", "messages", "sharegpt", "hh", "gsm8k"] = "auto",
         prompt_field: str = "prompt",

@@ -15,6 +15,13 @@ Divergence", http://joschu.net/blog/kl-approx.html), with r = ref_prob / policy_
     abs = |log r|                                 not an estimator of KL; a >= 0 penalty
 All four are exactly 0 when policy == reference.
 
+The log-ratio is clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` = [-20, 20] nats before any estimator
+is applied (verl clamps its k3 input to the same range): a token the reference finds e^-100 times less
+likely than the policy would otherwise give k3 = e^100 (inf in float32) and poison every reward, advantage
+and weight downstream. A per-token log-ratio of 20 nats is already far outside any healthy run (a whole
+response's KL budget is a few nats), so the clamp changes nothing there; a NaN stays NaN (it is an error
+upstream, not a large number).
+
 Token rewards (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2): ``r_t = -beta * KL_t`` on
 every real response token, plus the sequence score on the last real token; padding gets 0. The papers
 write the penalty for the whole sequence; spreading it over tokens follows OpenAI's
@@ -28,32 +35,44 @@ from torch import Tensor
 
 from rlhf_lit.functional.sequence import last_real_index
 
-__all__ = ["KL_ESTIMATORS", "kl_per_token", "shaped_rewards"]
+__all__ = ["KL_ESTIMATORS", "LOG_RATIO_CLAMP", "kl_per_token", "shaped_rewards"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+LOG_RATIO_CLAMP = 20.0  # nats per token; see the module docstring
 
 
-def kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
+def kl_per_token(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: str = "k1",
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+) -> Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs.
 
     Args:
         logprobs: (B, R) policy log-probs of the sampled tokens, nats.
         ref_logprobs: (B, R) reference log-probs of the same tokens, nats.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"`` (see the module docstring).
+        log_ratio_clamp: clamp ``logprobs - ref_logprobs`` to ``[-c, c]`` nats first (default 20, so
+            every estimate is finite: k3 <= e^20 - 21 ~ 4.9e8); None disables the clamp.
 
     Returns:
         (B, R) KL estimate in nats per token. Padded positions are not masked here (the caller
         masks); e.g. policy ``[-1, -2]``, reference ``[-1.5, -1]``: k1 ``[0.5, -1]``,
-        k3 ``[0.106531, 0.718282]`` (PITFALLS B09).
+        k3 ``[0.106531, 0.718282]`` (PITFALLS B09); log-ratio -100: k1 -20, k3 e^20 - 21.
 
     Raises:
-        ValueError: If ``estimator`` is unknown or the shapes differ.
+        ValueError: If ``estimator`` is unknown, the shapes differ or ``log_ratio_clamp <= 0``.
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(
             f"shape mismatch: logprobs {tuple(logprobs.shape)} vs ref {tuple(ref_logprobs.shape)}"
         )
+    if log_ratio_clamp is not None and log_ratio_clamp <= 0:
+        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp}")
     log_ratio = logprobs - ref_logprobs
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lit.functional.masked import masked_mean
-from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.functional.sequence import chunk_views, gather_logprobs, scaled_piece
 
 __all__ = ["bt_pairwise_loss", "sft_nll", "ppo_policy_loss", "ppo_value_loss", "entropy_from_logits"]
 
@@ -203,16 +203,65 @@ def ppo_value_loss(
     return loss, {"value_clipfrac": clipfrac.detach()}
 
 
+class _ChunkedEntropy(torch.autograd.Function):
+    """``H = log s - sum_v e_v z_v / s`` with ``z = logits / T - max``, ``e = exp(z)``, ``s = sum_v e_v``
+    (= ``-sum_v p_v log p_v``), piece by piece; the backward recomputes the softmax piece by piece.
+
+    Saves only the logits (already alive) and the (B, R) entropies; holds two float32 temporaries of one
+    piece at a time. A -inf logit (probability 0) contributes 0, not 0 * inf.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, temperature, pieces):
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        lowest = torch.finfo(compute_dtype).min
+        out = torch.empty(logits.shape[:-1], dtype=compute_dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for rows, cols in pieces:
+            z, own = scaled_piece(logits[rows, cols], temperature, compute_dtype)
+            peak = z.amax(dim=-1, keepdim=True)
+            z = (z.sub_(peak) if own else z - peak).clamp_(min=lowest)  # temporary 1
+            e = z.exp()  # temporary 2
+            total = e.sum(dim=-1)
+            weighted = e.mul_(z).sum(dim=-1)
+            log_total = total.log()
+            out[rows, cols] = log_total - weighted / total
+            lse[rows, cols] = log_total + peak.squeeze(-1)
+        ctx.save_for_backward(logits, out, lse)
+        ctx.temperature, ctx.pieces = temperature, pieces
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        # with z = x / T and p = softmax(z): dH/dz_v = -p_v (log p_v + H), so dH/dx_v = -p_v (log p_v + H) / T
+        logits, entropy, lse = ctx.saved_tensors
+        T = ctx.temperature
+        lowest = torch.finfo(lse.dtype).min
+        grad = torch.empty_like(logits)
+        for rows, cols in ctx.pieces:
+            z, own = scaled_piece(logits[rows, cols], T, lse.dtype)
+            shift = lse[rows, cols].unsqueeze(-1)
+            logp = (z.sub_(shift) if own else z - shift).clamp_(min=lowest)  # temporary 1
+            p = logp.exp()  # temporary 2
+            logp.add_(entropy[rows, cols].unsqueeze(-1)).mul_(p)
+            grad[rows, cols] = logp.mul_(grad_out[rows, cols].unsqueeze(-1).to(lse.dtype) * (-1.0 / T))
+        return grad, None, None
+
+
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` at every position, in nats.
 
-    ``H = -sum_v p_v log p_v``, computed in float32 one chunk of batch rows at a time (so no full
-    float32 copy of bf16 logits), with ``0 log 0 = 0``.
+    ``H = -sum_v p_v log p_v``, computed in float32 piece by piece over the positions
+    (``rlhf_lit.functional.sequence.chunk_views``), with ``0 log 0 = 0``. Like ``gather_logprobs`` it never
+    materialises a second (B, R, V) tensor: two float32 temporaries of one piece are alive at a time, and
+    the backward (a custom autograd function) recomputes the softmax instead of keeping it.
 
     Args:
-        logits: (B, R, V) logits.
+        logits: (B, R, V) logits; any strides.
         temperature: T > 0, the sampling temperature.
-        chunk_size: Batch rows per chunk; None processes the whole batch at once.
+        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions (extra memory
+            under 7% of one float32 (B, R, V) tensor of 8 MiB or more; ``chunk_views``).
 
     Returns:
         (B, R) entropies in nats, in [0, log V]; float32 (float64 for float64 logits);
@@ -225,14 +274,6 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: in
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    step = chunk_size or max(logits.shape[0], 1)
-    pieces = []
-    for start in range(0, logits.shape[0], step):
-        chunk = logits[start : start + step].to(compute_dtype)
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        pieces.append(torch.special.entr(torch.softmax(chunk, dim=-1)).sum(dim=-1))
-    if not pieces:
-        return logits.new_zeros(logits.shape[:-1], dtype=compute_dtype)
-    return torch.cat(pieces, dim=0)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, R, V), got shape {tuple(logits.shape)}")
+    return _ChunkedEntropy.apply(logits, float(temperature), chunk_views(logits.shape, chunk_size))

@@ -20,6 +20,8 @@ from torch import Tensor
 __all__ = [
     "position_ids_from_mask",
     "last_real_index",
+    "chunk_views",
+    "scaled_piece",
     "gather_logprobs",
     "stop_mask",
     "truncate_after_stop",
@@ -92,24 +94,123 @@ def last_real_index(mask: Tensor) -> Tensor:
     return last
 
 
+# The default (``chunk_size=None``) path cuts the B x R positions into AUTO_CHUNK_PARTS pieces, each of at
+# least AUTO_CHUNK_MIN_ELEMENTS logits (256 KiB in float32: smaller pieces only add per-op overhead) and at
+# most AUTO_CHUNK_MAX_ELEMENTS (16 MiB). The functions below hold at most two float32 temporaries of one piece
+# at a time, so their extra memory stays under 7% of one (B, R, V) tensor once that tensor holds 32 minimum
+# pieces (8 MiB), and under 32 MiB however large it is.
+AUTO_CHUNK_PARTS = 32
+AUTO_CHUNK_MIN_ELEMENTS = 1 << 16
+AUTO_CHUNK_MAX_ELEMENTS = 1 << 22
+
+
+def chunk_views(shape: torch.Size, chunk_size: int | None) -> list[tuple[slice, slice]]:
+    """``(rows, positions)`` slices that tile a ``(B, R, V)`` tensor into pieces of a few positions each.
+
+    Slicing (never reshaping) keeps every piece a view, also of non-contiguous logits (e.g. ``logits[:, :-1]``).
+
+    Args:
+        shape: ``(B, R, V)``.
+        chunk_size: batch rows per piece; ``None`` picks ``ceil(B * R / AUTO_CHUNK_PARTS)`` positions per
+            piece, raised to ``AUTO_CHUNK_MIN_ELEMENTS / V`` and lowered to ``AUTO_CHUNK_MAX_ELEMENTS / V``
+            (at least 1; whole rows when that is at least R).
+
+    Returns:
+        The pieces, in row-major order; empty when ``B * R == 0``.
+    """
+    B, R, V = shape
+    if B == 0 or R == 0:
+        return []
+    if chunk_size is not None:
+        step = chunk_size * R
+    else:
+        V = max(V, 1)
+        step = max(-(-(B * R) // AUTO_CHUNK_PARTS), -(-AUTO_CHUNK_MIN_ELEMENTS // V))
+        step = max(1, min(step, AUTO_CHUNK_MAX_ELEMENTS // V))
+    if step >= R:
+        rows = step // R
+        return [(slice(b, min(b + rows, B)), slice(0, R)) for b in range(0, B, rows)]
+    return [(slice(b, b + 1), slice(r, min(r + step, R))) for b in range(B) for r in range(0, R, step)]
+
+
+def scaled_piece(piece: Tensor, temperature: float, compute_dtype: torch.dtype) -> tuple[Tensor, bool]:
+    """``piece / temperature`` in ``compute_dtype``, and whether it is a new tensor (safe to edit in place).
+
+    Without a temperature or a dtype change the piece itself (a view of the caller's logits) comes back.
+    """
+    if piece.dtype != compute_dtype:
+        x = piece.to(compute_dtype)
+        return (x.div_(temperature) if temperature != 1.0 else x), True
+    if temperature != 1.0:
+        return piece / temperature, True
+    return piece, False
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """``z[token] - logsumexp(z)`` with ``z = logits / T``, piece by piece; the backward recomputes the
+    softmax piece by piece.
+
+    Saves only the logits (already alive) and the (B, R) log-sum-exp, and holds one float32 temporary of one
+    piece at a time (in-place arithmetic on it), so neither pass holds a second (B, R, V) tensor: the only
+    full-size tensor made is the gradient of the logits itself.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, pieces):
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(tokens.shape, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for rows, cols in pieces:
+            z, own = scaled_piece(logits[rows, cols], temperature, compute_dtype)
+            picked = z.gather(-1, tokens[rows, cols].unsqueeze(-1)).squeeze(-1)
+            peak = z.amax(dim=-1, keepdim=True)
+            e = z.sub_(peak) if own else z - peak  # the one temporary
+            piece_lse = e.exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
+            lse[rows, cols] = piece_lse
+            out[rows, cols] = picked - piece_lse
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.pieces = temperature, pieces
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        # d logp / d x_v = (onehot_v - softmax_v) / T
+        logits, tokens, lse = ctx.saved_tensors
+        T = ctx.temperature
+        grad = torch.empty_like(logits)
+        for rows, cols in ctx.pieces:
+            z, own = scaled_piece(logits[rows, cols], T, lse.dtype)
+            shift = lse[rows, cols].unsqueeze(-1)
+            p = (z.sub_(shift) if own else z - shift).exp_()  # softmax, the one temporary
+            g = grad_out[rows, cols].unsqueeze(-1).to(lse.dtype)
+            p.mul_(-g).scatter_add_(-1, tokens[rows, cols].unsqueeze(-1), g)
+            grad[rows, cols] = p.div_(T) if T != 1.0 else p
+        return grad, None, None, None
+
+
 def gather_logprobs(
     logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
     """Log-probability of each token under ``softmax(logits / temperature)``, selectively.
 
     Computes ``logits[token] / T - logsumexp(logits / T)`` instead of ``log_softmax`` followed by a
-    gather, so no second (B, R, V) tensor is materialised (PITFALLS B21). Work is done in float32
-    (float64 stays float64) one chunk of batch rows at a time, so bf16 logits are upcast per chunk
-    only. The temperature must be the sampling temperature, for rollout, training and reference
-    passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
+    gather, piece by piece over the positions (``chunk_views``), so no second (B, R, V) tensor is
+    materialised at any temperature (PITFALLS B21): one float32 temporary of one piece (``logits / T``,
+    then its exponentials, in place) is all that is alive at once, and the backward recomputes the softmax
+    piece by piece instead of keeping it (a custom autograd function; the one full-size tensor it makes is
+    the logits' gradient). Work is done in float32 (float64 stays
+    float64), so bf16 logits are upcast per piece only. The temperature must be the sampling temperature,
+    for rollout, training and reference passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
 
     Args:
         logits: (B, R, V) logits already aligned with ``tokens``: ``logits[:, i]`` predicts
-            ``tokens[:, i]`` (the caller slices the model output at positions P-1 .. T-2).
+            ``tokens[:, i]`` (the caller slices the model output at positions P-1 .. T-2); any strides.
         tokens: (B, R) long token ids.
         temperature: Sampling temperature T > 0.
-        chunk_size: Batch rows per chunk; None processes the whole batch at once. Peak extra
-            memory is about two float32 tensors of shape (chunk_size, R, V).
+        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions, so the
+            extra memory is under 4% of one float32 (B, R, V) tensor of 8 MiB or more, and never above
+            16 MiB (``chunk_views``). With rows, it is one float32 tensor of shape (chunk_size, R, V).
 
     Returns:
         (B, R) log-probabilities in nats (<= 0), float32 (float64 for float64 logits);
@@ -118,24 +219,14 @@ def gather_logprobs(
     Raises:
         ValueError: If shapes disagree, ``temperature <= 0`` or ``chunk_size < 1``.
     """
-    if logits.shape[:-1] != tokens.shape:
+    if logits.dim() != 3 or logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} + (V,)")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    step = chunk_size or max(logits.shape[0], 1)
-    pieces = []
-    for start in range(0, logits.shape[0], step):
-        chunk = logits[start : start + step].to(compute_dtype)
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        picked = chunk.gather(-1, tokens[start : start + step].long().unsqueeze(-1)).squeeze(-1)
-        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
-    if not pieces:  # B == 0
-        return logits.new_zeros(tokens.shape, dtype=compute_dtype)
-    return torch.cat(pieces, dim=0)
+    pieces = chunk_views(logits.shape, chunk_size)
+    return _SelectiveLogSoftmax.apply(logits, tokens.long(), float(temperature), pieces)
 
 
 def _as_id_tensor(stop_token_ids: int | Sequence[int] | Tensor, device: torch.device) -> Tensor:

@@ -18,6 +18,9 @@ Loading back: a folder with merged weights loads as any Hugging Face model; a fo
 (e.g. a QLoRA SFT) is a valid ``backbone.name_or_path`` for every stage (``rlhf_lit.models.backbone``): its
 recorded base is loaded and the adapter put on it, frozen. When the base in ``rlhf_lit.json`` is itself such
 an export, ``adapter/`` applies on top of that export's adapter (the merged weights, when written, hold both).
+
+Nothing non-finite is ever written: every export first checks that the tensors it is about to write hold
+no inf or nan and refuses (``ValueError`` naming the tensors) otherwise.
 """
 
 from __future__ import annotations
@@ -75,9 +78,9 @@ def save_causal_lm(
         The metadata written to ``rlhf_lit.json``.
 
     Raises:
-        ValueError: ``adapter`` mode without an adapter, or ``merged`` mode over a 4-bit base.
+        ValueError: ``adapter`` mode without an adapter, ``merged`` mode over a 4-bit base, or a tensor to
+            be written (a base weight, the exported adapter) holding inf or nan; nothing is written then.
     """
-    os.makedirs(path, exist_ok=True)
     name = adapter_name or lm.active_adapter
     if mode == "adapter" and not lm.is_peft:
         raise ValueError("export_mode='adapter' needs LoRA adapters; this model was trained in full")
@@ -85,6 +88,13 @@ def save_causal_lm(
         raise ValueError("export_mode='merged' is not supported over a 4-bit base; use 'adapter'")
     write_merged = mode == "merged" or (mode == "auto" and not backbone.load_in_4bit)
     write_adapter = lm.is_peft and mode in ("auto", "adapter")
+    exported = {
+        k: v
+        for k, v in plain_state_dict(lm.model).items()
+        if (f".{name}." in k if "lora_" in k else write_merged)
+    }
+    check_finite(exported, path)
+    os.makedirs(path, exist_ok=True)
     with lm.adapter(name) if lm.is_peft else nullcontext():
         if write_merged:
             _save_merged(lm, path)
@@ -132,6 +142,7 @@ def _save_merged(lm: AdaptedLM, path: str) -> None:
         state = {
             k.replace(".base_layer.", "."): v for k, v in plain_state_dict(base).items() if "lora_" not in k
         }
+        check_finite(state, path)  # the merged sums, in case W + scaling * B @ A overflowed
         base.save_pretrained(path, state_dict=state)
 
 
@@ -144,10 +155,26 @@ def _flatten_adapter_folder(folder: str, name: str) -> None:
         os.rmdir(nested)
 
 
+def check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """Refuse to export tensors holding inf or nan (integer tensors, e.g. 4-bit storage, are skipped).
+
+    Raises:
+        ValueError: naming ``path`` and the first (up to 5) non-finite tensors.
+    """
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(
+            f"refusing to export to {path}: {len(bad)} tensor(s) hold inf or nan, e.g. {bad[:5]}; "
+            "the run diverged (see ppo/skipped_steps and the loss curves) -- nothing was written"
+        )
+
+
 def save_reward_head(head: ScalarHead, path: str) -> None:
+    """Write the head as ``reward_head.safetensors``; refuses non-finite weights (``ValueError``)."""
     # cloned: a head gathered from FSDP2 shards is a view that safetensors cannot read the storage of
     weights = {k: v.detach().float().cpu().clone() for k, v in plain_state_dict(head).items()}
     weights = {k.removeprefix("linear."): v for k, v in weights.items()}
+    check_finite(weights, path)
     save_file(weights, os.path.join(path, HEAD_FILE))
 
 

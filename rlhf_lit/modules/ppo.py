@@ -6,28 +6,35 @@ One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al
 1. rollout: the actor adapter samples responses;
 2. reference log-probs with every adapter switched off;
 3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off;
-4. reward-model scores (calibrated), missing-EOS penalty, normalisation and clipping;
+4. reward-model scores (calibrated; an inf / nan one raises ``NonFiniteError``, or with
+   ``reward.skip_non_finite`` leaves the update), missing-EOS penalty, normalisation and clipping;
 5. shaped token rewards, GAE, advantage whitening;
 6. ``ppo_epochs`` x shuffled minibatches x micro-batches: clipped policy loss + value loss - entropy bonus
-   (+ PTX), one optimizer step per minibatch with global-norm gradient clipping;
+   (+ PTX), one optimizer step per minibatch with global-norm gradient clipping (a step whose norm is inf or
+   nan is skipped and counted; ``ppo.max_consecutive_skips`` in a row raise ``NonFiniteError``);
 7. the KL controller update and the iteration's metrics.
+
+Refused before any model loads: dropout left on, ``top_k`` / ``top_p`` sampling, a missing-EOS penalty
+without a stop token (each would make the ratio, the KL or the reward wrong without an error).
 
 Manual optimization: Lightning never calls ``optimizer_step`` here; ``trainer.global_step`` counts
 optimizer steps, so ``ppo/iteration`` is our own counter.
 
 Several processes (``ddp``, or FSDP2 via ``ModelParallelStrategy`` / ``FSDP2Strategy``; each rank holds
 its own slice of the rollout): advantage whitening, reward normalisation and the KL controller's input
-use statistics of all ranks; the loss of a minibatch is the token mean over the GLOBAL minibatch (see
-``_update``); generation keeps every rank stepping until all have finished (``synced_gpus``); gradient
-clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences make the same update as
-1 rank x 8. State that a resumed run needs (iteration, KL
-controller, reward statistics, RNG, PTX position) is saved in the checkpoint, so a resumed run equals an
-uninterrupted one.
+use statistics of all ranks; every rank draws the same permutation of the GLOBAL batch per epoch and takes its
+own rows of each global minibatch (``epoch_schedule``); the loss of a minibatch is the token mean over the
+global minibatch (see ``_update``); generation keeps every rank stepping until all have finished
+(``synced_gpus``); gradient clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences
+make the same update as 1 rank x 8, with any number of minibatches and epochs. State that a resumed run
+needs (iteration, KL controller, reward statistics, RNG, PTX position, skipped-step count) is saved in the
+checkpoint, so a resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -85,6 +92,55 @@ log = logging.getLogger("rlhf_lit")
 def _chunks(n: int, size: int | None):
     size = size or n
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class NonFiniteError(FloatingPointError):
+    """A PPO run met an inf or nan where it must not go on: a reward-model score, or a gradient norm that
+    stayed non-finite for ``ppo.max_consecutive_skips`` optimizer steps in a row."""
+
+
+def epoch_schedule(
+    order: torch.Tensor, world_size: int, rank: int, minibatch_size: int, micro_batch_size: int
+) -> list[tuple[torch.Tensor, int]]:
+    """This rank's rows of each global minibatch of one PPO epoch, and the micro-batches every rank runs.
+
+    The global rollout batch has ``W * B`` rows; global row ``g`` is row ``g // W`` of rank ``g % W`` (the
+    prompt sampler deals each global batch out round-robin: ``ResumableSampler``, like PyTorch's
+    ``DistributedSampler``). ``order`` is one permutation of the global rows, drawn identically on every
+    rank; global minibatch ``k`` is ``order[k * W * minibatch_size : (k + 1) * W * minibatch_size]``, exactly
+    the minibatch one rank holding all ``W * B`` rows draws with ``ppo_minibatch_size = W * minibatch_size``.
+    Each rank takes its own rows of it, in that order; their number varies between ranks and minibatches.
+    DDP and FSDP need the same number of forwards and backwards on every rank, so the micro-batch count of a
+    minibatch is the largest over the ranks (a rank with fewer runs empty, zero-weight micro-batches).
+
+    Args:
+        order: ``(W * B,)`` a permutation of the global rows.
+        world_size: W.
+        rank: this rank.
+        minibatch_size: ``ppo.ppo_minibatch_size``, rows per rank per minibatch on average.
+        micro_batch_size: rows per forward / backward.
+
+    Returns:
+        One ``(local_rows, num_micro_batches)`` per global minibatch; ``local_rows`` is a long tensor of this
+        rank's row indices (possibly empty). E.g. W = 2, order ``[3, 0, 2, 1, ...]``, minibatch 2: global
+        minibatch ``[3, 0, 2, 1]`` -> rank 0 takes rows ``[0, 1]`` (global 0, 2), rank 1 rows ``[1, 0]``.
+    """
+    global_mb = minibatch_size * world_size
+    out = []
+    for start in range(0, order.numel(), global_mb):
+        rows = order[start : start + global_mb]
+        owners = rows % world_size
+        counts = torch.bincount(owners, minlength=world_size)
+        n_micro = int(-(-int(counts.max()) // micro_batch_size))
+        out.append((rows[owners == rank] // world_size, n_micro))
+    return out
+
+
+def describe_reward_source(cfg: RewardModelConfig) -> str:
+    """The reward model as the config names it, for error messages."""
+    if cfg.path is not None:
+        return f"reward_model.path={cfg.path!r} (mode {cfg.mode})"
+    return "reward_model.backbone (an untrained reward model built from config)"
 
 
 class PPOModule(L.LightningModule):
@@ -166,7 +222,15 @@ class PPOModule(L.LightningModule):
         self.export_dir = export_dir
         self.export_mode = export_mode
 
+        self._refuse_impossible_settings()
         self.tokenizer = load_backbone_tokenizer(backbone)
+        self.stop_ids = resolve_stop_ids(self.sampling, self.tokenizer)
+        if self.shaping.missing_eos_penalty is not None and not self.stop_ids:
+            raise ValueError(
+                f"reward.missing_eos_penalty={self.shaping.missing_eos_penalty} needs a stop token, but none is "
+                "set (sampling.stop_at_eos is off or the tokenizer has no EOS, and no stop_token_ids / "
+                "stop_strings): every response would count as missing its EOS. Set a stop token or drop the penalty"
+            )
         base = load_backbone(backbone, self.tokenizer)
         backbone.lora.dropout = 0.0  # log-probs must be exact (B12)
         critic_lora = None if self.critic_cfg.shared_trunk else self.critic_cfg.lora
@@ -176,7 +240,6 @@ class PPOModule(L.LightningModule):
         self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
         if self.critic_cfg.init_from_reward:
             self._init_critic_from_reward()
-        self.stop_ids = resolve_stop_ids(self.sampling, self.tokenizer)
         self.kl_ctl = build_kl_controller(
             self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
         )
@@ -188,8 +251,24 @@ class PPOModule(L.LightningModule):
         self._pending_rng: dict | None = None
         self._ptx: _PTXStream | None = None
         self._ptx_consumed = 0
+        self._consecutive_skips = 0  # optimizer steps skipped in a row for a non-finite gradient norm
 
     # ------------------------------------------------------------------ setup
+    def _refuse_impossible_settings(self) -> None:
+        """Settings under which PPO's ratio or KL would be wrong, refused before any model loads."""
+        if not self.backbone_cfg.disable_dropout:
+            raise ValueError(
+                "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
+                "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
+                "not 0 (PITFALLS B12). Dropout is set to 0 in the configs, training mode is kept"
+            )
+        if self.sampling.top_k or self.sampling.top_p < 1.0:
+            raise ValueError(
+                f"PPO refuses sampling.top_k={self.sampling.top_k} / top_p={self.sampling.top_p}: responses would "
+                "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
+                "the sampling temperature (an off-policy mismatch, PITFALLS B10). Use top_k: 0 and top_p: 1.0"
+            )
+
     def _init_critic_from_reward(self) -> None:
         src = self.reward_source
         head = src.head if src.scorer is None else src.scorer.head
@@ -309,32 +388,36 @@ class PPOModule(L.LightningModule):
         # 2-3. reference log-probs (adapters off), old log-probs and values (actor / critic adapters)
         ref_logprobs, old_logprobs, old_values = self._experience_forwards(input_ids, attention_mask, P)
 
-        # 4. reward-model scores, missing-EOS penalty, normalisation and clipping
+        # 4. reward-model scores (inf / nan: an error, or the response leaves the update), missing-EOS
+        #    penalty, normalisation and clipping
         raw_scores = self.reward_source.score(
             prompt_ids, prompt_mask, response_ids, response_mask, has_stop, batch.get("prompt")
         )
-        scores = raw_scores.clone()
+        finite, num_non_finite = self._check_scores(raw_scores, batch, response_ids, response_mask)
+        scores = torch.where(finite, raw_scores, torch.zeros_like(raw_scores))
         if self.shaping.missing_eos_penalty is not None and self.stop_ids:
             scores = scores - self.shaping.missing_eos_penalty * (~has_stop).float()
         if self.shaping.normalize:
-            self.score_stats.update(scores)
+            self.score_stats.update(scores[finite])
         scores = normalize_scores(
             scores, self.score_stats if self.shaping.normalize else None, self.shaping.clip
         )
+        # the tokens that enter the update: every real response token, less those of dropped responses
+        update_mask = response_mask & finite.unsqueeze(-1)
 
         # 5. shaped token rewards, GAE, whitening
         kl = kl_per_token(old_logprobs, ref_logprobs, self.kl_cfg.estimator)
         kl_coef = self.kl_ctl.value
         rewards, non_score = shaped_rewards(scores, kl, response_mask, kl_coef)
         advantages, returns = gae(rewards, old_values, response_mask, self.ppo.gamma, self.ppo.gae_lambda)
-        raw_advantage_mean = masked_mean(advantages, response_mask, distributed=self._distributed())
+        raw_advantage_mean = masked_mean(advantages, update_mask, distributed=self._distributed())
         if self.ppo.whiten_advantages:
-            advantages = masked_whiten(advantages, response_mask, distributed=self._distributed())
+            advantages = masked_whiten(advantages, update_mask, distributed=self._distributed())
         t2 = time.perf_counter()
 
         # 6. PPO epochs over shuffled minibatches
         update_stats = self._update(
-            input_ids, attention_mask, P, response_mask, old_logprobs, old_values, advantages, returns
+            input_ids, attention_mask, P, update_mask, old_logprobs, old_values, advantages, returns
         )
         t3 = time.perf_counter()
 
@@ -346,8 +429,8 @@ class PPOModule(L.LightningModule):
         )
         self.iteration += 1
         stats = {
-            M.ROLLOUT_SCORE_MEAN: raw_scores.mean(),
-            M.ROLLOUT_SCORE_STD: raw_scores.std(unbiased=False),
+            M.ROLLOUT_SCORE_MEAN: raw_scores[finite].mean(),
+            M.ROLLOUT_SCORE_STD: raw_scores[finite].std(unbiased=False),
             M.ROLLOUT_KL_REF: seq_kl.mean(),
             M.ROLLOUT_KL_ESTIMATOR.format(estimator="k1"): ((old_logprobs - ref_logprobs) * response_mask)
             .sum(-1)
@@ -361,15 +444,15 @@ class PPOModule(L.LightningModule):
             M.ROLLOUT_RESPONSE_LEN: response_mask.sum(-1).float().mean(),
             M.ROLLOUT_NO_EOS_FRAC: (~has_stop).float().mean() if self.stop_ids else torch.tensor(1.0),
             M.PPO_ADVANTAGE_MEAN: raw_advantage_mean,
-            M.PPO_RETURN_MEAN: masked_mean(returns, response_mask, distributed=self._distributed()),
-            M.CRITIC_VALUE_MEAN: masked_mean(old_values, response_mask, distributed=self._distributed()),
-            M.CRITIC_EXPLAINED_VARIANCE: explained_variance(old_values, returns, response_mask),
+            M.PPO_RETURN_MEAN: masked_mean(returns, update_mask, distributed=self._distributed()),
+            M.CRITIC_VALUE_MEAN: masked_mean(old_values, update_mask, distributed=self._distributed()),
+            M.CRITIC_EXPLAINED_VARIANCE: explained_variance(old_values, returns, update_mask),
             M.MONITOR_REF_PERPLEXITY: torch.exp(
-                -masked_mean(ref_logprobs, response_mask, distributed=self._distributed())
+                -masked_mean(ref_logprobs, update_mask, distributed=self._distributed())
             ),
             **update_stats,
         }
-        stats = self._global_stats(stats, raw_scores, response_mask.sum(-1))
+        stats = self._global_stats(stats, raw_scores, response_mask.sum(-1), finite)
         stats.update(
             {
                 M.PERF_GENERATION_S: t1 - t0,
@@ -379,12 +462,60 @@ class PPOModule(L.LightningModule):
                 M.PERF_GENERATION_TOKENS_PER_S: response_ids.numel() / max(t1 - t0, 1e-9),
                 M.PERF_PEAK_MEMORY_MB: peak_memory_mb(),
                 M.PPO_ITERATION: self.iteration,
+                M.ROLLOUT_NON_FINITE_SCORES: float(num_non_finite),
             }
         )
         stats[M.PPO_KL_COEF] = kl_coef
         self._log_iteration(stats, batch, response_ids, response_mask, raw_scores)
         if self.ppo.total_iterations and self.iteration >= self.ppo.total_iterations:
             self.trainer.should_stop = True
+
+    # ------------------------------------------------------------------ step 4 guard
+    def _check_scores(self, raw_scores, batch, response_ids, response_mask) -> tuple[torch.Tensor, int]:
+        """Which scores are finite, and how many in the global batch are not (every rank decides together).
+
+        Raises:
+            NonFiniteError: if a score is inf or nan (on any rank) and ``reward.skip_non_finite`` is off, or
+                if every score of the global batch is.
+        """
+        finite = torch.isfinite(raw_scores)
+        num_bad = int(self._global_sum((~finite).sum().float()))
+        if num_bad == 0:
+            return finite, 0
+        if not self.shaping.skip_non_finite or num_bad == finite.numel() * self.trainer.world_size:
+            raise NonFiniteError(
+                self._non_finite_message(raw_scores, finite, batch, response_ids, response_mask)
+            )
+        log.warning(
+            "PPO iteration %d: %d response(s) with a non-finite score dropped from the update "
+            "(reward.skip_non_finite; rollout/non_finite_scores)",
+            self.iteration + 1,
+            num_bad,
+        )
+        return finite, num_bad
+
+    def _non_finite_message(self, raw_scores, finite, batch, response_ids, response_mask) -> str:
+        source = describe_reward_source(self.reward_model_cfg)
+        where = f"PPO iteration {self.iteration + 1}"
+        if self._distributed():
+            where += f", rank {self.trainer.global_rank}"
+        bad = (~finite).nonzero().flatten().tolist()
+        if not bad:
+            return f"{where}: a reward-model score on another rank is inf or nan ({source}); see that rank's error"
+        if self.shaping.skip_non_finite:
+            return f"{where}: every reward-model score of the batch is inf or nan ({source}); nothing to learn from"
+        i = bad[0]
+        prompts = batch.get("prompt_text")
+        prompt = (
+            prompts[i] if prompts else self.tokenizer.decode(batch["input_ids"][i], skip_special_tokens=True)
+        )
+        response = self.tokenizer.decode(response_ids[i][response_mask[i].bool()], skip_special_tokens=True)
+        return (
+            f"{where}: the reward model ({source}) scored response {i} of the batch {float(raw_scores[i])} "
+            f"(prompt {i}: {prompt[-60:]!r}; response: {response[:60]!r})"
+            + (f", and {len(bad) - 1} more (indices {bad[1:6]})" if len(bad) > 1 else "")
+            + ". Set reward.skip_non_finite: true to drop such responses from the update instead"
+        )
 
     # ------------------------------------------------------------------ steps 2-3
     @torch.no_grad()
@@ -411,8 +542,13 @@ class PPOModule(L.LightningModule):
         with torch.random.fork_rng(devices=[]), self.policy.lm.adapter("actor"):
             torch.manual_seed(self.ppo.seed * 1_000_003 + batch_idx)
             response_ids, response_mask, _ = sample_responses(
-                self.policy.lm, prompt_ids, prompt_mask, self.sampling, self.stop_ids,
-                self.tokenizer.pad_token_id, synced_gpus=self._synced_generation(),
+                self.policy.lm,
+                prompt_ids,
+                prompt_mask,
+                self.sampling,
+                self.stop_ids,
+                self.tokenizer.pad_token_id,
+                synced_gpus=self._synced_generation(),
             )
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
         attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
@@ -442,29 +578,39 @@ class PPOModule(L.LightningModule):
         B = input_ids.shape[0]
         micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
         world_size = self.trainer.world_size
+        rank = self.trainer.global_rank
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.iteration)
         sums: dict[str, float] = {}
-        n_steps = 0
+        n_steps = n_applied = 0
+        grad_norms = 0.0
         # Actor and critic on separate adapters have disjoint trainable parameters, so the backward of the
         # policy terms and that of the value term can run one after the other: the same gradients, but the
         # actor's activations are freed before the critic's forward (peak ~ one forward's activations, not
         # two). One process only: DDP expects every trainable parameter's gradient from each backward.
         two_pass = self._two_pass and not self.policy.shared_critic and not self._distributed()
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=generator).to(input_ids.device)
-            for start in range(0, B, cfg.ppo_minibatch_size):
-                mb_rows = order[start : start + cfg.ppo_minibatch_size]
+            # one permutation of the GLOBAL batch, the same on every rank (same generator): each rank takes its
+            # own rows of each global minibatch, so the minibatches are those of one rank holding every row
+            order = torch.randperm(B * world_size, generator=generator)
+            for mb_rows, n_micro in epoch_schedule(order, world_size, rank, cfg.ppo_minibatch_size, micro):
+                mb_rows = mb_rows.to(input_ids.device)
                 mb_tokens = response_mask[mb_rows].sum()
-                # The loss is the token-level mean over the GLOBAL minibatch (this rank's rows and the
-                # same-numbered minibatch of every other rank). DDP and FSDP average gradients over ranks,
-                # so a micro-batch's mean loss is weighted by world_size * its tokens / global tokens: the
-                # average of the ranks' gradients is then sum(token losses) / global tokens however unevenly
-                # the tokens are spread (a per-rank mean, averaged, would not be). One rank: n / N.
+                # The loss is the token-level mean over the GLOBAL minibatch (this rank's rows of it and every
+                # other rank's). DDP and FSDP average gradients over ranks, so a micro-batch's mean loss is
+                # weighted by world_size * its tokens / global tokens: the average of the ranks' gradients is
+                # then sum(token losses) / global tokens however unevenly rows and tokens are spread (a
+                # per-rank mean, averaged, would not be). One rank: n / N.
                 global_tokens = self._global_sum(mb_tokens.float()).clamp(min=1.0)
                 opt.zero_grad()
-                for m in range(0, mb_rows.numel(), micro):
-                    rows = mb_rows[m : m + micro]
+                for m in range(n_micro):
+                    rows = mb_rows[m * micro : (m + 1) * micro]
                     mask = response_mask[rows]
+                    if rows.numel() == 0:
+                        # this rank holds fewer rows of the global minibatch than another: every rank must run
+                        # as many forwards and backwards (DDP / FSDP collectives), so it runs one of its rows
+                        # with no real token (loss 0, weight 0, zero gradients)
+                        rows = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+                        mask = torch.zeros_like(response_mask[rows])
                     weight = world_size * mask.sum().float() / global_tokens
                     # each micro-batch drops the prompt columns that are padding in all of its rows
                     ids, attn, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
@@ -528,11 +674,43 @@ class PPOModule(L.LightningModule):
                         ptx_loss, _ = sft_nll(self.policy.lm.logits(hidden), ptx_batch["labels"])
                     self.manual_backward(self.ptx_cfg.coef * ptx_loss)
                     sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + float(ptx_loss.detach())
-                sums[M.PPO_GRAD_NORM] = sums.get(M.PPO_GRAD_NORM, 0.0) + self._clip_gradients(opt)
+                n_steps += 1
+                grad_norm = self._clip_gradients(opt)
+                if grad_norm is not None and not math.isfinite(grad_norm):
+                    self._skip_step(opt, grad_norm)
+                    continue
+                self._consecutive_skips = 0
+                grad_norms += float("nan") if grad_norm is None else grad_norm
+                n_applied += 1
                 opt.step()
                 sched.step()
-                n_steps += 1
-        return {k: v / n_steps for k, v in sums.items()}
+        stats = {k: v / n_steps for k, v in sums.items()}
+        stats[M.PPO_GRAD_NORM] = grad_norms / n_applied if n_applied else float("nan")
+        stats[M.PPO_SKIPPED_STEPS] = float(n_steps - n_applied)
+        return stats
+
+    def _skip_step(self, opt, grad_norm: float) -> None:
+        """Drop a minibatch's gradients whose global norm is inf or nan: no parameter, optimizer-state or
+        learning-rate change. Every rank sees the same global norm, so every rank skips together.
+
+        Raises:
+            NonFiniteError: after ``ppo.max_consecutive_skips`` skipped steps in a row.
+        """
+        opt.zero_grad()
+        self._consecutive_skips += 1
+        log.warning(
+            "PPO iteration %d: optimizer step skipped, the global gradient norm is %s (%d in a row)",
+            self.iteration + 1,
+            grad_norm,
+            self._consecutive_skips,
+        )
+        if self._consecutive_skips >= self.ppo.max_consecutive_skips:
+            raise NonFiniteError(
+                f"PPO stopped at iteration {self.iteration + 1}: {self._consecutive_skips} optimizer steps in a "
+                f"row had a non-finite gradient norm ({grad_norm}), so none was applied "
+                f"(ppo.max_consecutive_skips={self.ppo.max_consecutive_skips}). The run has diverged: lower "
+                "optimizer.lr, set ppo.max_grad_norm, or check the reward model's scores"
+            )
 
     def _two_pass_backward(
         self, ids, attn, prompt_len, mask, weight, old_logprobs, old_values, advantages, returns
@@ -561,8 +739,10 @@ class PPOModule(L.LightningModule):
         self.manual_backward(cfg.vf_coef * vf_loss * weight)
         return pg_loss, pg_stats, entropy, vf_loss, vf_stats
 
-    def _clip_gradients(self, opt) -> float:
-        """Clip the global gradient norm over actor and critic parameters; returns the norm before clipping.
+    def _clip_gradients(self, opt) -> float | None:
+        """Clip the global gradient norm over actor and critic parameters; returns the norm before clipping
+        (inf or nan when a gradient is), or None under fp16 mixed precision, where Lightning clips and the
+        GradScaler skips non-finite steps itself.
 
         Owned here (not Lightning's ``clip_gradients``) because Lightning's FSDP precision plugin refuses
         norm clipping; ``torch.nn.utils.clip_grad_norm_`` handles sharded (DTensor) parameters.
@@ -571,8 +751,9 @@ class PPOModule(L.LightningModule):
         if not params:
             return 0.0
         if "16-mixed" == str(self.trainer.precision):  # fp16 GradScaler: Lightning must unscale first
+            # the norm is not returned; the GradScaler itself skips steps with inf / nan gradients
             self.clip_gradients(opt, gradient_clip_val=self.ppo.max_grad_norm, gradient_clip_algorithm="norm")
-            return float("nan")
+            return None
         max_norm = self.ppo.max_grad_norm if self.ppo.max_grad_norm is not None else float("inf")
         # With FSDP2 the gradients are DTensor shards: clip_grad_norm_ reduces the partial norms over the
         # ranks (the norm it returns is a DTensor), so the norm is the global one and every rank scales
@@ -592,7 +773,9 @@ class PPOModule(L.LightningModule):
             return value
         return self.trainer.strategy.reduce(value.detach().clone(), reduce_op="sum")
 
-    def _global_stats(self, stats: dict, raw_scores: torch.Tensor, response_len: torch.Tensor) -> dict:
+    def _global_stats(
+        self, stats: dict, raw_scores: torch.Tensor, response_len: torch.Tensor, finite: torch.Tensor
+    ) -> dict:
         """The iteration's statistics over all ranks (one all-reduce), for the logs of rank 0.
 
         Every rank holds the same number of sequences, so the mean over ranks of a per-sequence mean is the
@@ -602,15 +785,20 @@ class PPOModule(L.LightningModule):
         come from all scores (all-gather). Only ``critic/explained_variance`` is a mean of per-rank values.
         """
         if not self._distributed():
-            return {**stats, M.MONITOR_SCORE_LENGTH_CORR: _correlation(raw_scores, response_len)}
+            return {
+                **stats,
+                M.MONITOR_SCORE_LENGTH_CORR: _correlation(raw_scores[finite], response_len[finite]),
+            }
         keys = list(stats)
         values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float64).detach().cpu() for k in keys])
         values = self.trainer.strategy.reduce(values.to(raw_scores.device), reduce_op="mean").cpu()
         out = dict(zip(keys, values.unbind()))
         scores = self.all_gather(raw_scores.detach()).flatten().double()
+        kept = torch.isfinite(scores)  # dropped responses (reward.skip_non_finite) are not scores
+        scores = scores[kept]
         out[M.ROLLOUT_SCORE_MEAN] = scores.mean()
         out[M.ROLLOUT_SCORE_STD] = scores.std(unbiased=False)
-        lengths = self.all_gather(response_len.detach()).flatten()
+        lengths = self.all_gather(response_len.detach()).flatten()[kept]
         out[M.MONITOR_SCORE_LENGTH_CORR] = _correlation(scores, lengths)
         return out
 
@@ -668,6 +856,7 @@ class PPOModule(L.LightningModule):
             "rng": _get_rng_state(),
             "ptx_consumed": self._ptx.consumed if self._ptx is not None else 0,
             "history": self.history,
+            "consecutive_skips": self._consecutive_skips,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -680,6 +869,7 @@ class PPOModule(L.LightningModule):
         self.history = list(state.get("history", []))
         self._pending_rng = state["rng"]  # applied at on_train_start, after everything else has set up
         self._ptx_consumed = int(state.get("ptx_consumed", 0))
+        self._consecutive_skips = int(state.get("consecutive_skips", 0))
 
     def on_fit_end(self) -> None:
         if not self.export_dir:

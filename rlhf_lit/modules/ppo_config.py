@@ -35,12 +35,18 @@ class PPOConfig:
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         whiten_advantages: normalise advantages to mean 0, variance 1 over the rollout's response tokens.
         max_grad_norm: clip the global gradient norm (actor and critic together); null disables.
+        max_consecutive_skips: an optimizer step whose global gradient norm is inf or nan is skipped (no
+            parameter, optimizer-state or schedule change; counted in ``ppo/skipped_steps``); this many
+            skipped steps in a row stop the run with an error (the run has diverged).
         total_iterations: PPO iterations (rollout + update) to run; sets the learning-rate schedule and
             stops training. Default: one epoch over the prompts.
         rollout_forward_batch_size: sequences per no-grad forward when scoring a rollout (memory knob);
             default: the whole rollout batch.
-        logprob_chunk_size: batch rows per chunk of the log-softmax / entropy (memory knob).
-        seed: seed of the minibatch shuffles (mixed with the iteration number).
+        logprob_chunk_size: batch rows per piece of the log-softmax / entropy; default: pieces of a few
+            positions, whose extra memory is under 5% of one (B, R, V) tensor (``gather_logprobs``).
+        seed: seed of the minibatch shuffles (mixed with the iteration number). Every rank draws the same
+            permutation of the GLOBAL rollout batch per epoch and takes its own rows of each global
+            minibatch, so several ranks see the minibatches one rank would.
     """
 
     ppo_epochs: int = 4
@@ -55,10 +61,15 @@ class PPOConfig:
     entropy_coef: float = 0.0
     whiten_advantages: bool = True
     max_grad_norm: float | None = 1.0
+    max_consecutive_skips: int = 5
     total_iterations: int | None = None
     rollout_forward_batch_size: int | None = None
     logprob_chunk_size: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"ppo.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 
 
 @dataclass
@@ -67,7 +78,8 @@ class KLConfig:
 
     Args:
         kl_coef: beta in ``r_t = -beta * KL_t`` (the initial beta when adaptive).
-        estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2``, ``k3``, ``abs`` (Schulman 2020).
+        estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2``, ``k3``, ``abs`` (Schulman 2020); the
+            log-ratio is clamped to [-20, 20] nats first (``rlhf_lit.functional.kl``).
         adaptive: adapt beta towards ``target_kl`` (Ziegler et al. 2019, section 2.2).
         target_kl: KL per response (nats, summed over its tokens) that the adaptive controller aims at;
             also reported as the run's KL budget.
@@ -89,12 +101,18 @@ class RewardShapingConfig:
         normalize: divide (and centre) scores by running statistics of all scores seen so far.
         clip: clip (normalised) scores to ``[-clip, clip]``; null disables.
         missing_eos_penalty: subtracted from the score of a response that reached ``max_new_tokens``
-            without a stop token; null disables.
+            without a stop token; null disables. Needs a stop token (``sampling.stop_at_eos`` or
+            ``stop_token_ids`` / ``stop_strings``): PPO refuses it otherwise.
+        skip_non_finite: a score that is inf or nan stops the run with an error naming the response and
+            the reward model (default). When true, such responses are dropped from the update instead
+            (no loss, no whitening statistics, no reward statistics) and counted in
+            ``rollout/non_finite_scores``.
     """
 
     normalize: bool = False
     clip: float | None = None
     missing_eos_penalty: float | None = None
+    skip_non_finite: bool = False
 
 
 @dataclass

@@ -16,8 +16,11 @@ from rlhf_lit.models.sharding import gathered_parameters
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
 
-# The equality scenario: one global batch of 8 prompts, as 1 rank x 8 or 2 ranks x 4.
+# The equality scenario: one global batch of 8 prompts, as 1 rank x 8 or 2 ranks x 4, in 2 global minibatches
+# of 4 per epoch (ppo_minibatch_size 4 on one rank, 2 per rank on two), 2 epochs, 2 iterations.
 GLOBAL_BATCH = 8
+MINIBATCHES_PER_EPOCH = 2
+EQUALITY_EPOCHS = 2
 EQUALITY_ITERATIONS = 2
 # Adam with eps = 1 takes a step of ~ lr * g for |g| << 1: linear in the gradient, so parameter changes
 # compare like gradients (with the default eps a first step is ~ lr * sign(g), and the sign of a gradient
@@ -27,8 +30,9 @@ EQUALITY_MAX_GRAD_NORM = 0.05  # small, so clipping by the global norm is active
 
 
 def strategy_for(name: str):
-    """A Trainer ``strategy`` for ``ddp`` or ``fsdp2`` (FSDP2 through ModelParallelStrategy)."""
-    if name == "ddp":
+    """A Trainer ``strategy`` for ``ddp``, ``ddp_nodes`` (DDP, one process per node) or ``fsdp2`` (FSDP2
+    through ModelParallelStrategy)."""
+    if name in ("ddp", "ddp_nodes"):
         return "ddp"
     if name == "fsdp2":
         from rlhf_lit.models.sharding import FSDP2Strategy
@@ -87,8 +91,9 @@ def equality_module(batch_per_rank: int):
     torch.manual_seed(0)  # the LoRA init: identical on every rank (FSDP2 keeps each rank's own slice)
     return make_module(
         ppo=PPOConfig(
-            ppo_epochs=2,
-            ppo_minibatch_size=batch_per_rank,  # one minibatch = this rank's share of the global batch
+            ppo_epochs=EQUALITY_EPOCHS,
+            # per rank: the global minibatch is world_size x this, so 2 global minibatches per epoch
+            ppo_minibatch_size=batch_per_rank // MINIBATCHES_PER_EPOCH,
             micro_batch_size=2,
             total_iterations=EQUALITY_ITERATIONS,
             max_grad_norm=EQUALITY_MAX_GRAD_NORM,
@@ -113,15 +118,27 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
     batch = GLOBAL_BATCH // world_size
     module = equality_module(batch)
     before = trainable_state(module)
-    original = ppo_mod.sample_responses
-    ppo_mod.sample_responses = fixed_rollout
+    original, original_schedule = ppo_mod.sample_responses, ppo_mod.epoch_schedule
+    rows_per_minibatch: list[int] = []  # this rank's rows in each global minibatch, in order
+
+    def schedule(*args):
+        out = original_schedule(*args)
+        rows_per_minibatch.extend(int(rows.numel()) for rows, _ in out)
+        return out
+
+    ppo_mod.sample_responses, ppo_mod.epoch_schedule = fixed_rollout, schedule
     ROLLOUT_TOKENS.clear()
     try:
-        kwargs = {} if strategy is None else {"devices": world_size, "strategy": strategy_for(strategy)}
+        if strategy is None:
+            kwargs = {}
+        elif strategy == "ddp_nodes":  # launched by torchrun --nnodes world_size, one process per node
+            kwargs = {"num_nodes": world_size, "devices": 1, "strategy": "ddp"}
+        else:
+            kwargs = {"devices": world_size, "strategy": strategy_for(strategy)}
         trainer = make_trainer(out / "run", **kwargs)
         trainer.fit(module, datamodule=make_data(module, batch_size=batch))
     finally:
-        ppo_mod.sample_responses = original
+        ppo_mod.sample_responses, ppo_mod.epoch_schedule = original, original_schedule
     after = trainable_state(module)
     result = {
         "delta": {n: after[n] - before[n] for n in after},
@@ -129,12 +146,16 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
         "kl_coef": module.kl_ctl.value,
         "score_stats": module.score_stats.state_dict(),
         "iteration": module.iteration,
+        "world_size": module.trainer.world_size,
+        "num_nodes": module.trainer.num_nodes,
+        "global_step": module.trainer.global_step,
     }
     if world_size > 1:
         write_json(
             out / f"tokens_rank{rank()}.json",
             {
                 "tokens": list(ROLLOUT_TOKENS),
+                "rows_per_minibatch": rows_per_minibatch,
                 "kl_coef": module.kl_ctl.value,
                 "score_stats": module.score_stats.state_dict(),
             },

@@ -1,5 +1,8 @@
 """Runs the 2-process CPU scenarios of one strategy: ``python worker.py <ddp|fsdp2> <out_dir> <scenario>...``.
 
+``ddp_nodes`` is DDP across 2 nodes of one process each: the worker is then started by ``torchrun --nnodes 2``
+once per "node" (no Lightning launcher), and ``equality`` runs with ``Trainer(num_nodes=2, devices=1)``.
+
 Started by ``test_two_processes.py`` as an ordinary script. Its first ``Trainer.fit`` makes Lightning's
 launcher start this same command again as rank 1 (``LOCAL_RANK=1``); later fits in the same processes
 reuse the process group. Each rank runs the scenarios in the same order; results go to ``<out_dir>``
@@ -9,7 +12,7 @@ Scenarios:
     reward_tiny  ``configs/reward/tiny.yaml`` through the CLI, 2 steps, outputs in ``<out_dir>``.
     ppo_tiny     ``configs/ppo/tiny.yaml`` through the CLI, 2 iterations, with rank 0 forced to emit its
                  stop token first (PITFALLS B19: it must keep stepping until rank 1 finishes).
-    equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts.
+    equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
 """
 

@@ -54,6 +54,24 @@ def test_property_k2_k3_abs_nonnegative_and_k3_second_order_matches_k2():
     assert_close(kl_per_token(logp, ref, "k3"), kl_per_token(logp, ref, "k2"), atol=1e-6, rtol=0.05)
 
 
+def test_log_ratio_is_clamped_to_20_nats_so_every_estimator_stays_finite():
+    # policy log-prob -101, reference -1: log-ratio -100 (and +100 the other way round)
+    logp = torch.tensor([[-101.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.0, -101.0, -1.5]])
+    assert torch.isinf(torch.expm1(torch.tensor(100.0)))  # unclamped k3 = e^100 - 1 - 100: inf in float32
+    # clamped: k1 = [-20, 20, 0.5]; k3 = e^20 - 1 - 20 = 485165174.4 at -20, e^-20 - 1 + 20 at +20
+    close(kl_per_token(logp, ref, "k1"), [[-20.0, 20.0, 0.5]])
+    k3 = kl_per_token(logp, ref, "k3")
+    assert torch.isfinite(k3).all()
+    assert_close(k3, torch.tensor([[485165174.4, 19.0, 0.106531]]), rtol=1e-6, atol=1e-6)
+    close(kl_per_token(logp, ref, "k2"), [[200.0, 200.0, 0.125]])
+    # inside the range nothing changes; the clamp can be switched off; NaN is not hidden
+    close(kl_per_token(logp, ref, "k1", log_ratio_clamp=None), [[-100.0, 100.0, 0.5]])
+    assert torch.isnan(kl_per_token(torch.tensor([[float("nan")]]), torch.tensor([[-1.0]]), "k3")).all()
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        kl_per_token(logp, ref, "k1", log_ratio_clamp=0.0)
+
+
 def test_unknown_estimator_raises():
     with pytest.raises(ValueError, match="k1"):
         kl_per_token(LOGP, REF, "full")

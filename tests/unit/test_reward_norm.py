@@ -113,3 +113,14 @@ def test_two_ranks_share_global_statistics(tmp_path):
         assert state["count"] == 5
         assert state["mean"] == pytest.approx(3.0, abs=1e-12)
         assert state["m2"] == pytest.approx(10.0, abs=1e-12)  # 5 * population var 2
+
+
+def test_clipping_never_turns_a_non_finite_score_into_the_best_reward():
+    # clamp(+inf, -5, 5) = +5 would be the best possible reward; NaN would spread to every advantage
+    with pytest.raises(ValueError, match=r"index \[1, 2\].*best reward"):
+        normalize_scores(torch.tensor([0.5, float("inf"), float("nan")]), None, clip=5.0)
+    with pytest.raises(ValueError, match=r"index \[0\]"):
+        normalize_scores(torch.tensor([float("-inf"), 1.0]), RunningMeanStd(), clip=None)
+    assert_close(
+        normalize_scores(torch.tensor([7.0, -7.0, 1.0]), None, clip=5.0), torch.tensor([5.0, -5.0, 1.0])
+    )
