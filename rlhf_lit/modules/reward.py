@@ -148,7 +148,7 @@ class RewardModule(L.LightningModule):
         self.val_len_rejected = CatMetric()
         self.results: dict = {}
         self._last_val_pass: tuple | None = None
-        self._pair_mean = AccumulatedMean()
+        self._step_mean = AccumulatedMean()
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -197,7 +197,8 @@ class RewardModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
         chosen, rejected, hidden_chosen = self._score_pairs(batch, need_hidden=hp.beta_rm > 0)
-        loss = self._pair_mean(bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing), batch)
+        losses = bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing)
+        loss, units = self._pair_mean(losses, batch)
         if hp.center_rewards_coef > 0:
             loss = loss + hp.center_rewards_coef * ((chosen + rejected) ** 2).mean()
         if hp.beta_rm > 0:
@@ -206,27 +207,26 @@ class RewardModule(L.LightningModule):
         n = chosen.shape[0]
         self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=n)
         self.log(M.TRAIN_ACCURACY, (chosen > rejected).float().mean(), prog_bar=True, batch_size=n)
-        # every pair weighs the same in an optimizer step, also when accumulated micro-batches (an epoch's
-        # short last batch) or ranks hold different numbers of pairs (see AccumulatedMean)
-        return self._pair_mean.scale(self, loss, n)
+        # every pair (or unit of pair weight) weighs the same in an optimizer step, also when accumulated
+        # micro-batches (an epoch's short last batch) or ranks hold different numbers of pairs
+        # (see AccumulatedMean)
+        return self._step_mean.scale(self, loss, units)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self._pair_mean.rescale_gradients(self, optimizer)
+        self._step_mean.rescale_gradients(self, optimizer)
 
-    def _pair_mean(self, losses: torch.Tensor, batch: dict) -> torch.Tensor:
-        """The mean of per-pair losses ``(B,)``; with the data module's ``pair_weight`` ``(B,)``
-        (``weight_ranked_pairs``) the weighted mean ``sum(w * loss) / sum(w)`` over the GLOBAL batch, so each
-        prompt of a ranked list weighs the same (Ouyang et al. 2022, eq. 1). Under DDP/FSDP, whose gradient is
-        the mean over ranks, this rank's sum is divided by the mean over ranks of ``sum(w)``."""
+    def _pair_mean(self, losses: torch.Tensor, batch: dict) -> tuple[torch.Tensor, float]:
+        """This micro-batch's mean of per-pair losses ``(B,)`` and its number of units: B pairs, or, with the
+        data module's ``pair_weight`` ``(B,)`` (``weight_ranked_pairs``), the weighted mean
+        ``sum(w * loss) / sum(w)`` and ``sum(w)`` units. ``AccumulatedMean`` then makes the optimizer step's
+        gradient that of the weighted mean over the GLOBAL batch (all micro-batches and ranks), so each
+        prompt of a ranked list weighs the same (Ouyang et al. 2022, eq. 1)."""
         weights = batch.get("pair_weight")
         if weights is None:
-            return losses.mean()
+            return losses.mean(), losses.shape[0]
         weights = weights.to(losses.dtype)
         total = weights.sum().detach()
-        world_size = self._trainer.world_size if self._trainer is not None else 1
-        if world_size > 1:
-            total = self.trainer.strategy.reduce(total.clone(), reduce_op="sum") / world_size
-        return (losses * weights).sum() / total.clamp(min=torch.finfo(losses.dtype).tiny)
+        return (losses * weights).sum() / total.clamp(min=torch.finfo(losses.dtype).tiny), float(total)
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]

@@ -158,3 +158,39 @@ def test_reward_accumulation_weighs_every_pair_the_same(tmp_path, n, micro):
     assert "head.linear.weight" in full and full.keys() == accumulated.keys()
     for name in full:
         torch.testing.assert_close(accumulated[name], full[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_ranked_pair_weights_survive_gradient_accumulation(tmp_path):
+    """With ``weight_ranked_pairs`` a step's gradient is that of sum(w * loss) / sum(w) over the whole step,
+    whichever micro-batches hold the pairs: 2 micro-batches of 2 pairs (weights 1/3, 1/3 | 1/3, 1) equal
+    one batch of the 4 pairs."""
+    rows = [
+        {"prompt": "R:", "responses": [" a", " bb", " ccc"], "ranks": [1, 2, 3]},  # 3 pairs of weight 1/3
+        {"prompt": "S:", "responses": [" yes", " no"], "ranks": [1, 2]},  # 1 pair of weight 1
+    ]
+    path = tmp_path / "ranked.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def build(batch_size: int):
+        torch.manual_seed(0)
+        module = RewardModule(
+            BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", lora=LORA),
+            optimizer=OptimizerConfig(lr=0.0),
+            calibrate=False,
+        )
+        data = PreferenceDataModule(
+            train_files=str(path),
+            format="ranked",
+            val_size=0,
+            batch_size=batch_size,
+            shuffle=False,
+            weight_ranked_pairs=True,
+            tokenizer=module.tokenizer,
+        )
+        return module, data
+
+    full = _step_gradients(*build(4), accumulate=1)
+    accumulated = _step_gradients(*build(2), accumulate=2)
+    assert "head.linear.weight" in full and full.keys() == accumulated.keys()
+    for name in full:
+        torch.testing.assert_close(accumulated[name], full[name], rtol=1e-4, atol=1e-7, msg=name)
