@@ -9,6 +9,7 @@ Two runs are shared by the tests (each a few optimizer steps, then validation, c
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -198,7 +199,11 @@ def test_export_folder_holds_every_file(run_name, request):
         assert (out / name).is_file(), name
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((out / "eval_results.json").read_text())
-    assert results["pairs"] == len(run.datamodule.val_dataset)
+    # calibration scored the validation pairs of the first limit_val_batches batches (all of them by default)
+    loader = run.datamodule.val_dataloader()
+    batches = run.module._calibration_batches(loader)
+    assert batches >= 1
+    assert results["pairs"] == sum(b["source"].numel() for b in itertools.islice(loader, batches))
     assert results["temperature"] == pytest.approx(float(run.module.temperature), rel=1e-6)
     assert {M.REWARD_ACCURACY, M.REWARD_ECE, M.REWARD_MARGIN} <= results["metrics"].keys()
 
