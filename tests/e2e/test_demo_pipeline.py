@@ -17,9 +17,13 @@ import pytest
 
 from rlhf_lit.demo import OVEROPTIMIZED, run_stages, write_report
 from rlhf_lit.metrics import MONITOR_OVEROPTIMIZATION
-from tests.tiny_runs import read_scalars
+from tests.conftest import REPO_ROOT
+from tests.tiny_runs import one_thread, read_scalars
 
 SEEDS = (0, 1)
+# The shared fixture runs the whole shortened pipeline twice (~4 min on an idle 2-core machine); it is
+# charged to the first test, so that test may take longer than the suite's default per-test timeout.
+pytestmark = pytest.mark.timeout(3600)
 
 
 class _Records(logging.Handler):
@@ -32,17 +36,18 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def demo_runs(tmp_path_factory, repo_root):
+def demo_runs(tmp_path_factory):
     previous = os.getcwd()
-    os.chdir(repo_root)  # the configs are relative to the repository root
+    os.chdir(REPO_ROOT)  # the configs are relative to the repository root
     records = _Records()
     logging.getLogger("rlhf_lit").addHandler(records)
     try:
         runs = {}
-        for seed in SEEDS:
-            out = str(tmp_path_factory.mktemp(f"demo_seed{seed}"))
-            run_stages(out, fast=True, seed=seed, overoptimized=seed == SEEDS[0])
-            runs[seed] = (out, write_report(out, n_prompts=256, seed=seed))
+        with one_thread():  # tiny models: one thread is faster, and immune to a busy second core
+            for seed in SEEDS:
+                out = str(tmp_path_factory.mktemp(f"demo_seed{seed}"))
+                run_stages(out, fast=True, seed=seed, overoptimized=seed == SEEDS[0])
+                runs[seed] = (out, write_report(out, n_prompts=256, seed=seed))
     finally:
         logging.getLogger("rlhf_lit").removeHandler(records)
         os.chdir(previous)
