@@ -240,6 +240,6 @@ class AdaptedLM(nn.Module):
         """``generate`` of the wrapped model, with the active adapter.
 
         A method of this module (not of ``self.model``) so that FSDP2 can gather this unit's parameters
-        around the whole decode loop (``rlhf_lit.models.sharding`` registers it as a forward method).
+        around the whole decode loop (``rlhf_lit.parallel`` registers it as a forward method).
         """
         return self.model.generate(**kwargs)

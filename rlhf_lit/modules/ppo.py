@@ -59,13 +59,6 @@ from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbon
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
-from rlhf_lit.models.sharding import (
-    data_parallel_mesh,
-    gathered_parameters,
-    grad_norm_value,
-    shard_head,
-    shard_lm,
-)
 from rlhf_lit.modules.common import (
     OptimizerConfig,
     as_config,
@@ -82,6 +75,13 @@ from rlhf_lit.modules.ppo_config import (
     PPOConfig,
     PTXConfig,
     RewardShapingConfig,
+)
+from rlhf_lit.parallel import (
+    data_parallel_mesh,
+    gathered_parameters,
+    grad_norm_value,
+    shard_head,
+    shard_lm,
 )
 from rlhf_lit.plots import curves_figure, save_figure
 from rlhf_lit.reward_norm import RunningMeanStd, normalize_scores
@@ -287,7 +287,7 @@ class PPOModule(L.LightningModule):
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model.
 
         Does nothing under other strategies (DDP wraps the whole module itself). Units and their forward
-        methods: ``rlhf_lit.models.sharding``.
+        methods: ``rlhf_lit.parallel``.
         """
         mesh = data_parallel_mesh(self.device_mesh)
         if mesh is None:

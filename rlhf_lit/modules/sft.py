@@ -21,7 +21,6 @@ from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
-from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_lm
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
@@ -31,6 +30,7 @@ from rlhf_lit.modules.common import (
     log_data_report,
     plain_hparams,
 )
+from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
 
 log = logging.getLogger("rlhf_lit")
 
@@ -82,7 +82,7 @@ class SFTModule(L.LightningModule):
         return sft_nll(logits, batch["labels"])
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.models.sharding``); nothing otherwise."""
+        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``); nothing otherwise."""
         mesh = data_parallel_mesh(self.device_mesh)
         if mesh is not None:
             shard_lm(self.lm, mesh)
