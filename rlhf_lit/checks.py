@@ -530,14 +530,9 @@ def _model_folder_problem(key: str, name: str, roots: list[Path], gguf_file: str
 
 
 def _check_data_file(key: str, spec: str) -> None:
-    from rlhf_lit.data.loading import is_hub_id
+    from rlhf_lit.data.loading import is_hub_id, is_registered_source
 
-    if is_hub_id(spec):
-        return
-    scheme, _, rest = spec.partition(":")
-    from rlhf_lit.data.loading import _SOURCE_LOADERS
-
-    if rest and scheme in _SOURCE_LOADERS:
+    if is_hub_id(spec) or is_registered_source(spec):
         return
     path = Path(spec).expanduser()
     if path.is_dir():
