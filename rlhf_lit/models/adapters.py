@@ -131,6 +131,27 @@ class AdaptedLM(nn.Module):
         marker = f".{name}."
         return [p for n, p in self.model.named_parameters() if "lora_" in n and marker in n]
 
+    def copy_adapter(self, source: str, target: str) -> None:
+        """Copy adapter ``source``'s LoRA weights into adapter ``target`` (e.g. the critic starts as the reward
+        adapter: PPO-Max's critic initialised from the reward model).
+
+        Raises:
+            ValueError: if ``target`` has a LoRA matrix that ``source`` lacks or holds in another shape (other
+                target modules or rank).
+        """
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
+            if "lora_" not in name or f".{target}." not in name:
+                continue
+            src = params.get(name.replace(f".{target}.", f".{source}."))
+            if src is None or src.shape != p.shape:
+                raise ValueError(
+                    f"cannot copy adapter {source!r} into {target!r}: {name} has no match of shape "
+                    f"{tuple(p.shape)} in {source!r} (give both the same LoRA rank and target modules)"
+                )
+            with torch.no_grad():
+                p.copy_(src)
+
     def _restore_trainable(self) -> None:
         if not self.is_peft:
             return

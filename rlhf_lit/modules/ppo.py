@@ -240,6 +240,7 @@ class PPOModule(L.LightningModule):
             )
 
     def _init_critic_from_reward(self) -> None:
+        """``critic.init_from_reward``: the value head (and the critic adapter) start as the reward model's."""
         src = self.reward_source
         head = src.head if src.scorer is None else src.scorer.head
         if head.linear.in_features != self.policy.value_head.linear.in_features:
@@ -247,11 +248,8 @@ class PPOModule(L.LightningModule):
                 "critic.init_from_reward: the reward model's hidden size differs from the policy's"
             )
         self.policy.value_head.load_state_dict(head.state_dict())
-        if src.scorer is None and not self.critic_cfg.shared_trunk:
-            reward_params = dict(self.policy.lm.model.named_parameters())
-            for name, p in list(reward_params.items()):
-                if ".critic." in name and "lora_" in name:
-                    p.data.copy_(reward_params[name.replace(".critic.", ".reward.")].data)
+        if src.scorer is None and not self.critic_cfg.shared_trunk:  # the reward model is an adapter here
+            self.policy.lm.copy_adapter("reward", "critic")
 
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model.

@@ -70,3 +70,26 @@ def test_an_estimator_without_returns_trains_the_actor_and_leaves_the_critic(tmp
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed and all(".actor." in n for n in changed)  # no value term: critic and value head untouched
     assert M.PPO_VALUE_LOSS not in module.history[0] and M.PPO_POLICY_LOSS in module.history[0]
+
+
+def test_copy_adapter_copies_every_lora_matrix_and_refuses_another_shape():
+    """``critic.init_from_reward`` starts the critic adapter as the reward adapter (``AdaptedLM.copy_adapter``)."""
+    import pytest
+
+    from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
+    from tests.conftest import TINY_GPT2
+
+    lora = LoraSettings(r=2, alpha=4, target_modules=["c_attn"])
+    lm = AdaptedLM(
+        load_backbone(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte")),
+        {"reward": lora, "critic": lora, "wide": LoraSettings(r=4, alpha=4, target_modules=["c_attn"])},
+    )
+    with torch.no_grad():
+        for p in lm.adapter_parameters("reward"):
+            p.normal_()
+    lm.copy_adapter("reward", "critic")
+    reward, critic = lm.adapter_parameters("reward"), lm.adapter_parameters("critic")
+    assert len(critic) == len(reward) == 4  # A and B of c_attn in 2 blocks
+    assert all(torch.equal(c, r) for c, r in zip(critic, reward))
+    with pytest.raises(ValueError, match="cannot copy adapter 'reward' into 'wide'"):
+        lm.copy_adapter("reward", "wide")
