@@ -34,7 +34,6 @@ checkpoint, so a resumed run equals an uninterrupted one.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict
 from typing import Literal
@@ -45,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit import metrics as M
 from rlhf_lit.algorithms import GAEEstimator, PPOObjective
-from rlhf_lit.callbacks import RewardHackingMonitor
+from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.sequence import trim_left_padding
@@ -82,7 +81,6 @@ from rlhf_lit.parallel import (
     shard_head,
     shard_lm,
 )
-from rlhf_lit.plots import curves_figure, save_figure
 from rlhf_lit.reward_norm import RunningMeanStd
 from rlhf_lit.rng import get_rng_state, set_rng_state
 from rlhf_lit.rollout import Rollout, collect_rollout, sample_from_actor
@@ -117,8 +115,9 @@ class PPOModule(L.LightningModule):
         ptx: the optional pretraining-mix term.
         monitor: the reward-hacking monitors (on by default).
         log_samples_every: write a table of sampled prompts, responses and scores to TensorBoard text
-            every this many iterations (0 disables).
-        export_dir: where the final policy is written in Hugging Face format at the end of fit.
+            every this many iterations (0 disables; ``rlhf_lit.callbacks.RolloutSamples``).
+        export_dir: where the final policy is written in Hugging Face format at the end of fit, with
+            ``ppo_curves.png`` (``HFExport``, ``PPOCurves``); null writes neither.
         export_mode: ``auto`` | ``merged`` | ``adapter``.
     """
 
@@ -307,11 +306,18 @@ class PPOModule(L.LightningModule):
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
     def configure_callbacks(self):
-        """The reward-hacking monitor (``monitor.enabled``), added to whatever callbacks the trainer has."""
-        if not self.monitor_cfg.enabled:
-            return []
-        settings = {k: v for k, v in asdict(self.monitor_cfg).items() if k != "enabled"}
-        return [RewardHackingMonitor(**settings)]
+        """The outputs this module's settings ask for, added to the trainer's callbacks: the reward-hacking
+        monitor (``monitor.enabled``), the sample table (``log_samples_every``), the Hugging Face export and
+        the score / KL curves (``export_dir``). One of the same class in ``trainer.callbacks`` is kept instead."""
+        callbacks = []
+        if self.monitor_cfg.enabled:
+            settings = {k: v for k, v in asdict(self.monitor_cfg).items() if k != "enabled"}
+            callbacks.append(RewardHackingMonitor(**settings))
+        if self.hparams.log_samples_every:
+            callbacks.append(RolloutSamples(every=self.hparams.log_samples_every))
+        if self.export_dir:
+            callbacks += [HFExport(), PPOCurves(target_kl=self.kl_cfg.target_kl)]
+        return unless_configured(self._trainer, callbacks)
 
     def on_fit_start(self) -> None:
         log_data_report(self)
@@ -468,23 +474,6 @@ class PPOModule(L.LightningModule):
             return
         for logger in self.loggers:
             logger.log_metrics(values, step=self.iteration)
-        every = self.hparams.log_samples_every
-        if every and (self.iteration == 1 or self.iteration % every == 0):
-            self._log_samples()
-
-    def _log_samples(self, n: int = 4) -> None:
-        """A markdown table of the first ``n`` prompts, responses and scores, to TensorBoard text."""
-        cell = lambda text: text.replace("|", "\\|").replace("\n", "<br>")[-300:]  # noqa: E731
-        rows = ["| prompt | response | score |", "|---|---|---|"]
-        sample = self.last_rollout
-        for prompt, response, score in list(
-            zip(sample["prompt_text"], sample["response_text"], sample["score"])
-        )[:n]:
-            rows.append(f"| {cell(prompt)} | {cell(response)} | {score:.3f} |")
-        for logger in self.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_text"):
-                experiment.add_text("rollout/samples", "\n".join(rows), global_step=self.iteration)
 
     # ------------------------------------------------------------------ checkpoints and export
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -512,15 +501,16 @@ class PPOModule(L.LightningModule):
         self._ptx_consumed = int(state.get("ptx_consumed", 0))
         self._consecutive_skips = int(state.get("consecutive_skips", 0))
 
-    def on_fit_end(self) -> None:
-        if not self.export_dir:
-            return
+    def export(self, path: str) -> None:
+        """Write the policy (the actor adapter, merged or alone per ``export_mode``) in Hugging Face format to
+        ``path`` (``rlhf_lit.models.export``); every rank calls it (a collective under FSDP2), rank 0 writes.
+        ``HFExport`` calls it at the end of fit when ``export_dir`` is set."""
         with gathered_parameters(self.policy.lm):  # a collective under FSDP2; nothing otherwise
-            if self.trainer.is_global_zero:
+            if self._trainer is None or self.trainer.is_global_zero:
                 save_causal_lm(
                     self.policy.lm,
                     self.tokenizer,
-                    self.export_dir,
+                    path,
                     self.backbone_cfg,
                     self.export_mode,
                     adapter_name="actor",
@@ -532,20 +522,3 @@ class PPOModule(L.LightningModule):
                         "target_kl": self.kl_cfg.target_kl,
                     },
                 )
-        if self.trainer.is_global_zero:  # one writer
-            self._plot_curves(os.path.join(self.export_dir, "ppo_curves.png"))
-
-    def _plot_curves(self, path: str) -> None:
-        """Score and KL per iteration (the whole run, resumed parts included), with the KL budget."""
-        if not self.history:
-            return
-        steps = [h[M.PPO_ITERATION] for h in self.history]
-        series = {
-            "RM score (rollout/score_mean)": [h[M.ROLLOUT_SCORE_MEAN] for h in self.history],
-            "KL to reference (rollout/kl_ref, nats)": [h[M.ROLLOUT_KL_REF] for h in self.history],
-        }
-        fig = curves_figure(steps, series, "PPO iteration", "PPO: reward-model score and KL per iteration")
-        if self.kl_cfg.target_kl is not None:
-            fig.axes[1].axhline(self.kl_cfg.target_kl, color="red", linestyle="--", label="kl.target_kl")
-            fig.axes[1].legend()
-        save_figure(fig, path)

@@ -17,6 +17,7 @@ import torch
 import torchmetrics
 
 from rlhf_lit import metrics as M
+from rlhf_lit.callbacks import HFExport, unless_configured
 from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
@@ -59,7 +60,10 @@ class SFTModule(L.LightningModule):
         self.save_hyperparameters(
             plain_hparams(
                 type(self),
-                backbone=backbone, optimizer=optimizer, export_dir=export_dir, export_mode=export_mode
+                backbone=backbone,
+                optimizer=optimizer,
+                export_dir=export_dir,
+                export_mode=export_mode,
             )
         )
         self.backbone_cfg = backbone
@@ -142,15 +146,21 @@ class SFTModule(L.LightningModule):
         scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def on_fit_end(self) -> None:
-        if not self.export_dir:
-            return
+    def configure_callbacks(self):
+        """The Hugging Face export at the end of fit when ``export_dir`` is set (``HFExport``; one in
+        ``trainer.callbacks`` is kept instead)."""
+        return unless_configured(self._trainer, [HFExport()] if self.export_dir else [])
+
+    def export(self, path: str) -> None:
+        """Write the model (any LoRA adapter merged, and alone in ``adapter/``, per ``export_mode``) and the
+        tokenizer in Hugging Face format to ``path``; every rank calls it (a collective under FSDP2), rank 0
+        writes."""
         with gathered_parameters(self.lm):  # a collective under FSDP2; nothing otherwise
-            if self.trainer.is_global_zero:
+            if self._trainer is None or self.trainer.is_global_zero:
                 save_causal_lm(
                     self.lm,
                     self.tokenizer,
-                    self.export_dir,
+                    path,
                     self.backbone_cfg,
                     self.export_mode,
                     meta={"kind": "policy", "stage": "sft"},
