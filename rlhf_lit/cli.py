@@ -59,10 +59,18 @@ _PARSER_KWARGS = {"exit_on_error": False, "allow_abbrev": False}
 
 
 class RLHFCLI(LightningCLI):
-    """LightningCLI with the tokenizer linked from the model to the data module, and checks before loading."""
+    """LightningCLI with values linked between model and data, and checks before loading.
+
+    Links: the model's tokenizer is handed to the data module when both are built; the data module's
+    ``batch_size`` becomes ``PPOModule``'s ``rollout_batch_size`` at parse time (a model without that argument
+    is not linked).
+    """
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
+        parser.link_arguments(
+            "data.init_args.batch_size", "model.init_args.rollout_batch_size", apply_on="parse"
+        )
 
     def parse_arguments(self, parser, args) -> None:
         """Parse; an unknown key, abbreviation or bad type becomes one :class:`ConfigError` line."""

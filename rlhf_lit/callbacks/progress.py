@@ -53,6 +53,5 @@ def _max_steps_left(trainer, pl_module) -> float:
     iteration; the CLI accepts only whole iterations), or infinity without a ``max_steps``."""
     if trainer.max_steps is None or trainer.max_steps < 0:
         return float("inf")
-    rollout = getattr(trainer.datamodule, "batch_size", None) or pl_module.ppo.ppo_minibatch_size
-    per_iteration = pl_module.ppo.ppo_epochs * max(1, rollout // pl_module.ppo.ppo_minibatch_size)
+    per_iteration = pl_module.optimizer_steps_per_iteration()
     return -(-(trainer.max_steps - trainer.global_step) // per_iteration)

@@ -119,6 +119,10 @@ class PPOModule(L.LightningModule):
         export_dir: where the final policy is written in Hugging Face format at the end of fit, with
             ``ppo_curves.png`` (``HFExport``, ``PPOCurves``); null writes neither.
         export_mode: ``auto`` | ``merged`` | ``adapter``.
+        rollout_batch_size: prompts per rollout per rank; the CLI links it from ``data.init_args.batch_size``
+            at parse time (not set in YAML). It sizes the learning-rate schedule (optimizer steps per
+            iteration) and is checked against ``ppo.ppo_minibatch_size`` before training. A module built in
+            Python without it takes the batch size of the trainer's data module.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class PPOModule(L.LightningModule):
         log_samples_every: int = 10,
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
+        rollout_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
@@ -176,6 +181,7 @@ class PPOModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold adapters and heads only, not the frozen base
         self.export_dir = export_dir
         self.export_mode = export_mode
+        self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
 
         self._refuse_impossible_settings()
         self._build_models(backbone)
@@ -284,24 +290,33 @@ class PPOModule(L.LightningModule):
         epochs = max(1, self.trainer.max_epochs or 1)
         return int(batches * epochs) if batches != float("inf") else 1000
 
+    def _rollout_batch_size(self) -> int | None:
+        """``rollout_batch_size`` (linked by the CLI at parse time), else (a module built in Python) the
+        batch size of the trainer's data module, else None."""
+        if self.rollout_batch_size is not None:
+            return self.rollout_batch_size
+        return getattr(getattr(self._trainer, "datamodule", None), "batch_size", None)
+
+    def optimizer_steps_per_iteration(self) -> int:
+        """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""
+        rollout = self._rollout_batch_size() or self.ppo.ppo_minibatch_size
+        return self.ppo.ppo_epochs * max(1, rollout // self.ppo.ppo_minibatch_size)
+
     def configure_optimizers(self):
         groups = [{"params": self.policy.actor_parameters(), "lr": self.optim_cfg.lr}]
         groups.append(
             {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
         )
         optimizer = build_optimizer(groups, self.optim_cfg, self._trainer)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        rollout = getattr(datamodule, "batch_size", None)
+        rollout = self._rollout_batch_size()
         if rollout is None:  # plain dataloaders: their batch size is not known yet when this runs
-            rollout = self.ppo.ppo_minibatch_size
             rank_zero_warn(
-                "PPOModule: no data module with a `batch_size`, so the learning-rate schedule assumes one "
-                f"minibatch per rollout ({rollout} prompts); with larger rollouts it ends early. Pass a "
-                "LightningDataModule (e.g. PromptDataModule) or use optimizer.scheduler: constant."
+                "PPOModule: rollout_batch_size is not set and there is no data module with a `batch_size`, so "
+                f"the learning-rate schedule assumes one minibatch per rollout ({self.ppo.ppo_minibatch_size} "
+                "prompts); with larger rollouts it ends early. Pass rollout_batch_size, a LightningDataModule "
+                "(e.g. PromptDataModule) or use optimizer.scheduler: constant."
             )
-        steps = (
-            self._total_iterations() * self.ppo.ppo_epochs * max(1, rollout // self.ppo.ppo_minibatch_size)
-        )
+        steps = self._total_iterations() * self.optimizer_steps_per_iteration()
         scheduler = build_scheduler(optimizer, self.optim_cfg, steps)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
@@ -321,9 +336,8 @@ class PPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         log_data_report(self)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if getattr(datamodule, "batch_size", None):
-            self._check_batch_sizes(datamodule.batch_size)
+        if self._rollout_batch_size():
+            self._check_batch_sizes(self._rollout_batch_size())
         if self.ptx_cfg.coef > 0:
             self._ptx = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
             if self._ptx_consumed:
