@@ -117,6 +117,19 @@ class Rollout:
         responses whose score was not finite."""
         return self.response_mask & self.finite.unsqueeze(-1)
 
+    def as_text(self, tokenizer, prompt_ids: torch.Tensor) -> dict[str, list]:
+        """``{"prompt_text", "response_text", "score"}`` lists (B each): the prompts as the data gave them
+        (else ``prompt_ids`` decoded), the responses decoded without special tokens, the raw scores."""
+        prompts = self.prompt_text or tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        return {
+            "prompt_text": list(prompts),
+            "response_text": [
+                tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                for ids, mask in zip(self.response_ids, self.response_mask)
+            ],
+            "score": [float(x) for x in self.raw_scores],
+        }
+
 
 def sample_from_actor(
     module: PPOModule,

@@ -70,8 +70,11 @@ from rlhf_lit.modules.ppo_config import (
     PPOConfig,
     PTXConfig,
     RewardShapingConfig,
+    check_batch_sizes,
+    check_stop_tokens,
+    refuse_impossible_settings,
 )
-from rlhf_lit.modules.ppo_stats import global_stats, iteration_stats
+from rlhf_lit.modules.ppo_stats import global_stats, iteration_stats, perf_stats
 from rlhf_lit.modules.ppo_update import UpdateBatch, clip_global_grad_norm, epoch_schedule, ppo_update
 from rlhf_lit.parallel import (
     data_parallel_mesh,
@@ -183,7 +186,7 @@ class PPOModule(L.LightningModule):
         self.export_mode = export_mode
         self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
 
-        self._refuse_impossible_settings()
+        refuse_impossible_settings(self.backbone_cfg, self.sampling)
         self._build_models(backbone)
         self.kl_ctl = build_kl_controller(
             self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
@@ -213,12 +216,7 @@ class PPOModule(L.LightningModule):
         """Tokenizer and stop tokens, the shared base with actor and critic adapters, the reward source."""
         self.tokenizer = load_backbone_tokenizer(backbone)
         self.stop_ids = resolve_stop_ids(self.sampling, self.tokenizer)
-        if self.shaping.missing_eos_penalty is not None and not self.stop_ids:
-            raise ValueError(
-                f"reward.missing_eos_penalty={self.shaping.missing_eos_penalty} needs a stop token, but none is "
-                "set (sampling.stop_at_eos is off or the tokenizer has no EOS, and no stop_token_ids / "
-                "stop_strings): every response would count as missing its EOS. Set a stop token or drop the penalty"
-            )
+        check_stop_tokens(self.shaping, self.stop_ids)
         base = load_backbone(backbone, self.tokenizer)
         backbone.lora.dropout = 0.0  # log-probs must be exact (B12)
         critic_lora = None if self.critic_cfg.shared_trunk else self.critic_cfg.lora
@@ -228,21 +226,6 @@ class PPOModule(L.LightningModule):
         self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
         if self.critic_cfg.init_from_reward:
             self._init_critic_from_reward()
-
-    def _refuse_impossible_settings(self) -> None:
-        """Settings under which PPO's ratio or KL would be wrong, refused before any model loads."""
-        if not self.backbone_cfg.disable_dropout:
-            raise ValueError(
-                "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
-                "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
-                "not 0 (PITFALLS B12). Dropout is set to 0 in the configs, training mode is kept"
-            )
-        if self.sampling.top_k or self.sampling.top_p < 1.0:
-            raise ValueError(
-                f"PPO refuses sampling.top_k={self.sampling.top_k} / top_p={self.sampling.top_p}: responses would "
-                "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
-                "the sampling temperature (an off-policy mismatch, PITFALLS B10). Use top_k: 0 and top_p: 1.0"
-            )
 
     def _init_critic_from_reward(self) -> None:
         """``critic.init_from_reward``: the value head (and the critic adapter) start as the reward model's."""
@@ -269,19 +252,6 @@ class PPOModule(L.LightningModule):
         shard_head(self.policy.value_head, mesh)
         if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
             shard_lm(self.reward_source.scorer.lm, mesh)
-
-    def _check_batch_sizes(self, rollout_batch_size: int) -> None:
-        mb = self.ppo.ppo_minibatch_size
-        micro = self.ppo.micro_batch_size or mb
-        if rollout_batch_size % mb:
-            raise ValueError(
-                f"rollout_batch_size={rollout_batch_size} (the prompt data module's batch_size) must be a "
-                f"multiple of ppo.ppo_minibatch_size={mb}"
-            )
-        if mb % micro:
-            raise ValueError(
-                f"ppo.ppo_minibatch_size={mb} must be a multiple of ppo.micro_batch_size={micro}"
-            )
 
     def _total_iterations(self) -> int:
         if self.ppo.total_iterations:
@@ -337,7 +307,7 @@ class PPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         log_data_report(self)
         if self._rollout_batch_size():
-            self._check_batch_sizes(self._rollout_batch_size())
+            check_batch_sizes(self.ppo, self._rollout_batch_size())
         if self.ptx_cfg.coef > 0:
             self._ptx = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
             if self._ptx_consumed:
@@ -351,7 +321,7 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------------ the PPO iteration
     def training_step(self, batch: dict, batch_idx: int) -> None:
         t0 = time.perf_counter()
-        self._check_batch_sizes(batch["input_ids"].shape[0])
+        check_batch_sizes(self.ppo, batch["input_ids"].shape[0])
         # 1-4. sampling, reference / old log-probs and values, reward scores (rlhf_lit.rollout)
         rollout = collect_rollout(self, batch, sample=sample_responses)
         t1 = t0 + rollout.generation_s
@@ -376,19 +346,10 @@ class PPOModule(L.LightningModule):
         self.iteration += 1
         stats = iteration_stats(rollout, adv, bool(self.stop_ids), is_distributed(self.trainer))
         stats = global_stats(self.trainer, {**stats, **update_stats}, rollout)
-        stats.update(
-            {
-                M.PERF_GENERATION_S: t1 - t0,
-                M.PERF_EXPERIENCE_S: t2 - t1,
-                M.PERF_UPDATE_S: t3 - t2,
-                M.PERF_ITERATION_S: t3 - t0,
-                M.PERF_GENERATION_TOKENS_PER_S: rollout.response_ids.numel() / max(t1 - t0, 1e-9),
-                M.PERF_PEAK_MEMORY_MB: peak_memory_mb(),
-                M.PPO_ITERATION: self.iteration,
-                M.ROLLOUT_NON_FINITE_SCORES: float(rollout.num_non_finite),
-                M.PPO_KL_COEF: kl_coef,
-            }
-        )
+        stats.update(perf_stats((t0, t1, t2, t3), rollout.response_ids.numel(), peak_memory_mb()))
+        stats[M.PPO_ITERATION] = self.iteration
+        stats[M.ROLLOUT_NON_FINITE_SCORES] = float(rollout.num_non_finite)
+        stats[M.PPO_KL_COEF] = kl_coef
         self._log_iteration(stats, batch, rollout)
         if self.ppo.total_iterations and self.iteration >= self.ppo.total_iterations:
             self.trainer.should_stop = True
@@ -466,18 +427,8 @@ class PPOModule(L.LightningModule):
     def _log_iteration(self, stats: dict, batch: dict, rollout: Rollout) -> None:
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
-        prompts = batch.get("prompt_text") or self.tokenizer.batch_decode(
-            batch["input_ids"], skip_special_tokens=True
-        )
-        # The iteration's samples as text, for callbacks (e.g. an evaluation-only gold scorer) and TensorBoard.
-        self.last_rollout = {
-            "prompt_text": list(prompts),
-            "response_text": [
-                self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                for ids, mask in zip(rollout.response_ids, rollout.response_mask)
-            ],
-            "score": [float(x) for x in rollout.raw_scores],
-        }
+        # the iteration's samples as text, for callbacks (RolloutSamples, an evaluation-only gold scorer)
+        self.last_rollout = rollout.as_text(self.tokenizer, batch["input_ids"])
         progress = {
             "iter": float(self.iteration),
             "score": values[M.ROLLOUT_SCORE_MEAN],

@@ -16,7 +16,7 @@ from rlhf_lit.functional.masked import masked_mean
 from rlhf_lit.parallel.collectives import gather, global_mean, is_distributed
 from rlhf_lit.rollout import Rollout
 
-__all__ = ["correlation", "global_stats", "iteration_stats"]
+__all__ = ["correlation", "global_stats", "iteration_stats", "perf_stats"]
 
 
 def iteration_stats(rollout: Rollout, adv: Advantages, has_stop_token: bool, distributed: bool) -> dict:
@@ -86,3 +86,17 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if both.shape[1] < 2 or bool((both.std(dim=1) == 0).any()):
         return torch.tensor(0.0, dtype=torch.float64)
     return torch.corrcoef(both)[0, 1]
+
+
+def perf_stats(times: tuple[float, float, float, float], response_tokens: int, peak_mb: float) -> dict:
+    """``perf/*`` of an iteration from its four ``time.perf_counter()`` marks: start, after sampling, after
+    the advantages, after the update (seconds per phase), generation tokens per second, peak memory (MiB)."""
+    t0, t1, t2, t3 = times
+    return {
+        M.PERF_GENERATION_S: t1 - t0,
+        M.PERF_EXPERIENCE_S: t2 - t1,
+        M.PERF_UPDATE_S: t3 - t2,
+        M.PERF_ITERATION_S: t3 - t0,
+        M.PERF_GENERATION_TOKENS_PER_S: response_tokens / max(t1 - t0, 1e-9),
+        M.PERF_PEAK_MEMORY_MB: peak_mb,
+    }

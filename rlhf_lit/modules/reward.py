@@ -357,7 +357,9 @@ class RewardModule(L.LightningModule):
         if cached is not None and self._trainer is not None and cached[0] == self.global_step:
             margins, sources, len_c, len_r = cached[1:]
         else:
-            margins, sources, len_c, len_r = self.collect_margins(dataloader, self._calibration_batches(dataloader))
+            margins, sources, len_c, len_r = self.collect_margins(
+                dataloader, self._calibration_batches(dataloader)
+            )
         temperature = fit_temperature(
             margins, torch.ones_like(margins), TEMPERATURE_BOUNDS[0], TEMPERATURE_BOUNDS[1]
         )
