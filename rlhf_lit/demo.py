@@ -257,7 +257,7 @@ def run_stages(
     Returns:
         Wall seconds per run.
     """
-    from rlhf_lit.cli import cli_main
+    from rlhf_lit.lightning_cli import cli_main
 
     runs = [(stage, stage) for stage in stages]
     if overoptimized:
