@@ -547,14 +547,14 @@ def model_positions(backbone: dict | Any) -> int | None:
     unknown (a hub id not cached offline, a GGUF file, or a config without a position limit)."""
     from dataclasses import asdict, is_dataclass
 
+    from rlhf_lit.models.architecture import read_architecture
     from rlhf_lit.models.backbone import BackboneConfig
-    from rlhf_lit.planner import _hf_config
 
     spec = asdict(backbone) if is_dataclass(backbone) else dict(backbone or {})
     if spec.get("gguf_file"):
         return None  # reading a GGUF file's metadata takes seconds (its whole vocabulary); the load will tell
     try:
-        config, _ = _hf_config(BackboneConfig(**{**spec, "lora": None}), None)
+        config, _ = read_architecture(BackboneConfig(**{**spec, "lora": None}), None)
     except Exception:  # noqa: BLE001 - unknown here; the model load will say what is wrong
         return None
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):

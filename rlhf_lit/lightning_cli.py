@@ -180,16 +180,22 @@ def parse_config(config_files: list[str], overrides: list[str] | None = None) ->
     from rlhf_lit.rng import get_rng_state, set_rng_state
 
     state = get_rng_state()  # LightningCLI seeds everything when the config sets seed_everything
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # no "Seed set to" line: nothing runs
     try:
-        cli = _ParseOnly(
-            L.LightningModule,
-            L.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=[a for f in config_files for a in ("--config", str(f))] + list(overrides or []),
-            run=False,
-            parser_kwargs=dict(_PARSER_KWARGS),
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
+            cli = _ParseOnly(
+                L.LightningModule,
+                L.LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=[a for f in config_files for a in ("--config", str(f))] + list(overrides or []),
+                run=False,
+                parser_kwargs=dict(_PARSER_KWARGS),
+            )
     finally:
         set_rng_state(state)
+        seed_log.setLevel(level)
     return cli.config.as_dict()
