@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rlhf_lit.functional.losses import entropy_from_logits
-from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.functional.sequence import gather_logprobs, response_positions
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import LoraSettings, hidden_size
 from rlhf_lit.models.heads import ScalarHead
@@ -61,8 +61,7 @@ class ActorCritic(nn.Module):
         return params + list(self.value_head.parameters())
 
     def _response_hidden(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
-        hidden = self.lm.hidden_states(input_ids, attention_mask)
-        return hidden[:, prompt_len - 1 : -1]
+        return response_positions(self.lm.hidden_states(input_ids, attention_mask), prompt_len)
 
     def _logprob_outputs(
         self, hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad=True
