@@ -72,20 +72,21 @@ def test_lightning_sharded_checkpoint_helpers(tmp_path):
 
 def test_lightning_model_parallel_strategy_keeps_data_parallel_size_privately():
     """``FSDP2Strategy.setup_environment`` resolves ``_data_parallel_size="auto"`` itself."""
-    from rlhf_lit.parallel import FSDP2Strategy
+    from rlhf_lit.parallel.strategy import FSDP2Strategy
 
     strategy = FSDP2Strategy()
     assert strategy._data_parallel_size == "auto"
     assert strategy._tensor_parallel_size == 1
 
 
-def test_importing_parallel_does_not_import_lightning_until_the_strategy_is_asked_for():
+def test_importing_parallel_does_not_import_lightning():
+    """``rlhf_lit.models`` uses ``rlhf_lit.parallel.fsdp``; only ``rlhf_lit.parallel.strategy`` needs Lightning."""
     import subprocess
     import sys
 
     code = (
-        "import sys; import rlhf_lit.parallel as p; a = 'lightning' in sys.modules; "
-        "p.FSDP2Strategy; print(a, 'lightning' in sys.modules)"
+        "import sys; import rlhf_lit.parallel; a = 'lightning' in sys.modules; "
+        "import rlhf_lit.parallel.strategy; print(a, 'lightning' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]

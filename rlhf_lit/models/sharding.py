@@ -1,5 +1,5 @@
 """Moved to :mod:`rlhf_lit.parallel` (FSDP2 units, gathered parameters) and :mod:`rlhf_lit.parallel.strategy`
-(``FSDP2Strategy``, class path ``rlhf_lit.parallel.FSDP2Strategy``).
+(``FSDP2Strategy``, class path ``rlhf_lit.parallel.strategy.FSDP2Strategy``).
 
 These names stay importable from here (torch only, no Lightning) for code written against the old path.
 """

@@ -5,10 +5,10 @@
   only, so ``rlhf_lit.models`` may use it without importing Lightning.
 * :mod:`rlhf_lit.parallel.collectives` -- sums, means and gathers over ranks through the trainer's
   strategy (the module calls them; on one process they return their input).
-* :mod:`rlhf_lit.parallel.strategy` -- :class:`FSDP2Strategy`, Lightning's ``ModelParallelStrategy`` with
-  every process in one data-parallel group and a non-strict sharded checkpoint loader. It is the only
-  module here that imports Lightning, and it is imported on first use of ``rlhf_lit.parallel.FSDP2Strategy``
-  (the class path configs name), so importing this package does not import Lightning.
+* :mod:`rlhf_lit.parallel.strategy` -- ``FSDP2Strategy``, Lightning's ``ModelParallelStrategy`` with every
+  process in one data-parallel group and a non-strict sharded checkpoint loader (class path
+  ``rlhf_lit.parallel.strategy.FSDP2Strategy``). It is the only module here that imports Lightning, and this
+  package does not import it, so ``rlhf_lit.models`` can use the FSDP helpers without Lightning.
 
 The private APIs of torch, transformers and Lightning that distributed training needs are reached here
 only, each with the version it was checked against; ``tests/test_library_contracts.py`` fails loudly when
@@ -16,8 +16,6 @@ one changes.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
 
 from rlhf_lit.parallel.collectives import global_mean, global_sum, is_distributed
 from rlhf_lit.parallel.fsdp import (
@@ -32,12 +30,8 @@ from rlhf_lit.parallel.fsdp import (
     transformer_blocks,
 )
 
-if TYPE_CHECKING:
-    from rlhf_lit.parallel.strategy import FSDP2Strategy
-
 __all__ = [
     "LM_FORWARD_METHODS",
-    "FSDP2Strategy",
     "data_parallel_mesh",
     "gathered_parameters",
     "global_mean",
@@ -50,12 +44,3 @@ __all__ = [
     "shard_lm",
     "transformer_blocks",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``rlhf_lit.parallel.FSDP2Strategy`` imports Lightning's strategy classes on first use only."""
-    if name == "FSDP2Strategy":
-        from rlhf_lit.parallel.strategy import FSDP2Strategy
-
-        return FSDP2Strategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -59,7 +59,7 @@ def data_parallel_mesh(device_mesh):
     if "tensor_parallel" in names and device_mesh["tensor_parallel"].size() > 1:
         raise ValueError(
             "rlhf_lit shards with FSDP2 over data-parallel ranks only; tensor parallelism is not supported. "
-            "Use strategy rlhf_lit.parallel.FSDP2Strategy, or ModelParallelStrategy with "
+            "Use strategy rlhf_lit.parallel.strategy.FSDP2Strategy, or ModelParallelStrategy with "
             "data_parallel_size=<number of processes> and tensor_parallel_size=1"
         )
     return device_mesh["data_parallel"] if "data_parallel" in names else device_mesh

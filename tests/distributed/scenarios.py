@@ -35,11 +35,11 @@ def strategy_for(name: str):
     if name in ("ddp", "ddp_nodes"):
         return "ddp"
     if name == "fsdp2":
-        from rlhf_lit.parallel import FSDP2Strategy
+        from rlhf_lit.parallel.strategy import FSDP2Strategy
 
         return FSDP2Strategy()
     if name == "fsdp2_full":
-        from rlhf_lit.parallel import FSDP2Strategy
+        from rlhf_lit.parallel.strategy import FSDP2Strategy
 
         return FSDP2Strategy(save_distributed_checkpoint=False)
     raise ValueError(name)
@@ -48,7 +48,7 @@ def strategy_for(name: str):
 def cli_strategy_args(name: str) -> list[str]:
     if name == "ddp":
         return ["--trainer.strategy=ddp"]
-    return ['--trainer.strategy={"class_path": "rlhf_lit.parallel.FSDP2Strategy"}']
+    return ['--trainer.strategy={"class_path": "rlhf_lit.parallel.strategy.FSDP2Strategy"}']
 
 
 def rank() -> int:
