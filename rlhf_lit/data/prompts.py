@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 
 from rlhf_lit.data.base import ExampleDataset, RLHFDataModule
 from rlhf_lit.data.collate import PromptCollator
-from rlhf_lit.data.formats import Fields, prompt_records
+from rlhf_lit.data.formats import Fields
+from rlhf_lit.data.prompt_formats import prompt_records
 from rlhf_lit.data.records import SkipCounter
 from rlhf_lit.data.sampler import ResumableSampler
 from rlhf_lit.data.tokenize import Tokenization

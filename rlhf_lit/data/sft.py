@@ -6,9 +6,10 @@ from typing import Any, Literal
 
 from rlhf_lit.data.base import RLHFDataModule
 from rlhf_lit.data.collate import SFTCollator
-from rlhf_lit.data.formats import Fields, sft_records
+from rlhf_lit.data.formats import Fields
 from rlhf_lit.data.loading import DataFormatError, display_name
 from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.data.sft_formats import sft_records
 from rlhf_lit.data.tokenize import Tokenization
 
 __all__ = ["SFTDataModule"]
