@@ -41,7 +41,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["RewardFunction", "Rollout", "collect_rollout", "sample_from_actor"]
+__all__ = [
+    "RewardFunction",
+    "Rollout",
+    "collect_rollout",
+    "experience_forwards",
+    "sample_from_actor",
+    "validation_rollout",
+]
 
 Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -153,6 +160,26 @@ def sample_from_actor(
         )
 
 
+@torch.no_grad()
+def experience_forwards(
+    module: PPOModule, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 2-3: ``(ref_logprobs, old_logprobs, old_values)``, each ``(B, R)``, at the sampling temperature,
+    in no-grad forwards of ``ppo.rollout_forward_batch_size`` rows (each piece without the prompt columns that
+    are padding in all its rows)."""
+    ref, old, values = [], [], []
+    chunk, size = module.ppo.logprob_chunk_size, module.ppo.rollout_forward_batch_size or input_ids.shape[0]
+    T = module.sampling.temperature
+    for start in range(0, input_ids.shape[0], size):
+        rows = slice(start, min(start + size, input_ids.shape[0]))
+        ids, mask, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
+        ref.append(module.policy.reference_logprobs(ids, mask, p, T, chunk))
+        out = module.policy(ids, mask, p, T, chunk_size=chunk)
+        old.append(out.logprobs)
+        values.append(out.values)
+    return torch.cat(ref), torch.cat(old), torch.cat(values)
+
+
 def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_responses) -> Rollout:
     """Steps 1-4 of a PPO iteration on one batch of prompts (see the module docstring).
 
@@ -207,6 +234,28 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         prompt_text=batch.get("prompt_text"),
         generation_s=generation_s,
     )
+
+
+@torch.no_grad()
+def validation_rollout(
+    module: PPOModule, batch: dict, batch_idx: int, sample: Sampler = sample_responses
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample, score and measure the KL of validation prompts: ``(scores, kl, response_len)``, each ``(B,)``
+    (reward-model scores as returned, the k1 KL per response in nats, real response tokens).
+
+    Sampling draws from a forked RNG seeded with ``ppo.seed`` and ``batch_idx``, so validation is repeatable
+    and leaves the training trajectory untouched; the actor adapter is not merged."""
+    prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
+    prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module.ppo.seed * 1_000_003 + batch_idx)
+        response_ids, response_mask, _ = sample_from_actor(module, prompt_ids, prompt_mask, sample)
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    ref_logprobs, logprobs, _ = module._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
+    scores = module.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+    kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
+    return scores, kl, response_mask.sum(-1)
 
 
 def shaped_scores(

@@ -76,6 +76,11 @@ class GAEEstimator:
     whiten: bool = True
     needs_critic: bool = True
 
+    @classmethod
+    def from_settings(cls, ppo) -> GAEEstimator:
+        """From ``PPOConfig``'s ``gamma``, ``gae_lambda`` and ``whiten_advantages``."""
+        return cls(ppo.gamma, ppo.gae_lambda, ppo.whiten_advantages)
+
     def __call__(self, rollout: Rollout, kl_coef: float, distributed: bool) -> Advantages:
         mask, update_mask = rollout.response_mask, rollout.update_mask
         rewards, non_score = shaped_rewards(rollout.scores, rollout.kl, mask, kl_coef)

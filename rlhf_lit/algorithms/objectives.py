@@ -85,6 +85,11 @@ class PPOObjective:
     vf_coef: float
     entropy_coef: float
 
+    @classmethod
+    def from_settings(cls, ppo) -> PPOObjective:
+        """From ``PPOConfig``'s ``clip_range``, ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``."""
+        return cls(ppo.clip_range, ppo.dual_clip, ppo.value_clip_range, ppo.vf_coef, ppo.entropy_coef)
+
     def terms(self, has_critic: bool) -> tuple[str, ...]:
         return TERMS if has_critic else ("policy",)
 

@@ -21,14 +21,11 @@ Manual optimization: Lightning never calls ``optimizer_step`` here; ``trainer.gl
 optimizer steps, so ``ppo/iteration`` is our own counter.
 
 Several processes (``ddp``, or FSDP2 via ``ModelParallelStrategy`` / ``FSDP2Strategy``; each rank holds
-its own slice of the rollout): advantage whitening, reward normalisation and the KL controller's input
-use statistics of all ranks; every rank draws the same permutation of the GLOBAL batch per epoch and takes its
-own rows of each global minibatch (``epoch_schedule``); the loss of a minibatch is the token mean over the
-global minibatch (see ``ppo_update``); generation keeps every rank stepping until all have finished
-(``synced_gpus``); gradient clipping takes the global norm over sharded gradients. So 2 ranks x 4 sequences
-make the same update as 1 rank x 8, with any number of minibatches and epochs. State that a resumed run
-needs (iteration, KL controller, reward statistics, RNG, PTX position, skipped-step count) is saved in the
-checkpoint, so a resumed run equals an uninterrupted one.
+its own slice of the rollout): statistics (whitening, reward normalisation, the KL controller's input) are
+over all ranks, minibatches are global (``ppo_update``), generation keeps every rank stepping
+(``synced_gpus``) and clipping takes the global norm: 2 ranks x 4 sequences make the same update as 1 rank x 8.
+State that a resumed run needs (iteration, KL controller, reward statistics, RNG, PTX position, skipped-step
+count) is saved in the checkpoint, so a resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ from rlhf_lit.algorithms import GAEEstimator, PPOObjective
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.errors import NonFiniteError
-from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
 from rlhf_lit.kl_control import build_kl_controller
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
@@ -74,30 +70,24 @@ from rlhf_lit.modules.ppo_config import (
     check_stop_tokens,
     refuse_impossible_settings,
 )
-from rlhf_lit.modules.ppo_stats import global_stats, iteration_stats, perf_stats
+from rlhf_lit.modules.ppo_stats import global_kl_per_response, global_stats, iteration_stats, perf_stats
 from rlhf_lit.modules.ppo_update import UpdateBatch, clip_global_grad_norm, epoch_schedule, ppo_update
 from rlhf_lit.parallel import (
     data_parallel_mesh,
     gathered_parameters,
-    global_sum,
     is_distributed,
     shard_head,
     shard_lm,
 )
 from rlhf_lit.reward_norm import RunningMeanStd
 from rlhf_lit.rng import get_rng_state, set_rng_state
-from rlhf_lit.rollout import Rollout, collect_rollout, sample_from_actor
+from rlhf_lit.rollout import Rollout, collect_rollout, experience_forwards, validation_rollout
 
 log = logging.getLogger("rlhf_lit")
 
 # ``sample_responses`` and ``epoch_schedule`` are looked up here when an iteration runs, so a test or a
 # benchmark can stand in for the sampler or the minibatch schedule (tests/ppo/test_oracle.py does).
 __all__ = ["NonFiniteError", "PPOModule", "epoch_schedule", "sample_responses"]
-
-
-def _chunks(n: int, size: int | None):
-    size = size or n
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 class PPOModule(L.LightningModule):
@@ -191,20 +181,13 @@ class PPOModule(L.LightningModule):
         self.kl_ctl = build_kl_controller(
             self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
         )
-        self.estimator = GAEEstimator(self.ppo.gamma, self.ppo.gae_lambda, self.ppo.whiten_advantages)
-        self.objective = PPOObjective(
-            self.ppo.clip_range,
-            self.ppo.dual_clip,
-            self.ppo.value_clip_range,
-            self.ppo.vf_coef,
-            self.ppo.entropy_coef,
-        )
+        self.estimator = GAEEstimator.from_settings(self.ppo)  # step 5
+        self.objective = PPOObjective.from_settings(self.ppo)  # the loss of step 6
         self.score_stats = RunningMeanStd(distributed=True)
         self.iteration = 0
         self.history: list[dict[str, float]] = []
-        self._two_pass = (
-            True  # sequential actor / critic backward on one process (ppo_update); tests switch it
-        )
+        # sequential actor / critic backward on one process (ppo_update); tests switch it
+        self._two_pass = True
         self.last_rollout: dict[str, list] = {}
         self._pending_rng: dict | None = None
         self._ptx: PTXStream | None = None
@@ -342,7 +325,7 @@ class PPOModule(L.LightningModule):
         )
         t3 = time.perf_counter()
         # 7. KL controller and metrics
-        self._update_kl_controller(rollout)
+        self.kl_ctl.update(*global_kl_per_response(self.trainer, rollout))  # every rank moves beta alike
         self.iteration += 1
         stats = iteration_stats(rollout, adv, bool(self.stop_ids), is_distributed(self.trainer))
         stats = global_stats(self.trainer, {**stats, **update_stats}, rollout)
@@ -354,20 +337,9 @@ class PPOModule(L.LightningModule):
         if self.ppo.total_iterations and self.iteration >= self.ppo.total_iterations:
             self.trainer.should_stop = True
 
-    @torch.no_grad()
     def _experience_forwards(self, input_ids, attention_mask, prompt_len):
-        """Steps 2-3: ``(ref_logprobs, old_logprobs, old_values)``, each ``(B, R)``, in no-grad forwards of
-        ``ppo.rollout_forward_batch_size`` rows (each piece without its all-padding prompt columns)."""
-        ref, old, values = [], [], []
-        chunk = self.ppo.logprob_chunk_size
-        T = self.sampling.temperature
-        for rows in _chunks(input_ids.shape[0], self.ppo.rollout_forward_batch_size):
-            ids, mask, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
-            ref.append(self.policy.reference_logprobs(ids, mask, p, T, chunk))
-            out = self.policy(ids, mask, p, T, chunk_size=chunk)
-            old.append(out.logprobs)
-            values.append(out.values)
-        return torch.cat(ref), torch.cat(old), torch.cat(values)
+        """Steps 2-3 (``rollout.experience_forwards``); tests spy on this method."""
+        return experience_forwards(self, input_ids, attention_mask, prompt_len)
 
     def _update(
         self,
@@ -391,37 +363,17 @@ class PPOModule(L.LightningModule):
         """The global-norm clipping of each optimizer step (``ppo_update.clip_global_grad_norm``)."""
         return clip_global_grad_norm(self, opt)
 
-    def _update_kl_controller(self, rollout: Rollout) -> None:
-        """Feed the KL controller the mean KL per response of the GLOBAL batch, so every rank moves beta
-        identically."""
-        seq_kl = (rollout.kl * rollout.response_mask).sum(-1)
-        num_sequences = global_sum(self.trainer, torch.tensor(float(seq_kl.numel()), device=seq_kl.device))
-        self.kl_ctl.update(
-            float(global_sum(self.trainer, seq_kl.detach().sum()) / num_sequences), n_steps=int(num_sequences)
-        )
-
     # ------------------------------------------------------------------ validation (rlhf-lit validate)
     @torch.no_grad()
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Sample responses to validation prompts and log ``val/score_mean``, ``val/kl_ref`` (k1, nats per
-        response) and ``val/response_len``. Sampling draws from a forked RNG seeded with ``ppo.seed`` and the
-        batch index, so validation is repeatable and leaves the training trajectory untouched."""
-        prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
-        prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ppo.seed * 1_000_003 + batch_idx)
-            response_ids, response_mask, _ = sample_from_actor(
-                self, prompt_ids, prompt_mask, sample_responses
-            )
-        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-        ref_logprobs, logprobs, _ = self._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
-        scores = self.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+        response) and ``val/response_len`` (``rollout.validation_rollout``: a forked RNG seeded with
+        ``ppo.seed`` and the batch index, so validation is repeatable and leaves training untouched)."""
+        scores, kl, lengths = validation_rollout(self, batch, batch_idx, sample=sample_responses)
         n = scores.shape[0]
-        kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
         self.log(M.VAL_SCORE_MEAN, scores.mean(), batch_size=n, sync_dist=True)
         self.log(M.VAL_KL_REF, kl.mean(), batch_size=n, sync_dist=True)
-        self.log(M.VAL_RESPONSE_LEN, response_mask.sum(-1).float().mean(), batch_size=n, sync_dist=True)
+        self.log(M.VAL_RESPONSE_LEN, lengths.float().mean(), batch_size=n, sync_dist=True)
 
     # ------------------------------------------------------------------ logging
     def _log_iteration(self, stats: dict, batch: dict, rollout: Rollout) -> None:

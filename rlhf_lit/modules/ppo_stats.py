@@ -13,10 +13,10 @@ from rlhf_lit.algorithms.advantages import Advantages
 from rlhf_lit.functional.advantages import explained_variance
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.masked import masked_mean
-from rlhf_lit.parallel.collectives import gather, global_mean, is_distributed
+from rlhf_lit.parallel.collectives import gather, global_mean, global_sum, is_distributed
 from rlhf_lit.rollout import Rollout
 
-__all__ = ["correlation", "global_stats", "iteration_stats", "perf_stats"]
+__all__ = ["correlation", "global_kl_per_response", "global_stats", "iteration_stats", "perf_stats"]
 
 
 def iteration_stats(rollout: Rollout, adv: Advantages, has_stop_token: bool, distributed: bool) -> dict:
@@ -100,3 +100,11 @@ def perf_stats(times: tuple[float, float, float, float], response_tokens: int, p
         M.PERF_GENERATION_TOKENS_PER_S: response_tokens / max(t1 - t0, 1e-9),
         M.PERF_PEAK_MEMORY_MB: peak_mb,
     }
+
+
+def global_kl_per_response(trainer, rollout: Rollout) -> tuple[float, int]:
+    """``(mean KL per response, number of responses)`` over the GLOBAL batch: the KL controller's input
+    (nats; the configured estimator, summed over each response's tokens)."""
+    seq_kl = (rollout.kl * rollout.response_mask).sum(-1)
+    num_sequences = global_sum(trainer, torch.tensor(float(seq_kl.numel()), device=seq_kl.device))
+    return float(global_sum(trainer, seq_kl.detach().sum()) / num_sequences), int(num_sequences)
