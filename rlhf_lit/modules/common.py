@@ -110,6 +110,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, tota
     )
 
 
+def configure_trainable_optimizer(module: L.LightningModule, cfg: OptimizerConfig) -> dict:
+    """``configure_optimizers`` of a module trained with automatic optimization (SFT, reward): one optimizer
+    over every parameter that requires grad, its schedule stepped per optimizer step over the trainer's
+    ``estimated_stepping_batches`` (accumulation, epochs and ``max_steps`` included)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer([{"params": params}], cfg, module._trainer)
+    scheduler = build_scheduler(optimizer, cfg, module.trainer.estimated_stepping_batches)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def log_data_report(module: L.LightningModule) -> None:
     """Log the data module's kept/skipped counts (``data/<split>/...``) once, at the start of fit."""
     trainer = module.trainer

@@ -26,8 +26,7 @@ from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
     as_config,
-    build_optimizer,
-    build_scheduler,
+    configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
 )
@@ -141,10 +140,7 @@ class SFTModule(L.LightningModule):
         self.log(M.VAL_PERPLEXITY, torch.exp(loss.clamp(max=50.0)))
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = build_optimizer([{"params": params}], self.optim_cfg, self._trainer)
-        scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_trainable_optimizer(self, self.optim_cfg)
 
     def configure_callbacks(self):
         """The Hugging Face export at the end of fit when ``export_dir`` is set (``HFExport``; one in
