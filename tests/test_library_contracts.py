@@ -90,3 +90,24 @@ def test_importing_parallel_does_not_import_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+# ---------------------------------------------------------------- peft (rlhf_lit.models.peft_compat)
+def test_peft_switches_a_list_of_adapters_on_and_keeps_dropouts_per_adapter():
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_lit.models.peft_compat import activate_adapters, zero_adapter_dropout
+
+    base = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    config = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.5, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(base, config, adapter_name="a")
+    model.add_adapter("b", config)
+    activate_adapters(model, ["a", "b"])
+    layer = next(m for m in model.modules() if hasattr(m, "lora_dropout"))
+    assert list(layer.active_adapters) == ["a", "b"]
+    # inference_mode=True freezes the activated adapters; AdaptedLM restores its trainable ones afterwards
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    assert isinstance(layer.lora_dropout, torch.nn.ModuleDict) and set(layer.lora_dropout) == {"a", "b"}
+    zero_adapter_dropout(model, "b")
+    assert layer.lora_dropout["b"].p == 0.0 and layer.lora_dropout["a"].p == 0.5

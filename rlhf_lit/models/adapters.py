@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from rlhf_lit.functional.sequence import position_ids_from_mask
 from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk
+from rlhf_lit.models.peft_compat import activate_adapters, zero_adapter_dropout
 
 
 def lora_config(settings: LoraSettings, model: nn.Module) -> LoraConfig:
@@ -119,12 +120,7 @@ class AdaptedLM(nn.Module):
             self._activate(self.base_adapters)
 
     def _zero_adapter_dropout(self, name: str) -> None:
-        for module in self.model.modules():
-            dropouts = getattr(module, "lora_dropout", None)
-            if isinstance(dropouts, nn.ModuleDict) and name in dropouts:
-                for m in dropouts[name].modules():
-                    if isinstance(m, nn.Dropout):
-                        m.p = 0.0
+        zero_adapter_dropout(self.model, name)
 
     def adapter_parameters(self, name: str) -> list[nn.Parameter]:
         """The LoRA parameters of one adapter."""
@@ -161,7 +157,7 @@ class AdaptedLM(nn.Module):
 
     def _activate(self, names: list[str]) -> None:
         """Switch on exactly ``names`` in every LoRA layer (peft adds their updates)."""
-        self.model.base_model.set_adapter(names, inference_mode=True)
+        activate_adapters(self.model, names)
 
     def set_adapter(self, name: str) -> None:
         """Make ``name`` the active adapter (above any base adapters), keeping every trainable adapter
