@@ -6,6 +6,7 @@ is tests/cli/test_cli_messages.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -111,3 +112,15 @@ def test_peft_switches_a_list_of_adapters_on_and_keeps_dropouts_per_adapter():
     assert isinstance(layer.lora_dropout, torch.nn.ModuleDict) and set(layer.lora_dropout) == {"a", "b"}
     zero_adapter_dropout(model, "b")
     assert layer.lora_dropout["b"].p == 0.0 and layer.lora_dropout["a"].p == 0.5
+
+
+def test_lightning_module_trainer_attribute_is_none_until_attached():
+    """``modules.common.attached_trainer`` reads ``LightningModule._trainer`` (``.trainer`` raises unattached)."""
+    import lightning as L
+
+    from rlhf_lit.modules.common import attached_trainer
+
+    module = L.LightningModule()
+    assert attached_trainer(module) is None
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        module.trainer  # noqa: B018

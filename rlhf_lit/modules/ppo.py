@@ -53,6 +53,7 @@ from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.modules.common import (
     OptimizerConfig,
     as_config,
+    attached_trainer,
     build_optimizer,
     build_scheduler,
     log_data_report,
@@ -248,7 +249,7 @@ class PPOModule(L.LightningModule):
         batch size of the trainer's data module, else None."""
         if self.rollout_batch_size is not None:
             return self.rollout_batch_size
-        return getattr(getattr(self._trainer, "datamodule", None), "batch_size", None)
+        return getattr(getattr(attached_trainer(self), "datamodule", None), "batch_size", None)
 
     def optimizer_steps_per_iteration(self) -> int:
         """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""
@@ -260,7 +261,7 @@ class PPOModule(L.LightningModule):
         groups.append(
             {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
         )
-        optimizer = build_optimizer(groups, self.optim_cfg, self._trainer)
+        optimizer = build_optimizer(groups, self.optim_cfg, attached_trainer(self))
         rollout = self._rollout_batch_size()
         if rollout is None:  # plain dataloaders: their batch size is not known yet when this runs
             rank_zero_warn(
@@ -285,7 +286,7 @@ class PPOModule(L.LightningModule):
             callbacks.append(RolloutSamples(every=self.hparams.log_samples_every))
         if self.export_dir:
             callbacks += [HFExport(), PPOCurves(target_kl=self.kl_cfg.target_kl)]
-        return unless_configured(self._trainer, callbacks)
+        return unless_configured(attached_trainer(self), callbacks)
 
     def on_fit_start(self) -> None:
         log_data_report(self)
@@ -423,7 +424,7 @@ class PPOModule(L.LightningModule):
         ``path`` (``rlhf_lit.models.export``); every rank calls it (a collective under FSDP2), rank 0 writes.
         ``HFExport`` calls it at the end of fit when ``export_dir`` is set."""
         with gathered_parameters(self.policy.lm):  # a collective under FSDP2; nothing otherwise
-            if self._trainer is None or self.trainer.is_global_zero:
+            if attached_trainer(self) is None or self.trainer.is_global_zero:
                 save_causal_lm(
                     self.policy.lm,
                     self.tokenizer,

@@ -26,6 +26,7 @@ from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
     as_config,
+    attached_trainer,
     configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
@@ -145,14 +146,14 @@ class SFTModule(L.LightningModule):
     def configure_callbacks(self):
         """The Hugging Face export at the end of fit when ``export_dir`` is set (``HFExport``; one in
         ``trainer.callbacks`` is kept instead)."""
-        return unless_configured(self._trainer, [HFExport()] if self.export_dir else [])
+        return unless_configured(attached_trainer(self), [HFExport()] if self.export_dir else [])
 
     def export(self, path: str) -> None:
         """Write the model (any LoRA adapter merged, and alone in ``adapter/``, per ``export_mode``) and the
         tokenizer in Hugging Face format to ``path``; every rank calls it (a collective under FSDP2), rank 0
         writes."""
         with gathered_parameters(self.lm):  # a collective under FSDP2; nothing otherwise
-            if self._trainer is None or self.trainer.is_global_zero:
+            if attached_trainer(self) is None or self.trainer.is_global_zero:
                 save_causal_lm(
                     self.lm,
                     self.tokenizer,
