@@ -208,20 +208,14 @@ class PPOModule(L.LightningModule):
             critic_lora.dropout = 0.0
         self.policy = ActorCritic(base, backbone.lora, critic_lora)
         self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
-        if self.critic_cfg.init_from_reward:
-            self._init_critic_from_reward()
-
-    def _init_critic_from_reward(self) -> None:
-        """``critic.init_from_reward``: the value head (and the critic adapter) start as the reward model's."""
-        src = self.reward_source
-        head = src.head if src.scorer is None else src.scorer.head
-        if head.linear.in_features != self.policy.value_head.linear.in_features:
-            raise ValueError(
-                "critic.init_from_reward: the reward model's hidden size differs from the policy's"
+        if (
+            self.critic_cfg.init_from_reward
+        ):  # PPO-Max; a reward adapter on this base starts the critic adapter
+            src = self.reward_source
+            in_base = src.scorer is None
+            self.policy.start_critic_from(
+                src.head if in_base else src.scorer.head, "reward" if in_base else None
             )
-        self.policy.value_head.load_state_dict(head.state_dict())
-        if src.scorer is None and not self.critic_cfg.shared_trunk:  # the reward model is an adapter here
-            self.policy.lm.copy_adapter("reward", "critic")
 
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model.
