@@ -128,6 +128,13 @@ def _check_data_settings(kind: str, data: dict) -> None:
 
 
 def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
+    """PPO's consistency rules; a setting the config leaves unset takes the module's default (its dataclass's)."""
+    import inspect
+
+    from rlhf_lit.data import PromptDataModule
+    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.modules.ppo_config import PPOConfig, PTXConfig
+
     p = "model.init_args."
     if get(init, "backbone.lora") is None:
         raise ConfigError(
@@ -147,9 +154,9 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
         raise ConfigError(
             f"{p}kl.adaptive is true but kl.target_kl is not set; give the KL per response to aim at"
         )
-    minibatch = get(init, "ppo.ppo_minibatch_size", 4)
+    minibatch = get(init, "ppo.ppo_minibatch_size", PPOConfig.ppo_minibatch_size)
     micro = get(init, "ppo.micro_batch_size") or minibatch
-    rollout = data.get("batch_size", 8)
+    rollout = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
     if rollout % minibatch:
         raise ConfigError(
             f"data.init_args.batch_size ({rollout} prompts per rollout) must be a multiple of "
@@ -159,16 +166,16 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
         raise ConfigError(
             f"{p}ppo.ppo_minibatch_size ({minibatch}) must be a multiple of {p}ppo.micro_batch_size ({micro})"
         )
-    if get(init, "sampling.min_new_tokens", 0) > get(init, "sampling.max_new_tokens", 48):
+    if get(init, "sampling.min_new_tokens", SamplingConfig.min_new_tokens) > get(init, "sampling.max_new_tokens", SamplingConfig.max_new_tokens):
         raise ConfigError(
             f"{p}sampling.min_new_tokens ({get(init, 'sampling.min_new_tokens')}) must be <= sampling.max_new_tokens "
             f"({get(init, 'sampling.max_new_tokens')})"
         )
-    if get(init, "ptx.coef", 0) > 0 and not file_list(get(init, "ptx.train_files")):
+    if get(init, "ptx.coef", PTXConfig.coef) > 0 and not file_list(get(init, "ptx.train_files")):
         raise ConfigError(f"{p}ptx.coef > 0 needs ptx.train_files (SFT data for the pretraining-mix term)")
     max_steps = trainer.get("max_steps", -1)
     if isinstance(max_steps, int) and max_steps > 0:
-        per_iteration = get(init, "ppo.ppo_epochs", 4) * (rollout // minibatch)
+        per_iteration = get(init, "ppo.ppo_epochs", PPOConfig.ppo_epochs) * (rollout // minibatch)
         if max_steps % per_iteration:
             raise ConfigError(
                 f"trainer.max_steps={max_steps} would stop PPO inside an iteration: one iteration makes {per_iteration} "

@@ -33,6 +33,9 @@ def model_positions(backbone: dict | Any) -> int | None:
 
 
 def check_lengths(stage: str, init: dict, data: dict) -> None:
+    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.modules.ppo_config import PTXConfig
+
     backbone = init.get("backbone")
     if not backbone:
         return
@@ -47,7 +50,7 @@ def check_lengths(stage: str, init: dict, data: dict) -> None:
                 f"(max_position_embeddings of model.init_args.backbone); set max_length <= {positions}"
             )
         return
-    new_tokens = get(init, "sampling.max_new_tokens", 48)
+    new_tokens = get(init, "sampling.max_new_tokens", SamplingConfig.max_new_tokens)
     limit = data.get("max_prompt_length") or data.get("pad_to_length")
     if limit is not None and limit + new_tokens > positions:
         raise ConfigError(
@@ -55,7 +58,7 @@ def check_lengths(stage: str, init: dict, data: dict) -> None:
             f"= {limit + new_tokens} tokens exceed the policy's {positions} positions; lower one of them"
         )
     ptx_length = get(init, "ptx.max_length")
-    if get(init, "ptx.coef", 0) > 0 and ptx_length and ptx_length > positions:
+    if get(init, "ptx.coef", PTXConfig.coef) > 0 and ptx_length and ptx_length > positions:
         raise ConfigError(
             f"model.init_args.ptx.max_length ({ptx_length}) exceeds the policy's {positions} positions"
         )
