@@ -209,3 +209,18 @@ def print_line(line: dict, out: Path | None) -> None:
     if out is not None:
         with open(out, "a") as f:
             f.write(text + "\n")
+
+
+TRAINERS = {
+    "rm": "rlhf_lit.modules.RewardModule under lightning.Trainer.fit",
+    "ppo": "rlhf_lit.modules.PPOModule under lightning.Trainer.fit (manual optimization)",
+}
+
+
+def ours_line(wl: str, runs: list[dict], args, fingerprint: dict) -> dict:
+    return result_line(SYSTEM, wl, runs, workload_config(wl, fingerprint, args, runs[0]["details"], TRAINERS[wl]))
+
+
+def log_run(system: str, r: dict) -> None:
+    log(f"[bench]   {system}: wall={r['wall_s']:.2f}s throughput={r['throughput']:.3f} {r['unit']} "
+        f"peak_rss={r['peak_rss_mb']:.0f}MB")

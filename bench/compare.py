@@ -24,6 +24,8 @@ from bench.common import (
     W,
     cpu_model,
     log,
+    log_run,
+    ours_line,
     print_line,
     result_line,
     run_child,
@@ -179,8 +181,6 @@ def markdown(cmp: dict) -> str:
 
 
 def main(args, fingerprint: dict) -> None:
-    from bench.run import log_run, ours_line
-
     ensure_trl()
     workloads = ["rm", "ppo"] if args.workload == "all" else [args.workload]
     if "ppo" in workloads:

@@ -31,16 +31,11 @@ from bench.common import (  # noqa: E402
     W,
     emit_child_result,
     log,
+    log_run,
+    ours_line,
     print_line,
-    result_line,
     run_child,
-    workload_config,
 )
-
-TRAINERS = {
-    "rm": "rlhf_lit.modules.RewardModule under lightning.Trainer.fit",
-    "ppo": "rlhf_lit.modules.PPOModule under lightning.Trainer.fit (manual optimization)",
-}
 
 
 def parse_args(argv=None):
@@ -93,15 +88,6 @@ def run_ours(workloads: list[str], args, fingerprint: dict) -> dict[str, dict]:
         lines[wl] = ours_line(wl, runs, args, fingerprint)
         print_line(lines[wl], args.out)
     return lines
-
-
-def ours_line(wl: str, runs: list[dict], args, fingerprint: dict) -> dict:
-    return result_line(SYSTEM, wl, runs, workload_config(wl, fingerprint, args, runs[0]["details"], TRAINERS[wl]))
-
-
-def log_run(system: str, r: dict) -> None:
-    log(f"[bench]   {system}: wall={r['wall_s']:.2f}s throughput={r['throughput']:.3f} {r['unit']} "
-        f"peak_rss={r['peak_rss_mb']:.0f}MB")
 
 
 def main(argv=None) -> None:

@@ -7,8 +7,9 @@ accepted``, followed by a dump of the value. :func:`condense` walks that tree to
 leaf), rebuilds the dotted key the user wrote (``model.init_args.kl.kl_coeff``), and for an unknown key
 suggests the closest accepted name (from the class's signature, or the parser's options).
 
-This module is the one place that reads jsonargparse's message text: the layout was checked against
-jsonargparse 4.53 with Lightning 2.6.6, and ``tests/cli/test_cli_messages.py`` fails loudly if it changes.
+This module is the one place that reads jsonargparse's message text and argparse's private list of a
+parser's actions (:func:`option_strings`): the layout was checked against jsonargparse 4.53 with Lightning
+2.6.6 (Python 3.11's argparse), and ``tests/cli/test_cli_messages.py`` fails loudly if it changes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import inspect
 import re
 from typing import Any
 
-__all__ = ["condense", "did_you_mean"]
+__all__ = ["condense", "did_you_mean", "option_strings"]
 
 _NOISE = (
     "Does not validate against any of the Union subtypes",
@@ -206,3 +207,15 @@ def _import_module(name: str):
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+def option_strings(parser, args) -> list[str]:
+    """Option strings of the subcommand being parsed (for "did you mean"), else of the main parser (read from
+    argparse's private ``_actions``, and a subcommand's parser from its action's ``choices``)."""
+    names = [s for a in parser._actions for s in a.option_strings]
+    argv = list(args or [])
+    for action in parser._actions:
+        choices = getattr(action, "choices", None)
+        if isinstance(choices, dict) and argv and argv[0] in choices:
+            names += [s for a in choices[argv[0]]._actions for s in a.option_strings]
+    return names

@@ -11,7 +11,7 @@ No imports from the rest of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "UserError"]
+__all__ = ["ConfigError", "NonFiniteError", "UserError"]
 
 
 class UserError(Exception):
@@ -20,3 +20,9 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A config key or value that cannot work: unknown, out of range, inconsistent, or a missing path."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A PPO run met an inf or nan where it must not go on: a reward-model score, or a gradient norm that
+    stayed non-finite for ``ppo.max_consecutive_skips`` optimizer steps in a row. Not a user mistake: the
+    run has diverged or the reward model is broken, and the traceback is kept."""

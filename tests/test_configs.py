@@ -26,7 +26,7 @@ def _parse_only(monkeypatch, configs: list[Path]):
     """Build the CLI on ``configs`` (stacked in order): parse and check the values (``rlhf_lit.checks``),
     instantiate nothing. Model folders that earlier stages write (the demo's exports) need not exist."""
     monkeypatch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
-    monkeypatch.setattr("rlhf_lit.checks._model_folder_problem", lambda *args, **kwargs: None)
+    monkeypatch.setattr("rlhf_lit.checks.paths._model_folder_problem", lambda *args, **kwargs: None)
     args = [arg for config in configs for arg in ("--config", str(config))]
     with in_repo_root():
         return cli_main(args, run=False)
@@ -114,6 +114,20 @@ def test_fit_help_exits_zero(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--config" in out and "--trainer.max_steps" in out and "--model" in out
+
+
+def test_data_help_shows_the_shared_loader_arguments_in_each_data_module_s_words(capsys):
+    """The loader arguments are documented once (``data.base.loader_args_doc``) and stay flat config keys."""
+    for data_class, phrase in (
+        ("rlhf_lit.data.SFTDataModule", "examples per training batch."),
+        ("rlhf_lit.data.PreferenceDataModule", "pairs per training batch."),
+        ("rlhf_lit.data.PromptDataModule", "prompts per training batch, i.e. per rollout (per rank)."),
+    ):
+        with pytest.raises(SystemExit), in_repo_root():
+            cli_main(["fit", "--data.help", data_class])
+        out = _normalized(capsys.readouterr().out)
+        assert "--data.batch_size" in out and "--data.num_workers" in out and "--data.train_files" in out
+        assert phrase in out and "DataLoader worker processes." in out
 
 
 def test_model_help_shows_the_docstring_of_each_argument(capsys):

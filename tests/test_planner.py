@@ -18,7 +18,11 @@ import yaml
 import rlhf_lit.modules.ppo as ppo_mod
 from rlhf_lit import planner
 from rlhf_lit.cli import cli_main, main
-from rlhf_lit.models import BackboneConfig, LoraSettings
+from rlhf_lit.data import PromptDataModule
+from rlhf_lit.errors import ConfigError
+from rlhf_lit.generation import SamplingConfig
+from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
+from rlhf_lit.modules import PPOModule
 from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
 from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, one_thread
@@ -94,6 +98,50 @@ def test_gradient_checkpointing_and_lora_change_the_estimate_the_right_way():
     assert with_ckpt.peak < base.peak
     settings.backbone.lora = LoraSettings(r=64)
     assert planner.estimate(settings, base.shape).static > with_ckpt.static
+
+
+class ShortResponses(PPOModule):
+    """PPOModule with another default: 5 new tokens per response (the real default is 48)."""
+
+    def __init__(
+        self,
+        backbone: BackboneConfig,
+        reward_model: RewardModelConfig,
+        sampling: SamplingConfig | None = SamplingConfig(max_new_tokens=5),
+        **kwargs,
+    ) -> None:
+        super().__init__(backbone, reward_model, sampling=sampling, **kwargs)
+
+
+class BigRollouts(PromptDataModule):
+    """PromptDataModule with another default: 12 prompts per rollout (the real default is 8)."""
+
+    def __init__(self, train_files: list[str] | str, batch_size: int = 12, **kwargs) -> None:
+        super().__init__(train_files, batch_size=batch_size, **kwargs)
+
+
+def test_the_planner_reads_configs_with_the_cli_parser_and_follows_changed_defaults(tmp_path):
+    """No default is copied into the planner: a config that leaves sampling and the rollout size unset plans
+    with the modules' defaults, and with other classes' defaults when the config names them."""
+    spec = yaml.safe_load((REPO_ROOT / "configs/ppo/tiny.yaml").read_text())
+    del spec["model"]["init_args"]["sampling"], spec["data"]["init_args"]["batch_size"]
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(spec))
+    spec["model"]["class_path"] = "tests.test_planner.ShortResponses"
+    spec["data"]["class_path"] = "tests.test_planner.BigRollouts"
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(spec))
+    with in_repo_root():
+        before, after = planner.plan([str(plain)]), planner.plan([str(changed)])
+    assert (before.settings.response_len, before.settings.batch_size) == (48, 8)
+    assert (after.settings.response_len, after.settings.batch_size) == (5, 12)
+    kv = [dict((n, note) for n, _, note in est.rows)["KV cache (rollout)"] for est in (before, after)]
+    assert kv == ["2 x L x 8 x 144 tokens x kv 64", "2 x L x 12 x 101 tokens x kv 64"]  # P = 96, + R
+    with pytest.raises(ConfigError, match="unknown key trainr.max_epochs"):  # the same parser as fit
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump({**spec, "trainr": {"max_epochs": 1}}))
+        with in_repo_root():
+            planner.plan([str(bad)])
 
 
 # ------------------------------------------------------------------ measured on the CPU

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import lightning as L
@@ -23,7 +25,7 @@ from rlhf_lit.data.records import SkipCounter
 from rlhf_lit.data.tokenize import Tokenization
 from rlhf_lit.errors import ConfigError
 
-__all__ = ["ExampleDataset", "RLHFDataModule", "split_examples"]
+__all__ = ["ExampleDataset", "LoaderArgs", "RLHFDataModule", "loader_args_doc", "split_examples"]
 
 log = logging.getLogger("rlhf_lit.data")
 
@@ -81,20 +83,110 @@ def split_examples(
     return [e for e in examples if e["row"] in train_rows], [e for e in examples if e["row"] in val_rows]
 
 
+@dataclass
+class LoaderArgs:
+    """The reading, splitting and batching arguments every rlhf_lit DataModule takes, validated once.
+
+    The DataModules keep them as flat, typed ``__init__`` arguments (``data.init_args.batch_size`` in a
+    config, each with its ``--help`` line) and hand them over as one object: ``LoaderArgs.pick(locals())``.
+    Their documentation is written once too (:func:`loader_args_doc`).
+
+    Raises:
+        ConfigError: no train file, a batch size or ``pad_to_multiple_of`` < 1, a bad ``val_size`` or
+            ``max_train_samples_per_file``.
+    """
+
+    train_files: str | Sequence[str]
+    val_files: str | Sequence[str] | None
+    val_size: int | float
+    max_train_samples_per_file: int | None
+    batch_size: int
+    val_batch_size: int | None
+    num_workers: int
+    shuffle: bool
+    seed: int
+    pad_to_multiple_of: int | None
+
+    def __post_init__(self) -> None:
+        files = self.train_files
+        self.train_files = [files] if isinstance(files, str) else list(files)
+        files = self.val_files
+        self.val_files = [files] if isinstance(files, str) else list(files) if files else None
+        if not self.train_files:
+            raise ConfigError("train_files is empty; give at least one file or hub id")
+        for name, value in (
+            ("batch_size", self.batch_size),
+            ("val_batch_size", self.val_batch_size or 1),
+            ("pad_to_multiple_of", self.pad_to_multiple_of or 1),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.max_train_samples_per_file is not None and self.max_train_samples_per_file < 1:
+            raise ConfigError(
+                f"max_train_samples_per_file must be >= 1 or None, got {self.max_train_samples_per_file}"
+            )
+        _val_count(self.val_size, 0)  # validates the value early
+
+    @classmethod
+    def pick(cls, arguments: dict[str, Any]) -> LoaderArgs:
+        """The loader arguments out of a DataModule's ``__init__`` arguments (its ``locals()``), by name."""
+        return cls(**{f.name: arguments[f.name] for f in dataclass_fields(cls)})
+
+
+_LOADER_ARGS_DOC = """\
+train_files: training files (``.json``, ``.jsonl``, ``.gz``, ``.parquet``, ``.csv``) or hub ids
+    (``":test"`` picks a split){train_files}; one string is accepted too.
+val_files: validation files; when given, ``val_size`` is ignored.
+val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.{val_size}
+max_train_samples_per_file: keep at most this many training {unit} per file (a fixed, seeded subset);
+    None keeps all.
+batch_size: {unit} per training batch{batch_size}.
+val_batch_size: {unit} per validation batch (default: ``batch_size``).
+num_workers: DataLoader worker processes.
+shuffle: shuffle the training {unit} ({order}).
+seed: seeds the split, the per-file subset and the {seeded}.
+pad_to_multiple_of: round the padded {padded} up to a multiple of this.
+tokenizer: the tokenizer object (linked from the model by the CLI, not set in YAML)."""
+
+
+def loader_args_doc(
+    unit: str, padded: str = "length", order: str = "seeded with ``seed``", seeded: str = "shuffle", **extra: str
+):
+    """Class decorator: writes the shared docs of :class:`LoaderArgs` (and ``tokenizer``) into the class
+    docstring's ``Args:`` section, where it says ``{LOADER_ARGS}``; ``unit`` names what a batch holds
+    (``examples``, ``pairs``, ``prompts``), ``extra`` adds words after ``train_files``, ``val_size`` or
+    ``batch_size``. LightningCLI's ``--help`` reads the result (docstring-parser)."""
+
+    def decorate(cls: type) -> type:
+        text = _LOADER_ARGS_DOC.format(
+            unit=unit,
+            padded=padded,
+            order=order,
+            seeded=seeded,
+            train_files=extra.get("train_files", ""),
+            val_size=extra.get("val_size", ""),
+            batch_size=extra.get("batch_size", ""),
+        )
+        marker = next(line for line in cls.__doc__.splitlines() if line.strip() == "{LOADER_ARGS}")
+        indent = marker[: len(marker) - len(marker.lstrip())]
+        cls.__doc__ = cls.__doc__.replace(marker, "\n".join(indent + line for line in text.splitlines()))
+        return cls
+
+    return decorate
+
+
 class RLHFDataModule(L.LightningDataModule):
     """Base of the three DataModules; subclasses set ``stage`` and implement ``_convert``,
-    ``_tokenize`` and ``_collator``. See the subclasses for the meaning of every argument."""
+    ``_tokenize`` and ``_collator``. The shared arguments arrive as one :class:`LoaderArgs`; the
+    stage-specific ones (format, fields, lengths) are documented by the subclasses."""
 
     stage: str = ""
     formats: tuple[str, ...] = ()
 
     def __init__(
         self,
+        loader: LoaderArgs,
         *,
-        train_files: str | Sequence[str],
-        val_files: str | Sequence[str] | None,
-        val_size: int | float,
-        max_train_samples_per_file: int | None,
         format: str,
         fields: Fields,
         chat_template: bool,
@@ -102,35 +194,20 @@ class RLHFDataModule(L.LightningDataModule):
         max_prompt_length: int | None,
         min_prompt_tokens: int,
         append_eos: bool,
-        batch_size: int,
-        val_batch_size: int | None,
-        num_workers: int,
-        shuffle: bool,
-        seed: int,
-        pad_to_multiple_of: int | None,
         tokenizer: Any,
     ) -> None:
         super().__init__()
-        self.train_files = [train_files] if isinstance(train_files, str) else list(train_files)
-        self.val_files = [val_files] if isinstance(val_files, str) else list(val_files) if val_files else None
-        if not self.train_files:
-            raise ConfigError("train_files is empty; give at least one file or hub id")
         if format not in ("auto",) + self.formats:
             raise ConfigError(f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}")
-        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size or 1),
-                            ("pad_to_multiple_of", pad_to_multiple_of or 1)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
-        if max_train_samples_per_file is not None and max_train_samples_per_file < 1:
-            raise ConfigError(f"max_train_samples_per_file must be >= 1 or None, got {max_train_samples_per_file}")
-        _val_count(val_size, 0)  # validates the value early
-        self.val_size, self.max_train_samples_per_file = val_size, max_train_samples_per_file
+        self.loader = loader
+        self.train_files, self.val_files = loader.train_files, loader.val_files
+        self.val_size, self.max_train_samples_per_file = loader.val_size, loader.max_train_samples_per_file
+        self.batch_size, self.val_batch_size = loader.batch_size, loader.val_batch_size
+        self.num_workers, self.shuffle, self.seed = loader.num_workers, loader.shuffle, loader.seed
+        self.pad_to_multiple_of = loader.pad_to_multiple_of
         self.format, self.fields, self.chat_template = format, fields, chat_template
         self.max_length, self.max_prompt_length = max_length, max_prompt_length
         self.min_prompt_tokens, self.append_eos = min_prompt_tokens, append_eos
-        self.batch_size, self.val_batch_size = batch_size, val_batch_size
-        self.num_workers, self.shuffle, self.seed = num_workers, shuffle, seed
-        self.pad_to_multiple_of = pad_to_multiple_of
         self.tokenizer = tokenizer
         self.source_names: list[str] = []
         self._source_specs: list[str] = []

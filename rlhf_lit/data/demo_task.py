@@ -142,6 +142,14 @@ def label_noise_rate(rows: list[dict]) -> float:
 GENERATORS = {"sft": sft_rows, "preference": preference_rows, "prompts": prompt_rows}
 
 
+def load_source(name: str, split: str):
+    """The ``load_rows`` source of the ``demo`` scheme: ``demo:<kind>?n=..&seed=..&split=..`` -> a
+    ``datasets.Dataset`` of the task's rows (the split is in the spec; ``split`` is ignored)."""
+    import datasets
+
+    return datasets.Dataset.from_list(rows_from_spec(f"demo:{name}"))
+
+
 def rows_from_spec(spec: str) -> list[dict]:
     """Rows for a ``demo:<kind>?n=<n>&seed=<seed>&split=<split>`` spec (used by ``load_rows``).
 

@@ -1,6 +1,6 @@
-"""Row formats -> canonical records (see ``records.py``): shared parts, SFT and prompts. No tokenizer.
+"""Row formats -> canonical records (see ``records.py``): the parts every format shares. No tokenizer.
 
-The preference formats live in ``preference_formats.py``.
+The converters live in ``sft_formats.py``, ``prompt_formats.py`` and ``preference_formats.py``.
 
 Each converter yields ``(row_index, record)`` for a usable example or ``(row_index, reason)`` (a
 ``SKIP_REASONS`` string) for a skipped one; the DataModule counts them. A field of the wrong type (a
@@ -43,13 +43,8 @@ from typing import Any
 
 from rlhf_lit.data.loading import DataFormatError
 from rlhf_lit.data.records import (
-    HUMAN_MARK,
-    as_hh_prompt,
-    gsm8k_reference,
-    hh_first_turn_prompt,
     looks_like_hh,
     parse_hh_messages,
-    split_hh_transcript,
 )
 
 Message = dict[str, str]
@@ -361,133 +356,8 @@ def required_fields(stage: str, fmt: str, fields: Fields) -> list[str]:
     return [f.split(".")[0] for f in table.get((stage, fmt), [])]
 
 
-def _conversation(row: Row, field: str) -> list[Message]:
+def conversation(row: Row, field: str) -> list[Message]:
     value = row.get(field)
     if value is None:
         raise SkipRow("missing_field")
     return row.messages(field, value)
-
-
-# ----------------------------------------------------------------------------------------------- SFT
-def sft_records(
-    rows: Iterable[dict[str, Any]],
-    fmt: str,
-    fields: Fields,
-    chat: bool,
-    source: int,
-    where: str,
-    keep_label: bool | None = None,
-) -> Converted:
-    """Convert SFT rows of one file into ``{"prompt", "response"}`` records.
-
-    ``keep_label``: keep only rows whose ``fields.label`` equals it (the others are skipped as
-    ``filtered_by_label``); None reads no label.
-    """
-
-    def convert(row: Row) -> dict | str:
-        if keep_label is not None and fields.label and row.label(fields.label) != keep_label:
-            return "filtered_by_label"
-        meta = {"source": source, "row": row.index}
-        if fmt in ("messages", "sharegpt"):
-            messages = _conversation(row, fields.messages if fmt == "messages" else fields.conversations)
-            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-            if last is None or blank(messages[last]["content"]):
-                return "empty_response"
-            if not messages[:last] or all(blank(m["content"]) for m in messages[:last]):
-                return "empty_prompt"
-            return {"prompt": messages[:last], "response": messages[last], **meta}
-        is_hh = fmt == "hh"
-        if fmt == "explicit":
-            response_field = fields.response if row.get(fields.response) is not None else fields.completion
-            prompt, response = row.prompt_text(fields), row.text(response_field)
-            if prompt is None or response is None:
-                return "missing_field"
-        elif fmt == "alpaca":
-            prompt, response = row.text("instruction"), row.text("output")
-            if prompt is None or response is None:
-                return "missing_field"
-            if not blank(row.text("input")):
-                prompt = f"{prompt.strip()}\n\n{row.text('input').strip()}"
-        elif fmt == "gsm8k":
-            prompt, response = row.text("question"), row.text("answer")
-            if prompt is None or response is None:
-                return "missing_field"
-        else:  # hh
-            transcript = row.text(fields.chosen)
-            if transcript is None:
-                return "missing_field"
-            if blank(transcript):
-                return "empty_response"
-            parts = split_hh_transcript(transcript)
-            if parts is None:
-                return "no_shared_prefix"
-            prompt, response = parts
-            if HUMAN_MARK in response:  # the transcript ends with a human turn: no single response
-                return "multi_turn_response"
-        if blank(prompt):
-            return "empty_prompt"
-        if blank(response):
-            return "empty_response"
-        if chat:
-            return {"prompt": chat_prompt(prompt, is_hh), "response": assistant_message(response), **meta}
-        if fmt in ("alpaca", "gsm8k"):
-            prompt, response = as_hh_prompt(prompt), " " + response.strip()
-        elif fmt == "explicit":
-            response = join_response(prompt, response, fields.separator)
-        return {"prompt": prompt, "response": response, **meta}
-
-    return convert_rows(rows, where, convert)
-
-
-# ------------------------------------------------------------------------------------------- prompts
-def prompt_records(
-    rows: Iterable[dict[str, Any]],
-    fmt: str,
-    fields: Fields,
-    chat: bool,
-    source: int,
-    where: str,
-    hh_first_turn_only: bool = False,
-) -> Converted:
-    """Convert prompt rows of one file into ``{"prompt", "reference"}`` records."""
-
-    def convert(row: Row) -> dict | str:
-        meta = {"source": source, "row": row.index}
-        if fmt in ("messages", "sharegpt"):
-            messages = _conversation(row, fields.messages if fmt == "messages" else fields.conversations)
-            if messages and messages[-1]["role"] == "assistant":
-                messages = messages[:-1]  # SFT-style conversations: prompt for the last reply
-            if not messages or all(blank(m["content"]) for m in messages):
-                return "empty_prompt"
-            return {"prompt": messages, "reference": None, **meta}
-        reference = None
-        if fmt == "explicit":
-            text = row.prompt_text(fields)
-        elif fmt == "alpaca":
-            text = row.text("instruction")
-            if text is not None and not blank(row.text("input")):
-                text = f"{text.strip()}\n\n{row.text('input').strip()}"
-        elif fmt == "gsm8k":
-            text = row.text("question")
-            answer = row.get("answer")
-            reference = gsm8k_reference(answer) if isinstance(answer, str) else None
-        else:  # hh
-            text = row.text(fields.chosen)
-            if not blank(text):
-                parts = split_hh_transcript(text)
-                text = hh_first_turn_prompt(text) if hh_first_turn_only else parts[0] if parts else None
-                if text is None:
-                    return "no_shared_prefix"
-        if text is None:
-            return "missing_field"
-        if fmt == "explicit" and fields.reference is not None and row.get(fields.reference) is not None:
-            reference = str(row.get(fields.reference))
-        if blank(text):
-            return "empty_prompt"
-        if chat:
-            return {"prompt": chat_prompt(text, fmt == "hh"), "reference": reference, **meta}
-        if fmt in ("alpaca", "gsm8k"):
-            text = as_hh_prompt(text)
-        return {"prompt": text, "reference": reference, **meta}
-
-    return convert_rows(rows, where, convert)

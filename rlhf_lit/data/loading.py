@@ -7,9 +7,10 @@ naming the file, the row (the 1-based line for JSON Lines) and the field.
 
 Prompt files whose lines are bare JSON strings (``"Tell me a joke"``) are read as ``{"prompt": s}``.
 
-Hook for generated data: :func:`register_source` maps a scheme to a function that makes rows. The
-scheme ``"demo"`` is wired to ``rlhf_lit/data/demo_task.py`` (the synthetic demo task), so
-``train_files: ["demo:preference?n=1000&seed=0&split=train"]`` works in a YAML config.
+Hook for generated data: :func:`register_source` maps a scheme to a function that makes rows. This
+module knows no scheme itself; ``rlhf_lit.data`` registers ``"demo"`` (the synthetic demo task of
+``rlhf_lit/data/demo_task.py``), so ``train_files: ["demo:preference?n=1000&seed=0&split=train"]`` works in a
+YAML config.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ import datasets
 
 from rlhf_lit.errors import UserError
 
-__all__ = ["DataFileNotFoundError", "DataFormatError", "display_name", "is_hub_id", "load_rows", "register_source", "source_name"]
+__all__ = [
+    "DataFileNotFoundError",
+    "DataFormatError",
+    "display_name",
+    "is_hub_id",
+    "is_registered_source",
+    "load_rows",
+    "register_source",
+    "source_name",
+]
 
 JSON_EXTENSIONS = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DATA_EXTENSIONS = JSON_EXTENSIONS + (".parquet", ".csv", ".csv.gz")
@@ -34,14 +44,7 @@ DATA_EXTENSIONS = JSON_EXTENSIONS + (".parquet", ".csv", ".csv.gz")
 SourceLoader = Callable[[str, str], datasets.Dataset]
 
 
-def _demo_rows(name: str, split: str) -> datasets.Dataset:
-    """``demo:<kind>?n=..&seed=..&split=..`` -> the synthetic demo task's rows (the split is in the spec)."""
-    from rlhf_lit.data import demo_task  # imported lazily: only demo configs need it
-
-    return datasets.Dataset.from_list(demo_task.rows_from_spec(f"demo:{name}"))
-
-
-_SOURCE_LOADERS: dict[str, SourceLoader] = {"demo": _demo_rows}
+_SOURCE_LOADERS: dict[str, SourceLoader] = {}
 
 
 class DataFormatError(UserError, ValueError):
@@ -60,6 +63,12 @@ def register_source(scheme: str, loader: SourceLoader) -> None:
         loader: called as ``loader(name, split)``; returns a ``datasets.Dataset`` of rows.
     """
     _SOURCE_LOADERS[scheme] = loader
+
+
+def is_registered_source(path_or_id: str) -> bool:
+    """True for ``"<scheme>:<name>"`` with a scheme given to :func:`register_source` (rows made in code)."""
+    scheme, _, rest = path_or_id.partition(":")
+    return bool(rest) and scheme in _SOURCE_LOADERS
 
 
 def source_name(path_or_id: str) -> str:

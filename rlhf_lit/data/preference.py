@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rlhf_lit.data.base import ExampleDataset, RLHFDataModule
+from rlhf_lit.data.base import ExampleDataset, LoaderArgs, RLHFDataModule, loader_args_doc
 from rlhf_lit.data.collate import PreferenceCollator, UnpairedCollator
 from rlhf_lit.data.formats import Fields
 from rlhf_lit.data.loading import DataFormatError, display_name
@@ -15,6 +15,7 @@ from rlhf_lit.data.tokenize import Tokenization
 __all__ = ["PreferenceDataModule"]
 
 
+@loader_args_doc("pairs", padded="length T", train_files=' such as ``"Anthropic/hh-rlhf"``')
 class PreferenceDataModule(RLHFDataModule):
     """Preference pairs ``(prompt, chosen, rejected)`` from one or more files, filtered and split.
 
@@ -49,12 +50,7 @@ class PreferenceDataModule(RLHFDataModule):
     ``rlhf_lit.data`` logger, and available as :meth:`data_metrics` (PITFALLS B02).
 
     Args:
-        train_files: training files (``.json``, ``.jsonl``, ``.gz``, ``.parquet``, ``.csv``) or hub
-            ids (``"Anthropic/hh-rlhf"``, ``":test"`` picks a split); one string is accepted too.
-        val_files: validation files; when given, ``val_size`` is ignored.
-        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.
-        max_train_samples_per_file: keep at most this many training rows per file (a fixed, seeded
-            subset); None keeps all.
+        {LOADER_ARGS}
         format: the row format; "auto" detects it per file.
         prompt_field: field holding the prompt (explicit, messages, ranked and unpaired formats); a dotted /
             indexed path such as ``instances.0.input`` reads nested rows (every ``*_field`` accepts one).
@@ -74,7 +70,7 @@ class PreferenceDataModule(RLHFDataModule):
             reward loss (batch key ``pair_weight``), so every prompt counts once however many responses it
             ranks (Ouyang et al. 2022, eq. 1); other pairs weigh 1.
         prompt_template: build the prompt from several fields instead of ``prompt_field``, e.g.
-            ``"{instruction}\n\n{input}"`` (placeholders are field paths; empty ends are stripped).
+            ``"{instruction}\\n\\n{input}"`` (placeholders are field paths; empty ends are stripped).
         separator: text mode: put between an explicit prompt and a response that have no whitespace between
             them (default one space; ``""`` glues them).
         chat_template: render text data as a chat with the tokenizer's chat template: HH transcripts
@@ -85,13 +81,6 @@ class PreferenceDataModule(RLHFDataModule):
         min_prompt_tokens: skip a pair (``response_too_long``) whose longer response + EOS leaves fewer
             prompt tokens than this.
         append_eos: append the tokenizer's EOS to every response that does not end with it.
-        batch_size: pairs per training batch.
-        val_batch_size: pairs per validation batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes.
-        shuffle: shuffle the training pairs (seeded with ``seed``).
-        seed: seeds the split, the per-file subset and the shuffle.
-        pad_to_multiple_of: round the padded length T up to a multiple of this.
-        tokenizer: the tokenizer object (linked from the model by the CLI, not set in YAML).
     """
 
     stage = "preference"
@@ -138,12 +127,15 @@ class PreferenceDataModule(RLHFDataModule):
         self.pair_unpaired, self.weight_ranked_pairs = pair_unpaired, weight_ranked_pairs
         self.unpaired = False  # set by setup(): the examples are unpaired completions, not pairs
         super().__init__(
-            train_files=train_files, val_files=val_files, val_size=val_size,
-            max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
-            chat_template=chat_template, max_length=max_length, max_prompt_length=max_prompt_length,
-            min_prompt_tokens=min_prompt_tokens, append_eos=append_eos, batch_size=batch_size,
-            val_batch_size=val_batch_size, num_workers=num_workers, shuffle=shuffle, seed=seed,
-            pad_to_multiple_of=pad_to_multiple_of, tokenizer=tokenizer,
+            LoaderArgs.pick(locals()),
+            format=format,
+            fields=fields,
+            chat_template=chat_template,
+            max_length=max_length,
+            max_prompt_length=max_prompt_length,
+            min_prompt_tokens=min_prompt_tokens,
+            append_eos=append_eos,
+            tokenizer=tokenizer,
         )
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):

@@ -339,6 +339,12 @@ def _unpaired(
     if not pair:
         yield from converted
         return
+    yield from _paired_by_prompt(converted, source, weight)
+
+
+def _paired_by_prompt(converted: Converted, source: int, weight: float | None) -> Converted:
+    """Unpaired records grouped by prompt, each desirable completion paired with each undesirable one; a
+    prompt without both labels gives ``no_opposite_label`` for each of its rows."""
     groups: dict[str, list[tuple[int, dict]]] = {}
     for index, item in converted:
         if isinstance(item, str):

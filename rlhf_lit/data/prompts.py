@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 from torch.utils.data import DataLoader
 
-from rlhf_lit.data.base import ExampleDataset, RLHFDataModule
+from rlhf_lit.data.base import ExampleDataset, LoaderArgs, RLHFDataModule, loader_args_doc
 from rlhf_lit.data.collate import PromptCollator
-from rlhf_lit.data.formats import Fields, prompt_records
+from rlhf_lit.data.formats import Fields
+from rlhf_lit.data.prompt_formats import prompt_records
 from rlhf_lit.data.records import SkipCounter
 from rlhf_lit.data.sampler import ResumableSampler
 from rlhf_lit.data.tokenize import Tokenization
@@ -46,6 +47,14 @@ class _PromptLoader(DataLoader):
         pass
 
 
+@loader_args_doc(
+    "prompts",
+    padded="width P",
+    order="order = ``randperm(seed + epoch)``",
+    seeded="order",
+    val_size="\n    Default 0: PPO (the stage these prompts feed) never validates, so nothing is held out unless\n    asked for.",
+    batch_size=", i.e. per rollout (per rank)",
+)
 class PromptDataModule(RLHFDataModule):
     """Prompts (and optional references) for rollouts, from one or more files, filtered and split.
 
@@ -71,17 +80,12 @@ class PromptDataModule(RLHFDataModule):
     lists). Training batches are whole (``drop_last``).
 
     Args:
-        train_files: training files or hub ids (``":test"`` picks a split); one string is accepted.
-        val_files: validation files; when given, ``val_size`` is ignored.
-        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count. Default 0:
-            PPO (the stage these prompts feed) never validates, so nothing is held out unless asked for.
-        max_train_samples_per_file: keep at most this many training prompts per file (a fixed,
-            seeded subset); None keeps all.
+        {LOADER_ARGS}
         format: the row format; "auto" detects it per file.
         prompt_field: field holding the prompt (explicit format); a dotted / indexed path such as
             ``instances.0.input`` reads nested rows.
         prompt_template: build the prompt from several fields instead of ``prompt_field``, e.g.
-            ``"{instruction}\n\n{instances.0.input}"`` for self-instruct seed tasks (placeholders are field
+            ``"{instruction}\\n\\n{instances.0.input}"`` for self-instruct seed tasks (placeholders are field
             paths; empty ends are stripped).
         messages_field: field holding the message list (messages format).
         conversations_field: field holding the ShareGPT message list (sharegpt format).
@@ -91,14 +95,7 @@ class PromptDataModule(RLHFDataModule):
             tokenizer's chat template and generation prompt.
         max_prompt_length: cut prompts to at most this many tokens, from the left (default:
             ``pad_to_length``; None and no ``pad_to_length``: no limit).
-        batch_size: prompts per training batch, i.e. per rollout (per rank).
-        val_batch_size: prompts per validation batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes.
-        shuffle: shuffle the training prompts (order = ``randperm(seed + epoch)``).
-        seed: seeds the split, the per-file subset and the order.
-        pad_to_multiple_of: round the padded width P up to a multiple of this.
         pad_to_length: pad every batch to exactly this width P (e.g. 64 for the shared benchmark).
-        tokenizer: the tokenizer object (linked from the model by the CLI, not set in YAML).
     """
 
     stage = "prompt"
@@ -134,11 +131,14 @@ class PromptDataModule(RLHFDataModule):
         fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field,
                         conversations=conversations_field, prompt_template=prompt_template)
         super().__init__(
-            train_files=train_files, val_files=val_files, val_size=val_size,
-            max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
-            chat_template=chat_template, max_length=limit or _NO_LIMIT, max_prompt_length=limit,
-            min_prompt_tokens=1, append_eos=False, batch_size=batch_size, val_batch_size=val_batch_size,
-            num_workers=num_workers, shuffle=shuffle, seed=seed, pad_to_multiple_of=pad_to_multiple_of,
+            LoaderArgs.pick(locals()),
+            format=format,
+            fields=fields,
+            chat_template=chat_template,
+            max_length=limit or _NO_LIMIT,
+            max_prompt_length=limit,
+            min_prompt_tokens=1,
+            append_eos=False,
             tokenizer=tokenizer,
         )
         self.hh_first_turn_only, self.pad_to_length = hh_first_turn_only, pad_to_length

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rlhf_lit.data.base import RLHFDataModule
+from rlhf_lit.data.base import LoaderArgs, RLHFDataModule, loader_args_doc
 from rlhf_lit.data.collate import SFTCollator
-from rlhf_lit.data.formats import Fields, sft_records
+from rlhf_lit.data.formats import Fields
 from rlhf_lit.data.loading import DataFormatError, display_name
 from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.data.sft_formats import sft_records
 from rlhf_lit.data.tokenize import Tokenization
 
 __all__ = ["SFTDataModule"]
 
 
+@loader_args_doc("examples")
 class SFTDataModule(RLHFDataModule):
     """Demonstrations ``(prompt, response)`` from one or more files, filtered and split.
 
@@ -42,12 +44,7 @@ class SFTDataModule(RLHFDataModule):
     EOS kept, even when pad == EOS (PITFALLS B16), plus ``prompt_len``.
 
     Args:
-        train_files: training files (``.json``, ``.jsonl``, ``.gz``, ``.parquet``, ``.csv``) or hub
-            ids (``":test"`` picks a split); one string is accepted too.
-        val_files: validation files; when given, ``val_size`` is ignored.
-        val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.
-        max_train_samples_per_file: keep at most this many training rows per file (a fixed, seeded
-            subset); None keeps all.
+        {LOADER_ARGS}
         format: the row format; "auto" detects it per file.
         prompt_field: field holding the prompt (explicit format); a dotted / indexed path such as
             ``instances.0.input`` reads nested rows (every ``*_field`` accepts one).
@@ -56,7 +53,7 @@ class SFTDataModule(RLHFDataModule):
         messages_field: field holding the message list (messages format).
         conversations_field: field holding the ShareGPT message list (sharegpt format).
         prompt_template: build the prompt from several fields instead of ``prompt_field``, e.g.
-            ``"{instruction}\n\n{input}"`` (placeholders are field paths; empty ends are stripped).
+            ``"{instruction}\\n\\n{input}"`` (placeholders are field paths; empty ends are stripped).
         separator: text mode: put between an explicit prompt and response that have no whitespace between
             them (default one space; ``""`` glues them).
         label_field: boolean column of KTO-style rows (true = desirable); null ignores any label column.
@@ -69,13 +66,6 @@ class SFTDataModule(RLHFDataModule):
         min_prompt_tokens: skip an example (``response_too_long``) whose response + EOS leaves fewer
             prompt tokens than this.
         append_eos: append the tokenizer's EOS to every response that does not end with it.
-        batch_size: examples per training batch.
-        val_batch_size: examples per validation batch (default: ``batch_size``).
-        num_workers: DataLoader worker processes.
-        shuffle: shuffle the training examples (seeded with ``seed``).
-        seed: seeds the split, the per-file subset and the shuffle.
-        pad_to_multiple_of: round the padded length up to a multiple of this.
-        tokenizer: the tokenizer object (linked from the model by the CLI, not set in YAML).
     """
 
     stage = "sft"
@@ -115,12 +105,15 @@ class SFTDataModule(RLHFDataModule):
                         prompt_template=prompt_template, separator=separator)
         self.keep_label = keep_label
         super().__init__(
-            train_files=train_files, val_files=val_files, val_size=val_size,
-            max_train_samples_per_file=max_train_samples_per_file, format=format, fields=fields,
-            chat_template=chat_template, max_length=max_length, max_prompt_length=max_prompt_length,
-            min_prompt_tokens=min_prompt_tokens, append_eos=append_eos, batch_size=batch_size,
-            val_batch_size=val_batch_size, num_workers=num_workers, shuffle=shuffle, seed=seed,
-            pad_to_multiple_of=pad_to_multiple_of, tokenizer=tokenizer,
+            LoaderArgs.pick(locals()),
+            format=format,
+            fields=fields,
+            chat_template=chat_template,
+            max_length=max_length,
+            max_prompt_length=max_prompt_length,
+            min_prompt_tokens=min_prompt_tokens,
+            append_eos=append_eos,
+            tokenizer=tokenizer,
         )
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):

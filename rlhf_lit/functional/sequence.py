@@ -23,6 +23,7 @@ __all__ = [
     "chunk_views",
     "scaled_piece",
     "gather_logprobs",
+    "response_positions",
     "stop_mask",
     "truncate_after_stop",
     "trim_left_padding",
@@ -42,6 +43,20 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
         (B, T) long tensor, e.g. mask ``[0, 0, 1, 1, 1]`` -> ``[0, 0, 0, 1, 2]``.
     """
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def response_positions(outputs: Tensor, prompt_len: int) -> Tensor:
+    """The outputs that predict the response tokens: ``outputs[:, P - 1 : T - 1]`` of ``(B, T, ...)`` outputs
+    (logits or hidden states) of a prompt of width P followed by R response tokens (DESIGN.md: the log-prob
+    of token ``x[i]`` comes from the logits at position ``i - 1``; the critic's value of that action is read
+    at the same position). A view, ``(B, R, ...)``; e.g. T = 5, P = 3: positions 2 and 3 predict tokens 3, 4.
+
+    Raises:
+        ValueError: if ``prompt_len`` is not in ``[1, T - 1]``.
+    """
+    if not 1 <= prompt_len < outputs.shape[1]:
+        raise ValueError(f"prompt_len must be in [1, T - 1] = [1, {outputs.shape[1] - 1}], got {prompt_len}")
+    return outputs[:, prompt_len - 1 : -1]
 
 
 def trim_left_padding(

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from rlhf_lit.functional.sequence import position_ids_from_mask
 from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk
+from rlhf_lit.models.peft_compat import activate_adapters, zero_adapter_dropout
 
 
 def lora_config(settings: LoraSettings, model: nn.Module) -> LoraConfig:
@@ -119,17 +120,33 @@ class AdaptedLM(nn.Module):
             self._activate(self.base_adapters)
 
     def _zero_adapter_dropout(self, name: str) -> None:
-        for module in self.model.modules():
-            dropouts = getattr(module, "lora_dropout", None)
-            if isinstance(dropouts, nn.ModuleDict) and name in dropouts:
-                for m in dropouts[name].modules():
-                    if isinstance(m, nn.Dropout):
-                        m.p = 0.0
+        zero_adapter_dropout(self.model, name)
 
     def adapter_parameters(self, name: str) -> list[nn.Parameter]:
         """The LoRA parameters of one adapter."""
         marker = f".{name}."
         return [p for n, p in self.model.named_parameters() if "lora_" in n and marker in n]
+
+    def copy_adapter(self, source: str, target: str) -> None:
+        """Copy adapter ``source``'s LoRA weights into adapter ``target`` (e.g. the critic starts as the reward
+        adapter: PPO-Max's critic initialised from the reward model).
+
+        Raises:
+            ValueError: if ``target`` has a LoRA matrix that ``source`` lacks or holds in another shape (other
+                target modules or rank).
+        """
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
+            if "lora_" not in name or f".{target}." not in name:
+                continue
+            src = params.get(name.replace(f".{target}.", f".{source}."))
+            if src is None or src.shape != p.shape:
+                raise ValueError(
+                    f"cannot copy adapter {source!r} into {target!r}: {name} has no match of shape "
+                    f"{tuple(p.shape)} in {source!r} (give both the same LoRA rank and target modules)"
+                )
+            with torch.no_grad():
+                p.copy_(src)
 
     def _restore_trainable(self) -> None:
         if not self.is_peft:
@@ -140,7 +157,7 @@ class AdaptedLM(nn.Module):
 
     def _activate(self, names: list[str]) -> None:
         """Switch on exactly ``names`` in every LoRA layer (peft adds their updates)."""
-        self.model.base_model.set_adapter(names, inference_mode=True)
+        activate_adapters(self.model, names)
 
     def set_adapter(self, name: str) -> None:
         """Make ``name`` the active adapter (above any base adapters), keeping every trainable adapter
@@ -240,6 +257,6 @@ class AdaptedLM(nn.Module):
         """``generate`` of the wrapped model, with the active adapter.
 
         A method of this module (not of ``self.model``) so that FSDP2 can gather this unit's parameters
-        around the whole decode loop (``rlhf_lit.models.sharding`` registers it as a forward method).
+        around the whole decode loop (``rlhf_lit.parallel`` registers it as a forward method).
         """
         return self.model.generate(**kwargs)

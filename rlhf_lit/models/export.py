@@ -44,8 +44,8 @@ from rlhf_lit.models.backbone import (
     stack_frozen_adapter,
 )
 from rlhf_lit.models.heads import ScalarHead, score_last_token
-from rlhf_lit.models.sharding import plain_state_dict
 from rlhf_lit.models.tokenizer import load_tokenizer
+from rlhf_lit.parallel.fsdp import plain_state_dict
 
 ExportMode = Literal["auto", "merged", "adapter"]
 META_FILE = "rlhf_lit.json"

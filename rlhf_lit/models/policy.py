@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rlhf_lit.functional.losses import entropy_from_logits
-from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.functional.sequence import gather_logprobs, response_positions
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import LoraSettings, hidden_size
 from rlhf_lit.models.heads import ScalarHead
@@ -60,9 +60,23 @@ class ActorCritic(nn.Module):
         params = [] if self.shared_critic else self.lm.adapter_parameters("critic")
         return params + list(self.value_head.parameters())
 
+    def start_critic_from(self, head: ScalarHead, adapter: str | None = None) -> None:
+        """Start the critic as a reward model (PPO-Max): the value head gets ``head``'s weights and, when the
+        reward model is adapter ``adapter`` on this base, the critic adapter gets its LoRA weights.
+
+        Raises:
+            ValueError: if the head's hidden size differs from the policy's (or the adapters' shapes do).
+        """
+        if head.linear.in_features != self.value_head.linear.in_features:
+            raise ValueError(
+                "critic.init_from_reward: the reward model's hidden size differs from the policy's"
+            )
+        self.value_head.load_state_dict(head.state_dict())
+        if adapter is not None and not self.shared_critic:
+            self.lm.copy_adapter(adapter, "critic")
+
     def _response_hidden(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
-        hidden = self.lm.hidden_states(input_ids, attention_mask)
-        return hidden[:, prompt_len - 1 : -1]
+        return response_positions(self.lm.hidden_states(input_ids, attention_mask), prompt_len)
 
     def _logprob_outputs(
         self, hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad=True

@@ -18,6 +18,13 @@ log = logging.getLogger("rlhf_lit")
 C = TypeVar("C")
 
 
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The module's trainer, or None when it is not attached to one (``module.trainer`` raises then).
+
+    Reads ``LightningModule._trainer``, private in Lightning 2.6.6 (``tests/test_library_contracts.py``)."""
+    return module._trainer
+
+
 def as_config(cls: type[C], value: C | dict | None) -> C | None:
     """Accept a config dataclass or its dict form (as stored in a checkpoint's hparams)."""
     if value is None or isinstance(value, cls):
@@ -110,6 +117,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, tota
     )
 
 
+def configure_trainable_optimizer(module: L.LightningModule, cfg: OptimizerConfig) -> dict:
+    """``configure_optimizers`` of a module trained with automatic optimization (SFT, reward): one optimizer
+    over every parameter that requires grad, its schedule stepped per optimizer step over the trainer's
+    ``estimated_stepping_batches`` (accumulation, epochs and ``max_steps`` included)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer([{"params": params}], cfg, attached_trainer(module))
+    scheduler = build_scheduler(optimizer, cfg, module.trainer.estimated_stepping_batches)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 def log_data_report(module: L.LightningModule) -> None:
     """Log the data module's kept/skipped counts (``data/<split>/...``) once, at the start of fit."""
     trainer = module.trainer
@@ -153,7 +170,7 @@ class AccumulatedMean:
     def scale(self, module: L.LightningModule, loss: torch.Tensor, num_units: int) -> torch.Tensor:
         """The micro-batch's mean ``loss`` over its ``num_units``, weighted for the window (one all-reduce of
         the unit count under several processes)."""
-        trainer = module._trainer
+        trainer = attached_trainer(module)
         world_size = trainer.world_size if trainer is not None else 1
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         if world_size == 1 and accumulate == 1:

@@ -186,3 +186,48 @@ class MonitorConfig:
     window: int = 8
     num_se: float = 2.0
     max_perplexity_ratio: float | None = 2.0
+
+
+def refuse_impossible_settings(backbone, sampling) -> None:
+    """Settings under which PPO's ratio or KL would be wrong, refused before any model loads.
+
+    Raises:
+        ValueError: for ``backbone.disable_dropout: false`` (PITFALLS B12) or ``top_k`` / ``top_p`` sampling
+            (B10).
+    """
+    if not backbone.disable_dropout:
+        raise ValueError(
+            "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
+            "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
+            "not 0 (PITFALLS B12). Dropout is set to 0 in the configs, training mode is kept"
+        )
+    if sampling.top_k or sampling.top_p < 1.0:
+        raise ValueError(
+            f"PPO refuses sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: responses would "
+            "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
+            "the sampling temperature (an off-policy mismatch, PITFALLS B10). Use top_k: 0 and top_p: 1.0"
+        )
+
+
+def check_stop_tokens(shaping: RewardShapingConfig, stop_ids: list[int]) -> None:
+    """Raises ValueError for a missing-EOS penalty without any stop token (every response would pay it)."""
+    if shaping.missing_eos_penalty is not None and not stop_ids:
+        raise ValueError(
+            f"reward.missing_eos_penalty={shaping.missing_eos_penalty} needs a stop token, but none is "
+            "set (sampling.stop_at_eos is off or the tokenizer has no EOS, and no stop_token_ids / "
+            "stop_strings): every response would count as missing its EOS. Set a stop token or drop the penalty"
+        )
+
+
+def check_batch_sizes(ppo: PPOConfig, rollout_batch_size: int) -> None:
+    """Raises ValueError unless ``ppo_minibatch_size`` divides the rollout and ``micro_batch_size`` the
+    minibatch (DESIGN.md: rollout_batch_size >= ppo_minibatch_size >= micro_batch_size)."""
+    mb = ppo.ppo_minibatch_size
+    micro = ppo.micro_batch_size or mb
+    if rollout_batch_size % mb:
+        raise ValueError(
+            f"rollout_batch_size={rollout_batch_size} (the prompt data module's batch_size) must be a "
+            f"multiple of ppo.ppo_minibatch_size={mb}"
+        )
+    if mb % micro:
+        raise ValueError(f"ppo.ppo_minibatch_size={mb} must be a multiple of ppo.micro_batch_size={micro}")

@@ -41,7 +41,6 @@ from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, hidden_size, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import ScalarHead, score_last_token
-from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
@@ -51,6 +50,7 @@ from rlhf_lit.modules.common import (
     log_data_report,
     plain_hparams,
 )
+from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
 from rlhf_lit.plots import reliability_figure, save_figure
 
 log = logging.getLogger("rlhf_lit")
@@ -185,7 +185,7 @@ class RewardModule(L.LightningModule):
 
     # -- training --------------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.models.sharding``); nothing otherwise."""
+        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``); nothing otherwise."""
         mesh = data_parallel_mesh(self.device_mesh)
         if mesh is not None:
             shard_lm(self.lm, mesh)
@@ -357,7 +357,9 @@ class RewardModule(L.LightningModule):
         if cached is not None and self._trainer is not None and cached[0] == self.global_step:
             margins, sources, len_c, len_r = cached[1:]
         else:
-            margins, sources, len_c, len_r = self.collect_margins(dataloader, self._calibration_batches(dataloader))
+            margins, sources, len_c, len_r = self.collect_margins(
+                dataloader, self._calibration_batches(dataloader)
+            )
         temperature = fit_temperature(
             margins, torch.ones_like(margins), TEMPERATURE_BOUNDS[0], TEMPERATURE_BOUNDS[1]
         )

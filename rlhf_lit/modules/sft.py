@@ -17,20 +17,21 @@ import torch
 import torchmetrics
 
 from rlhf_lit import metrics as M
+from rlhf_lit.callbacks import HFExport, unless_configured
 from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
-from rlhf_lit.models.sharding import data_parallel_mesh, gathered_parameters, shard_lm
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
     as_config,
-    build_optimizer,
-    build_scheduler,
+    attached_trainer,
+    configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
 )
+from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
 
 log = logging.getLogger("rlhf_lit")
 
@@ -59,7 +60,10 @@ class SFTModule(L.LightningModule):
         self.save_hyperparameters(
             plain_hparams(
                 type(self),
-                backbone=backbone, optimizer=optimizer, export_dir=export_dir, export_mode=export_mode
+                backbone=backbone,
+                optimizer=optimizer,
+                export_dir=export_dir,
+                export_mode=export_mode,
             )
         )
         self.backbone_cfg = backbone
@@ -82,7 +86,7 @@ class SFTModule(L.LightningModule):
         return sft_nll(logits, batch["labels"])
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.models.sharding``); nothing otherwise."""
+        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``); nothing otherwise."""
         mesh = data_parallel_mesh(self.device_mesh)
         if mesh is not None:
             shard_lm(self.lm, mesh)
@@ -137,20 +141,23 @@ class SFTModule(L.LightningModule):
         self.log(M.VAL_PERPLEXITY, torch.exp(loss.clamp(max=50.0)))
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = build_optimizer([{"params": params}], self.optim_cfg, self._trainer)
-        scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_trainable_optimizer(self, self.optim_cfg)
 
-    def on_fit_end(self) -> None:
-        if not self.export_dir:
-            return
+    def configure_callbacks(self):
+        """The Hugging Face export at the end of fit when ``export_dir`` is set (``HFExport``; one in
+        ``trainer.callbacks`` is kept instead)."""
+        return unless_configured(attached_trainer(self), [HFExport()] if self.export_dir else [])
+
+    def export(self, path: str) -> None:
+        """Write the model (any LoRA adapter merged, and alone in ``adapter/``, per ``export_mode``) and the
+        tokenizer in Hugging Face format to ``path``; every rank calls it (a collective under FSDP2), rank 0
+        writes."""
         with gathered_parameters(self.lm):  # a collective under FSDP2; nothing otherwise
-            if self.trainer.is_global_zero:
+            if attached_trainer(self) is None or self.trainer.is_global_zero:
                 save_causal_lm(
                     self.lm,
                     self.tokenizer,
-                    self.export_dir,
+                    path,
                     self.backbone_cfg,
                     self.export_mode,
                     meta={"kind": "policy", "stage": "sft"},

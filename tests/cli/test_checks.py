@@ -424,7 +424,7 @@ def test_all_shipped_configs_pass_the_value_checks():
         patch.setattr(
             RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict())
         )
-        patch.setattr("rlhf_lit.checks._model_folder_problem", lambda *a, **k: None)
+        patch.setattr("rlhf_lit.checks.paths._model_folder_problem", lambda *a, **k: None)
         try:
             with in_repo_root():
                 cli_main(["--config", str(path.relative_to(REPO_ROOT))], run=False)

@@ -131,7 +131,7 @@ def test_a_misspelled_yaml_key_is_named_with_its_section(monkeypatch, tmp_path):
 
 def test_abbreviations_would_be_accepted_without_allow_abbrev_false(monkeypatch):
     """Why the CLI passes ``allow_abbrev=False``: argparse's default takes a unique prefix as the option."""
-    from rlhf_lit import cli
+    from rlhf_lit import lightning_cli as cli  # the parser settings moved there from rlhf_lit.cli
 
     monkeypatch.setattr(cli, "_PARSER_KWARGS", {"exit_on_error": False})
     parsed = _parse(monkeypatch, ["fit", "--config", "configs/ppo/tiny.yaml", "--trainer.max_step=5"])

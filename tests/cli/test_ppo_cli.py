@@ -70,3 +70,16 @@ def test_max_steps_stops_ppo_where_the_progress_bar_says_and_validate_scores_the
     assert 1 <= float(metrics[M.VAL_RESPONSE_LEN]) <= 8
     # the trained adapters differ from the reference, so the sampled responses' KL is not exactly zero
     assert float(metrics[M.VAL_KL_REF]) != 0.0
+
+
+def test_the_rollout_batch_size_is_linked_from_the_data_module_at_parse_time():
+    """The module learns the rollout size from the config (``link_arguments``), not by reading the data module
+    during fit: the schedule's optimizer steps per iteration follow ``data.init_args.batch_size``."""
+    with in_repo_root(), one_thread():
+        cli = cli_main(
+            SMALL + ["--data.init_args.batch_size=8"],
+            run=False,
+        )
+    assert cli.config["model"]["init_args"]["rollout_batch_size"] == 8
+    assert cli.model.rollout_batch_size == 8
+    assert cli.model.optimizer_steps_per_iteration() == 1 * (8 // 2)  # ppo_epochs 1 x 4 minibatches

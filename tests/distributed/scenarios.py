@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf_lit.models.sharding import gathered_parameters
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
+from rlhf_lit.parallel import gathered_parameters
 
 # The equality scenario: one global batch of 8 prompts, as 1 rank x 8 or 2 ranks x 4, in 2 global minibatches
 # of 4 per epoch (ppo_minibatch_size 4 on one rank, 2 per rank on two), 2 epochs, 2 iterations.
@@ -35,11 +35,11 @@ def strategy_for(name: str):
     if name in ("ddp", "ddp_nodes"):
         return "ddp"
     if name == "fsdp2":
-        from rlhf_lit.models.sharding import FSDP2Strategy
+        from rlhf_lit.parallel.strategy import FSDP2Strategy
 
         return FSDP2Strategy()
     if name == "fsdp2_full":
-        from rlhf_lit.models.sharding import FSDP2Strategy
+        from rlhf_lit.parallel.strategy import FSDP2Strategy
 
         return FSDP2Strategy(save_distributed_checkpoint=False)
     raise ValueError(name)
@@ -48,7 +48,7 @@ def strategy_for(name: str):
 def cli_strategy_args(name: str) -> list[str]:
     if name == "ddp":
         return ["--trainer.strategy=ddp"]
-    return ['--trainer.strategy={"class_path": "rlhf_lit.models.sharding.FSDP2Strategy"}']
+    return ['--trainer.strategy={"class_path": "rlhf_lit.parallel.strategy.FSDP2Strategy"}']
 
 
 def rank() -> int:

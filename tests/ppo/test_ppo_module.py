@@ -118,13 +118,15 @@ def test_score_lands_on_the_last_real_token_with_pad_equal_eos(tmp_path, monkeyp
     )
     monkeypatch.setattr(module.reward_source, "score", lambda *a: torch.tensor([2.0, 3.0]))
     seen = {}
-    real_gae = ppo_mod.gae
+    import rlhf_lit.algorithms.advantages as advantages_mod  # GAE moved there from modules/ppo.py
+
+    real_gae = advantages_mod.gae
 
     def spy(rewards, values, mask, gamma, lam):
         seen["rewards"], seen["mask"] = rewards.clone(), mask.clone()
         return real_gae(rewards, values, mask, gamma, lam)
 
-    monkeypatch.setattr(ppo_mod, "gae", spy)
+    monkeypatch.setattr(advantages_mod, "gae", spy)
     _fit(module, tmp_path, batch_size=2)
     rewards = seen["rewards"]
     # KL is 0 at step 0, so the rewards are the scores alone: 2.0 at index 2; 3.0 - 1.0 (no EOS) at index 4

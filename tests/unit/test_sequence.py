@@ -173,3 +173,15 @@ def test_truncate_after_stop_is_out_of_place():
     assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert has_stop.tolist() == [True, False]
     assert torch.equal(ids, before)
+
+
+def test_response_positions_are_the_ones_before_each_response_token():
+    """T = 5, P = 3: the outputs at positions 2 and 3 predict response tokens 3 and 4 (DESIGN.md)."""
+    from rlhf_lit.functional.sequence import response_positions
+
+    outputs = torch.arange(10.0).reshape(1, 5, 2)  # (B=1, T=5, 2)
+    torch.testing.assert_close(response_positions(outputs, 3), torch.tensor([[[4.0, 5.0], [6.0, 7.0]]]))
+    assert response_positions(outputs, 1).shape == (1, 4, 2)  # a one-token prompt
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="prompt_len must be in"):
+            response_positions(outputs, bad)

@@ -1,4 +1,4 @@
-"""Lightning callbacks: a progress bar that names the stage, and PPO's reward-hacking monitor."""
+"""PPO's reward-hacking monitor: the RM score's trend against held-out signals, and the score-KL frontier."""
 
 from __future__ import annotations
 
@@ -7,59 +7,12 @@ import math
 import os
 
 import torch
-from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.trend import linear_trend
 
 log = logging.getLogger("rlhf_lit")
-
-_STAGES = {"SFTModule": "sft", "RewardModule": "reward", "PPOModule": "ppo"}
-
-
-def _stage(pl_module) -> str:
-    return _STAGES.get(type(pl_module).__name__, type(pl_module).__name__)
-
-
-class StageProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar, with the stage in its description (``[sft] epoch 0``, ``[ppo] iterations``).
-
-    PPO's bar counts iterations (one prompt batch each) and shows ``iter`` (an integer), ``score`` and
-    ``kl``. When fit ends, one line names the stage's export folder (absolute path).
-    """
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        stage = _stage(pl_module)
-        if stage == "ppo" and pl_module.ppo.total_iterations:
-            remaining = pl_module.ppo.total_iterations - pl_module.iteration
-            self.train_progress_bar.reset(
-                min(self.total_train_batches, remaining, _max_steps_left(trainer, pl_module))
-            )
-        what = "iterations" if stage == "ppo" else f"epoch {trainer.current_epoch}"
-        self.train_progress_bar.set_description(f"[{stage}] {what}")
-
-    def get_metrics(self, trainer, pl_module):
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        if "iter" in metrics:
-            metrics["iter"] = int(round(float(metrics["iter"])))
-        return metrics
-
-    def on_fit_end(self, trainer, pl_module) -> None:
-        export_dir = getattr(pl_module, "export_dir", None)
-        if trainer.is_global_zero and export_dir and os.path.isdir(export_dir):
-            print(f"[{_stage(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
-
-
-def _max_steps_left(trainer, pl_module) -> float:
-    """PPO iterations left before ``trainer.max_steps`` (optimizer steps: ``ppo_epochs`` x minibatches per
-    iteration; the CLI accepts only whole iterations), or infinity without a ``max_steps``."""
-    if trainer.max_steps is None or trainer.max_steps < 0:
-        return float("inf")
-    rollout = getattr(trainer.datamodule, "batch_size", None) or pl_module.ppo.ppo_minibatch_size
-    per_iteration = pl_module.ppo.ppo_epochs * max(1, rollout // pl_module.ppo.ppo_minibatch_size)
-    return -(-(trainer.max_steps - trainer.global_step) // per_iteration)
 
 
 def _in_se(change: float, se: float) -> float:

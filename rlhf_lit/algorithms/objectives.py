@@ -1,0 +1,128 @@
+"""Objectives: the loss of one micro-batch, term by term, from the policy's outputs and the rollout's rows.
+
+The update (``rlhf_lit.modules.ppo_update``) runs the policy's forward for the terms it wants and asks the
+objective for their loss: all terms in one forward and one backward, or the ``policy`` terms and then the
+``value`` term, each right after its own forward (the two-pass option). :meth:`Objective.loss` builds the
+same sum either way, so both give the same gradients.
+
+Notation: b rows of the micro-batch, R response positions; masks True on the update tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rlhf_lit import metrics as M
+from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss
+from rlhf_lit.functional.masked import masked_mean
+
+__all__ = ["TERMS", "MicroBatch", "Objective", "PPOObjective"]
+
+TERMS = ("policy", "value")
+
+
+@dataclass
+class MicroBatch:
+    """The rollout rows one forward / backward sees.
+
+    Attributes:
+        input_ids: ``(b, T)`` prompt (left padded) then response; ``attention_mask`` ``(b, T)``.
+        prompt_len: P, the width of the prompt block.
+        mask: ``(b, R)`` bool, the update tokens (all False on a zero-weight filler row).
+        old_logprobs: ``(b, R)`` the sampling policy's log-probs.
+        advantages: ``(b, R)``.
+        old_values: ``(b, R)`` the rollout's critic values, or None without a critic.
+        returns: ``(b, R)`` the critic's targets, or None without a critic.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
+class Objective(Protocol):
+    """``terms(has_critic)`` lists the loss terms; ``loss(out, mb, terms)`` is the micro-batch's loss over
+    those terms (a 0-dim tensor to back-propagate) and its detached statistics by metric name. ``out`` is
+    the ``PolicyOutput`` of a forward that computed what the terms need (``wants``)."""
+
+    def terms(self, has_critic: bool) -> tuple[str, ...]: ...
+
+    def wants(self, terms: tuple[str, ...]) -> dict[str, bool]: ...
+
+    def loss(
+        self, out, mb: MicroBatch, terms: tuple[str, ...]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+@dataclass
+class PPOObjective:
+    """``policy_loss + vf_coef * value_loss - entropy_coef * entropy`` (Schulman et al. 2017, eq. 9), token
+    means over the micro-batch's update tokens.
+
+    Terms: ``policy`` = the clipped surrogate (``functional.losses.ppo_policy_loss``, dual clip optional)
+    minus the entropy bonus; ``value`` = ``vf_coef`` times the (optionally clipped) value loss
+    (``ppo_value_loss``). Without a critic there is no ``value`` term.
+
+    Args:
+        clip_range: epsilon of the clipped surrogate.
+        dual_clip: c > 1 caps the loss of negative-advantage tokens (Ye et al. 2020); None disables.
+        value_clip_range: clip of the value around the rollout value; None disables.
+        vf_coef: weight of the value loss.
+        entropy_coef: weight of the entropy bonus (subtracted).
+    """
+
+    clip_range: float
+    dual_clip: float | None
+    value_clip_range: float | None
+    vf_coef: float
+    entropy_coef: float
+
+    @classmethod
+    def from_settings(cls, ppo) -> PPOObjective:
+        """From ``PPOConfig``'s ``clip_range``, ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``."""
+        return cls(ppo.clip_range, ppo.dual_clip, ppo.value_clip_range, ppo.vf_coef, ppo.entropy_coef)
+
+    def terms(self, has_critic: bool) -> tuple[str, ...]:
+        return TERMS if has_critic else ("policy",)
+
+    def wants(self, terms: tuple[str, ...]) -> dict[str, bool]:
+        """The ``ActorCritic`` outputs the terms read (entropy is always logged)."""
+        return {
+            "want_logprobs": "policy" in terms,
+            "want_values": "value" in terms,
+            "want_entropy": "policy" in terms,
+        }
+
+    def loss(
+        self, out, mb: MicroBatch, terms: tuple[str, ...]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        stats: dict[str, torch.Tensor] = {}
+        loss = None
+        if "policy" in terms:
+            loss, pg_stats = ppo_policy_loss(
+                out.logprobs, mb.old_logprobs, mb.advantages, mb.mask, self.clip_range, self.dual_clip
+            )
+            stats[M.PPO_POLICY_LOSS] = loss
+            stats[M.PPO_CLIPFRAC] = pg_stats["clipfrac"]
+            stats[M.PPO_APPROX_KL] = pg_stats["approx_kl"]
+            stats[M.PPO_RATIO_MEAN] = pg_stats["ratio_mean"]
+        if "value" in terms:
+            vf_loss, vf_stats = ppo_value_loss(
+                out.values, mb.old_values, mb.returns, mb.mask, self.value_clip_range
+            )
+            stats[M.PPO_VALUE_LOSS] = vf_loss
+            stats[M.PPO_VALUE_CLIPFRAC] = vf_stats["value_clipfrac"]
+            loss = self.vf_coef * vf_loss if loss is None else loss + self.vf_coef * vf_loss
+        if "policy" in terms:
+            entropy = masked_mean(out.entropy, mb.mask)
+            stats[M.PPO_ENTROPY] = entropy
+            loss = loss - self.entropy_coef * entropy
+        return loss, {k: v.detach() for k, v in stats.items()}

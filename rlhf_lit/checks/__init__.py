@@ -1,0 +1,184 @@
+"""Checks of a parsed ``rlhf-lit`` config that run before any model loads (one :class:`ConfigError` line each).
+
+Modules: ``rules`` (value ranges), ``checkpoint`` (``ckpt_path``), ``paths`` (inputs and outputs), ``lengths``
+(against the model's positions); this module runs them in order. The CLI calls :func:`check_ckpt_path` right
+after parsing and :func:`check_config` before it instantiates
+anything, on the parsed config as plain dicts; :func:`check_data_fits_model` runs once the data is read.
+The first problem found is raised, naming the config key as the user writes it
+(``model.init_args.ppo.clip_range``) and what would fix it.
+
+1. Value ranges (:data:`MODEL_RULES`, :data:`DATA_RULES`, :data:`TRAINER_RULES`): learning rates and
+   coefficients, epochs, iterations and batch sizes, PPO's clip ranges, ``gamma``, ``gae_lambda``, KL
+   settings, sampling, lengths. Non-finite numbers are refused everywhere a number is checked.
+2. Consistency: the data module fits the stage; PPO's rollout / minibatch / micro-batch divisibility; an
+   adaptive KL controller has a ``target_kl``; ``trainer.max_steps`` stops PPO at a whole iteration.
+3. Inputs exist: data files, the backbone and reward-model folders (an export that an earlier stage has not
+   written yet is named with the config that writes it), the checkpoint.
+4. Lengths fit the model: ``max_length`` (PPO: prompt limit + ``max_new_tokens``) within the model's
+   positions, read from its config without loading weights.
+5. Outputs are writable: ``export_dir``, ``trainer.default_root_dir``, logger and checkpoint folders.
+"""
+
+from __future__ import annotations
+
+from rlhf_lit.checks.checkpoint import check_ckpt_path
+from rlhf_lit.checks.lengths import check_data_fits_model, check_lengths, model_positions
+from rlhf_lit.checks.paths import check_inputs, check_outputs, config_roots
+from rlhf_lit.checks.rules import (
+    DATA_RULES,
+    MODEL_RULES,
+    STAGE_DATA,
+    TRAINER_RULES,
+    Range,
+    check_ranges,
+    file_list,
+    get,
+    import_class,
+    kind,
+)
+from rlhf_lit.errors import ConfigError
+
+__all__ = [
+    "DATA_RULES",
+    "MODEL_RULES",
+    "TRAINER_RULES",
+    "Range",
+    "check_ckpt_path",
+    "check_config",
+    "check_data_fits_model",
+    "model_positions",
+]
+
+
+# ------------------------------------------------------------------------------------------- the config
+def check_config(config: dict, subcommand: str | None = None) -> None:
+    """Check a parsed config (``{"model": {"class_path", "init_args"}, "data": ..., "trainer": ...}``).
+
+    Raises:
+        ConfigError: for the first problem found (see the module docstring for the list).
+    """
+    model = config.get("model") or {}
+    data = config.get("data") or {}
+    trainer = config.get("trainer") or {}
+    init = model.get("init_args") or {}
+    data_init = data.get("init_args") or {}
+    model_cls, data_cls = import_class(model.get("class_path")), import_class(data.get("class_path"))
+    stage = kind(model_cls, MODEL_RULES)
+    data_kind = kind(data_cls, DATA_RULES)
+
+    check_ranges(trainer, TRAINER_RULES, "trainer.")
+    if stage:
+        check_ranges(init, MODEL_RULES[stage], "model.init_args.")
+    if data_kind:
+        check_ranges(data_init, DATA_RULES[data_kind], "data.init_args.")
+        _check_data_settings(data_kind, data_init)
+    if stage and data_kind and STAGE_DATA[stage] != data_kind:
+        raise ConfigError(
+            f"data.class_path: {stage} trains on {STAGE_DATA[stage]} data, but the config gives {data_kind}; "
+            f"use rlhf_lit.data.{STAGE_DATA[stage]}"
+        )
+    for key in ("backbone", "reward_model.backbone"):
+        if isinstance(get(init, key), dict):
+            _check_backbone(f"model.init_args.{key}", get(init, key))
+    if stage == "PPOModule":
+        _check_ppo(init, data_init, trainer)
+    roots = config_roots(config)
+    check_inputs(init, data_init, stage, roots)
+    if stage:
+        check_lengths(stage, init, data_init)
+    check_outputs(init, trainer, subcommand)
+
+
+def _check_backbone(key: str, backbone: dict) -> None:
+    """What ``BackboneConfig`` would refuse when the model is built, said before (with the config key)."""
+    from rlhf_lit.models.backbone import _DTYPES
+
+    if (backbone.get("name_or_path") is None) == (backbone.get("tiny") is None):
+        raise ConfigError(
+            f"{key}: give exactly one of 'name_or_path' (a folder, hub id or pypi:<package>) and 'tiny'"
+        )
+    if backbone.get("dtype", "float32") not in _DTYPES:
+        raise ConfigError(f"{key}.dtype must be one of {sorted(_DTYPES)}, got {backbone.get('dtype')!r}")
+    tiny = backbone.get("tiny")
+    if tiny is not None and not isinstance(tiny, dict):
+        raise ConfigError(
+            f"{key}.tiny must be a transformers config dict (e.g. {{model_type: gpt2, n_layer: 2}})"
+        )
+
+
+def _check_data_settings(kind: str, data: dict) -> None:
+    train_files = file_list(data.get("train_files"))
+    if not train_files:
+        raise ConfigError("data.init_args.train_files is empty; give at least one data file or hub id")
+    val_size = data.get("val_size")
+    if isinstance(val_size, (int, float)) and val_size >= 1 and val_size != int(val_size):
+        raise ConfigError(
+            f"data.init_args.val_size must be a fraction in [0, 1) or a whole row count, got {val_size!r}"
+        )
+    if kind != "PromptDataModule":
+        max_length, min_prompt = data.get("max_length"), data.get("min_prompt_tokens")
+        if isinstance(max_length, int) and isinstance(min_prompt, int) and min_prompt >= max_length:
+            raise ConfigError(
+                f"data.init_args.min_prompt_tokens ({min_prompt}) must be < max_length ({max_length})"
+            )
+    else:
+        limit, pad = data.get("max_prompt_length"), data.get("pad_to_length")
+        if limit is not None and pad is not None and limit > pad:
+            raise ConfigError(f"data.init_args.max_prompt_length ({limit}) must be <= pad_to_length ({pad})")
+
+
+def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
+    """PPO's consistency rules; a setting the config leaves unset takes the module's default (its dataclass's)."""
+    import inspect
+
+    from rlhf_lit.data import PromptDataModule
+    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.modules.ppo_config import PPOConfig, PTXConfig
+
+    p = "model.init_args."
+    if get(init, "backbone.lora") is None:
+        raise ConfigError(
+            f"{p}backbone.lora is not set: PPO trains LoRA adapters (the reference is the base with its adapters "
+            "off); add e.g. lora: {r: 8, alpha: 16, target_modules: all-linear}"
+        )
+    reward_model = init.get("reward_model") or {}
+    if (reward_model.get("path") is None) == (reward_model.get("backbone") is None):
+        raise ConfigError(
+            f"{p}reward_model: give exactly one of 'path' (a trained reward model) and 'backbone'"
+        )
+    if reward_model.get("backbone") is not None and reward_model.get("mode", "separate") != "separate":
+        raise ConfigError(
+            f"{p}reward_model.backbone builds a separate model; set reward_model.mode: separate"
+        )
+    if get(init, "kl.adaptive") and get(init, "kl.target_kl") is None:
+        raise ConfigError(
+            f"{p}kl.adaptive is true but kl.target_kl is not set; give the KL per response to aim at"
+        )
+    minibatch = get(init, "ppo.ppo_minibatch_size", PPOConfig.ppo_minibatch_size)
+    micro = get(init, "ppo.micro_batch_size") or minibatch
+    rollout = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
+    if rollout % minibatch:
+        raise ConfigError(
+            f"data.init_args.batch_size ({rollout} prompts per rollout) must be a multiple of "
+            f"{p}ppo.ppo_minibatch_size ({minibatch})"
+        )
+    if minibatch % micro:
+        raise ConfigError(
+            f"{p}ppo.ppo_minibatch_size ({minibatch}) must be a multiple of {p}ppo.micro_batch_size ({micro})"
+        )
+    if get(init, "sampling.min_new_tokens", SamplingConfig.min_new_tokens) > get(init, "sampling.max_new_tokens", SamplingConfig.max_new_tokens):
+        raise ConfigError(
+            f"{p}sampling.min_new_tokens ({get(init, 'sampling.min_new_tokens')}) must be <= sampling.max_new_tokens "
+            f"({get(init, 'sampling.max_new_tokens')})"
+        )
+    if get(init, "ptx.coef", PTXConfig.coef) > 0 and not file_list(get(init, "ptx.train_files")):
+        raise ConfigError(f"{p}ptx.coef > 0 needs ptx.train_files (SFT data for the pretraining-mix term)")
+    max_steps = trainer.get("max_steps", -1)
+    if isinstance(max_steps, int) and max_steps > 0:
+        per_iteration = get(init, "ppo.ppo_epochs", PPOConfig.ppo_epochs) * (rollout // minibatch)
+        if max_steps % per_iteration:
+            raise ConfigError(
+                f"trainer.max_steps={max_steps} would stop PPO inside an iteration: one iteration makes {per_iteration} "
+                f"optimizer steps (ppo.ppo_epochs x rollout / ppo_minibatch_size); set {p}ppo.total_iterations "
+                f"for the run's length, or max_steps to a multiple of {per_iteration} to stop early and resume later"
+            )

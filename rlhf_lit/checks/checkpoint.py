@@ -1,0 +1,85 @@
+"""``ckpt_path``: a checkpoint of the config's model class, and a warning for settings the checkpoint overrides."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rlhf_lit.checks.rules import MODEL_RULES, import_class, kind
+from rlhf_lit.errors import ConfigError
+
+__all__ = ["check_ckpt_path"]
+
+
+def check_ckpt_path(config: Any) -> None:
+    """``ckpt_path`` (if given) is a checkpoint file of the config's model class.
+
+    Also warns (one line) when a model setting of the config differs from the checkpoint's hyper-parameters,
+    which LightningCLI uses to rebuild the model.
+
+    Raises:
+        ConfigError: if the file does not exist, is not a checkpoint, or was written by another module class.
+    """
+    subcommand = config.get("subcommand")
+    if not subcommand:
+        return
+    sub = config[subcommand]
+    ckpt_path = sub.get("ckpt_path")
+    if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+        return
+    path = Path(str(ckpt_path)).expanduser()
+    if not path.is_file():
+        what = "is a folder, not a checkpoint file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"ckpt_path: {ckpt_path} {what} (resolved to {path.resolve()})")
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user mistake
+        raise ConfigError(
+            f"ckpt_path: {ckpt_path} is not a readable checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    hparams = dict(checkpoint.get("hyper_parameters") or {}) if isinstance(checkpoint, dict) else {}
+    model = sub.get("model")
+    config_class = model.get("class_path") if model is not None else None
+    saved_class = hparams.get("_class_path")
+    if saved_class and config_class and saved_class.rsplit(".", 1)[-1] != config_class.rsplit(".", 1)[-1]:
+        raise ConfigError(
+            f"ckpt_path: {ckpt_path} was written by {saved_class.rsplit('.', 1)[-1]}, but the config's model is "
+            f"{config_class.rsplit('.', 1)[-1]}; give the config of the stage that wrote the checkpoint"
+        )
+    if hparams and not saved_class and kind(import_class(config_class), MODEL_RULES):
+        raise ConfigError(
+            f"ckpt_path: {ckpt_path} stores its hyper-parameters without '_class_path' (written before rlhf_lit "
+            "stored it), so LightningCLI cannot re-parse them; resume it in Python with Trainer.fit(..., "
+            "ckpt_path=...), or add hyper_parameters['_class_path'] (the module's import path) to the file"
+        )
+    if saved_class and model is not None:
+        init = model.get("init_args")
+        init = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
+        differ = [key for key, mine, theirs in _diff(init, hparams) if key.split(".")[0] in hparams]
+        if differ:
+            import logging
+
+            shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+            logging.getLogger("rlhf_lit").warning(
+                "ckpt_path: the model is rebuilt with the checkpoint's settings; the config's %s %s not used",
+                shown,
+                "differs from it and is" if len(differ) == 1 else "differ from them and are",
+            )
+
+
+def _diff(mine: Any, theirs: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    if mine is None and isinstance(theirs, dict):
+        return  # a section the config leaves unset: the module filled in its defaults
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in mine:
+            if key in theirs and not key.startswith("_"):
+                yield from _diff(mine[key], theirs[key], f"{prefix}{key}.")
+        return
+    if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        mine, theirs = list(mine), list(theirs)
+    if mine != theirs:
+        yield prefix.rstrip("."), mine, theirs

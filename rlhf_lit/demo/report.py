@@ -1,0 +1,270 @@
+"""The demo's report: ``report.md`` / ``report.json`` of one seed, ``seeds.md`` / ``seeds.json`` across seeds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+from rlhf_lit.data.demo_task import prompt_rows
+from rlhf_lit.demo.evaluate import PolicyEval, evaluate_policy, mean_se, reward_model_accuracy
+from rlhf_lit.demo.stages import DEFAULT_OUT, OVEROPTIMIZED, STAGES
+from rlhf_lit.generation import SamplingConfig
+from rlhf_lit.models.export import read_meta
+
+__all__ = ["seeds_summary", "write_report", "write_seeds_report"]
+
+
+def write_report(
+    out_dir: str = DEFAULT_OUT,
+    n_prompts: int = 256,
+    seed: int = 0,
+    stage_seconds: dict[str, float] | None = None,
+) -> dict:
+    """Evaluate the demo's exports and write ``report.md``, ``report.json`` and PNGs into ``out_dir``."""
+    sft_dir, rm_dir, ppo_dir = (os.path.join(out_dir, s, "hf") for s in STAGES)
+    no_kl_dir = os.path.join(out_dir, OVEROPTIMIZED, "hf")
+    ppo_meta = read_meta(ppo_dir)
+    rm_meta = read_meta(rm_dir)
+    sampling = SamplingConfig(**{k: v for k, v in ppo_meta["sampling"].items()})
+    prompts = [r["prompt"] for r in prompt_rows(n_prompts, seed=seed, split="test")]
+    evals = {"sft": evaluate_policy(sft_dir, sft_dir, rm_dir, prompts, sampling, seed)}
+    evals["ppo"] = evaluate_policy(ppo_dir, sft_dir, rm_dir, prompts, sampling, seed)
+    if os.path.isdir(no_kl_dir):
+        evals[OVEROPTIMIZED] = evaluate_policy(no_kl_dir, sft_dir, rm_dir, prompts, sampling, seed)
+    with open(os.path.join(rm_dir, "eval_results.json")) as f:
+        rm_eval = json.load(f)
+    target_kl = ppo_meta.get("target_kl")
+
+    summary = {
+        "seed": seed,
+        "held_out_prompts": n_prompts,
+        "target_kl": target_kl,
+        "reward_model": {
+            **reward_model_accuracy(rm_dir, seed=seed),
+            **{
+                key: rm_eval["metrics"].get(f"reward/{key}")
+                for key in ("ece", "ece_calibrated", "nll", "nll_calibrated")
+            },
+            "temperature": rm_meta.get("temperature"),
+        },
+        "stage_seconds": stage_seconds or {},
+    }
+    for name, ev in evals.items():
+        summary[name] = {"gold": mean_se(ev.gold), "rm": mean_se(ev.rm), "kl": mean_se(ev.kl)}
+        if name != "sft":
+            summary[name].update(_change_from_sft(ev, evals["sft"]))
+            summary[name]["monitor_flagged_iterations"] = _flagged_iterations(os.path.join(out_dir, name))
+    ppo = summary["ppo"]
+    summary["gold_gain"], summary["gold_gain_in_se"] = ppo["gold_change"], ppo["gold_change_in_se"]
+    summary["kl_under_target"] = target_kl is None or ppo["kl"][0] < target_kl
+    # the reward-hacking guard: PPO must not raise the RM score while the gold score falls
+    summary["reward_hacking"] = ppo["rm_change"] > 0 and ppo["gold_change"] < 0
+
+    os.makedirs(out_dir, exist_ok=True)
+    # the figures the runs wrote: the reward-hacking monitor's frontiers (RM and gold score against KL)
+    # and the reward model's reliability diagram
+    figures = {
+        os.path.join(ppo_dir, "score_kl_frontier.png"): "frontier.png",
+        os.path.join(no_kl_dir, "score_kl_frontier.png"): "frontier_no_kl.png",
+        os.path.join(rm_dir, "reliability.png"): "reliability.png",
+    }
+    for source, name in figures.items():
+        if os.path.exists(source):
+            shutil.copyfile(source, os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "report.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(_markdown(summary, prompts, evals, os.path.exists(os.path.join(out_dir, "frontier.png"))))
+    return summary
+
+
+def _change_from_sft(policy: PolicyEval, sft: PolicyEval) -> dict[str, float]:
+    """Gold and RM score change from the SFT policy on the same prompts; the gold change in standard errors
+    (independent samples: se = hypot(se_policy, se_sft))."""
+    (gold, gold_se), (sft_gold, sft_se) = mean_se(policy.gold), mean_se(sft.gold)
+    se = math.hypot(gold_se, sft_se)
+    return {
+        "gold_change": gold - sft_gold,
+        "gold_change_in_se": (gold - sft_gold) / se if se > 0 else float("inf"),
+        "rm_change": mean_se(policy.rm)[0] - mean_se(sft.rm)[0],
+    }
+
+
+def _flagged_iterations(run_dir: str) -> list[int]:
+    """Iterations at which the run's reward-hacking monitor flagged over-optimisation (its history.json)."""
+    path = os.path.join(run_dir, "history.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [h["iteration"] for h in json.load(f) if h.get("overoptimization")]
+
+
+def _fmt(pair) -> str:
+    return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+
+
+def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool) -> str:
+    rm = s["reward_model"]
+    labels = {"sft": "SFT", "ppo": "PPO", OVEROPTIMIZED: "PPO without KL penalty (kl_coef 0, lr 1e-3)"}
+    lines = [
+        f"# rlhf_lit demo report: echo task, SFT -> reward model -> PPO (seed {s.get('seed', 0)})",
+        "",
+        f"Held-out prompts: {s['held_out_prompts']} (none seen in training). Mean ± standard error.",
+        "",
+        "| policy | gold score | RM score (calibrated) | KL to reference (nats/response) |",
+        "|---|---|---|---|",
+    ]
+    for name in evals:
+        lines.append(
+            f"| {labels[name]} | {_fmt(s[name]['gold'])} | {_fmt(s[name]['rm'])} | {_fmt(s[name]['kl'])} |"
+        )
+    lines += [
+        "",
+        f"Gold gain of PPO over SFT: **{s['gold_gain']:+.3f}** ({s['gold_gain_in_se']:.1f} standard errors). "
+        f"KL budget (kl.target_kl): {s['target_kl']} nats; PPO's KL is "
+        f"{'under' if s['kl_under_target'] else 'OVER'} it. "
+        + (
+            "**Reward hacking: the RM score rose while the gold score fell.**"
+            if s["reward_hacking"]
+            else "The gold score did not fall while the RM score rose (no reward hacking)."
+        ),
+        f"The reward-hacking monitor flagged {len(s['ppo']['monitor_flagged_iterations'])} of PPO's iterations.",
+        "",
+    ]
+    if OVEROPTIMIZED in evals:
+        no_kl = s[OVEROPTIMIZED]
+        flagged = no_kl["monitor_flagged_iterations"]
+        lines += [
+            "## Over-optimisation on purpose: PPO without its KL penalty",
+            "",
+            f"The same PPO config with `kl.kl_coef: 0` and `optimizer.lr: 1e-3`: RM score {no_kl['rm_change']:+.3f} from SFT, gold "
+            f"{no_kl['gold_change']:+.3f} ({no_kl['gold_change_in_se']:.1f} standard errors), KL "
+            f"{no_kl['kl'][0]:.2f} nats. The reward-hacking monitor flagged "
+            + (
+                f"{len(flagged)} iterations, first at iteration {flagged[0]}." if flagged else "no iteration."
+            ),
+            "",
+            "![frontier without KL penalty](frontier_no_kl.png)",
+            "",
+        ]
+    lines += [
+        "## Reward model",
+        "",
+        f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
+        f"labels (their disagreement with gold: {rm['label_noise_rate']:.1%}), **{rm['accuracy_gold']:.3f}** "
+        f"against the gold scorer ({rm['gold_decided_pairs']} pairs with a gold difference)",
+        (
+            f"- temperature scaling (T = {rm['temperature']:.3f}, fitted on the validation pairs): ECE "
+            f"{rm['ece']:.4f} -> {rm['ece_calibrated']:.4f}, NLL {rm['nll']:.4f} -> {rm['nll_calibrated']:.4f} nats"
+        )
+        if rm["ece_calibrated"] is not None
+        else f"- ECE {rm['ece']} (temperature 1: no calibration)",
+        "",
+        "![reliability diagram](reliability.png)",
+        "",
+    ]
+    if has_frontier:
+        lines += ["## PPO: gold and RM score against KL", "", "![frontier](frontier.png)", ""]
+    sft, ppo = evals["sft"], evals["ppo"]
+    lines += [
+        "## Samples (same prompts, same seed)",
+        "",
+        "| prompt | SFT | gold | PPO | gold |",
+        "|---|---|---|---|---|",
+    ]
+    for i in range(min(8, len(prompts))):
+        lines.append(
+            f"| `{prompts[i]}` | `{sft.responses[i]}` | {sft.gold[i]:.2f} | `{ppo.responses[i]}` | {ppo.gold[i]:.2f} |"
+        )
+    if s["stage_seconds"]:
+        lines += [
+            "",
+            "Stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in s["stage_seconds"].items()),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# Figures of a demo report that are summarised across seeds: (label, getter)
+_ACROSS_SEEDS = (
+    ("SFT gold score", lambda s: s["sft"]["gold"][0]),
+    ("PPO gold score", lambda s: s["ppo"]["gold"][0]),
+    ("gold gain (PPO - SFT)", lambda s: s["gold_gain"]),
+    ("gold gain in standard errors", lambda s: s["gold_gain_in_se"]),
+    ("PPO KL to reference (nats/response)", lambda s: s["ppo"]["kl"][0]),
+    ("SFT RM score", lambda s: s["sft"]["rm"][0]),
+    ("PPO RM score", lambda s: s["ppo"]["rm"][0]),
+    ("RM accuracy vs noisy labels", lambda s: s["reward_model"]["accuracy_noisy_labels"]),
+    ("RM accuracy vs gold", lambda s: s["reward_model"]["accuracy_gold"]),
+    ("calibration temperature T", lambda s: s["reward_model"]["temperature"]),
+    ("ECE before calibration", lambda s: s["reward_model"]["ece"]),
+    ("ECE after calibration", lambda s: s["reward_model"]["ece_calibrated"]),
+    ("no-KL run: gold change", lambda s: s.get(OVEROPTIMIZED, {}).get("gold_change")),
+    ("no-KL run: RM score change", lambda s: s.get(OVEROPTIMIZED, {}).get("rm_change")),
+    ("no-KL run: KL (nats/response)", lambda s: s.get(OVEROPTIMIZED, {}).get("kl", [None])[0]),
+)
+
+
+def seeds_summary(summaries: list[dict]) -> dict:
+    """Mean and sample standard deviation across seeds of each figure in ``_ACROSS_SEEDS``, plus per-seed values."""
+    out = {"seeds": [s["seed"] for s in summaries], "figures": {}}
+    for label, get in _ACROSS_SEEDS:
+        values = [get(s) for s in summaries]
+        if any(v is None for v in values):
+            continue
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+        out["figures"][label] = {"mean": mean, "std": std, "values": values}
+    out["every_seed_gains_over_3_se_within_kl_budget"] = all(
+        s["gold_gain_in_se"] > 3 and s["kl_under_target"] for s in summaries
+    )
+    out["any_reward_hacking"] = any(s["reward_hacking"] for s in summaries)
+    return out
+
+
+def write_seeds_report(out_dir: str, summaries: list[dict], machine: str | None = None) -> dict:
+    """``seeds.md`` / ``seeds.json`` in ``out_dir``: each figure per seed, with mean and spread across seeds."""
+    summary = seeds_summary(summaries)
+    summary["machine"] = machine or _machine()
+    seeds = summary["seeds"]
+    lines = [
+        f"# rlhf_lit demo across seeds {', '.join(map(str, seeds))}",
+        "",
+        f"Machine: {summary['machine']}. Each seed changes the generated data, the initialisation and the "
+        "sampling; 256 held-out prompts per seed. Spread = sample standard deviation across seeds.",
+        "",
+        "| figure | " + " | ".join(f"seed {k}" for k in seeds) + " | mean ± spread |",
+        "|---|" + "---|" * (len(seeds) + 1),
+    ]
+    for label, fig in summary["figures"].items():
+        cells = " | ".join(f"{v:.3f}" for v in fig["values"])
+        lines.append(f"| {label} | {cells} | {fig['mean']:.3f} ± {fig['std']:.3f} |")
+    lines += [
+        "",
+        "Every seed: gold gain > 3 standard errors within the KL budget: "
+        f"**{'yes' if summary['every_seed_gains_over_3_se_within_kl_budget'] else 'NO'}**; reward hacking "
+        f"(RM up while gold down) on any seed: **{'yes' if summary['any_reward_hacking'] else 'no'}**.",
+    ]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "seeds.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(out_dir, "seeds.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return summary
+
+
+def _machine() -> str:
+    """The CPU model name (``/proc/cpuinfo``) and core count, for reports that say where they were made."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        import platform
+
+        name = platform.processor() or name
+    return f"{name}, {os.cpu_count()} cores"

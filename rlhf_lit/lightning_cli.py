@@ -1,0 +1,201 @@
+"""``RLHFCLI``: LightningCLI over the stage modules and data modules, and the one config parser.
+
+Everything that reads a config goes through here: ``rlhf-lit fit`` / ``validate`` (:func:`cli_main`), and
+the memory planner and the demo (:func:`parse_config`: the same parser, every default filled in, nothing
+instantiated). The model and the data are chosen by ``class_path`` in the config (subclass mode), so any
+``LightningModule`` / ``LightningDataModule`` works. Values derived from another section are linked, not
+repeated: the tokenizer (from the model to the data module, when both are built) and PPO's rollout size
+(from the data module's ``batch_size``, at parse time).
+
+Checkpoints: the stage modules store their hyper-parameters with ``_class_path``
+(:func:`~rlhf_lit.modules.common.plain_hparams`), the form in which LightningCLI re-parses them for
+``--ckpt_path``; as in every LightningCLI, the model is then built with the checkpoint's hyper-parameters,
+and a model setting of the config that differs is named in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from argparse import ArgumentError
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+from rlhf_lit.callbacks import StageProgressBar
+from rlhf_lit.cli_messages import condense, option_strings
+from rlhf_lit.errors import ConfigError
+
+log = logging.getLogger("rlhf_lit")
+
+__all__ = ["DESCRIPTION", "EXTRA_SUBCOMMANDS", "SUBCOMMANDS", "RLHFCLI", "cli_main", "parse_config"]
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's
+EXTRA_SUBCOMMANDS = ("demo", "plan")  # dispatched by main()
+DESCRIPTION = (
+    "RLHF (SFT -> calibrated reward model -> PPO) on PyTorch Lightning. Subcommands: fit, validate, test, "
+    "predict (LightningCLI: rlhf-lit fit --config configs/<stage>/<name>.yaml); demo (the whole pipeline on "
+    "the offline demo task: rlhf-lit demo [--fast]; rlhf-lit demo --help); plan (peak-memory estimate of a "
+    "config, loads no weights: rlhf-lit plan --config <file>; rlhf-lit plan --help). Add --debug (or set "
+    "RLHF_LIT_DEBUG=1) to see the traceback of an error."
+)
+# Unknown or abbreviated options are errors (argparse would otherwise accept --trainer.max_step for
+# --trainer.max_steps), and parse errors are raised, not printed with the whole usage text: main() prints
+# one line.
+_PARSER_KWARGS = {"exit_on_error": False, "allow_abbrev": False}
+
+
+class RLHFCLI(LightningCLI):
+    """LightningCLI with values linked between model and data, and checks before loading.
+
+    Links: the model's tokenizer is handed to the data module when both are built; the data module's
+    ``batch_size`` becomes ``PPOModule``'s ``rollout_batch_size`` at parse time (a model without that argument
+    is not linked).
+    """
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
+        parser.link_arguments(
+            "data.init_args.batch_size", "model.init_args.rollout_batch_size", apply_on="parse"
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse; an unknown key, abbreviation or bad type becomes one :class:`ConfigError` line."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            raise ConfigError(condense(str(err), option_strings(parser, args))) from err
+        from rlhf_lit.checks import check_ckpt_path
+
+        check_ckpt_path(self.config)
+
+    def before_instantiate_classes(self) -> None:
+        """Check values, paths and the stage/data pairing of the parsed config before any model loads."""
+        from rlhf_lit.checks import check_config
+
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        check_config(config.as_dict(), subcommand)
+
+    def instantiate_trainer(self, **kwargs):
+        """Read the data first (model and data module exist by now), so a data error stops the run before the
+        trainer prints anything; the trainer's own ``setup`` call then finds the data ready. Only rlhf_lit's
+        data modules, whose ``setup`` needs no trainer."""
+        from rlhf_lit.data.base import RLHFDataModule
+
+        if self.subcommand in ("fit", "validate") and isinstance(self.datamodule, RLHFDataModule):
+            from rlhf_lit.checks import check_data_fits_model
+
+            self.datamodule.setup(self.subcommand)
+            check_data_fits_model(self.model, self.datamodule)
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        defaults = self.trainer_defaults
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if (config.get("trainer") or {}).get("enable_progress_bar") is False:
+            # a trainer without a progress bar refuses a progress-bar callback: leave StageProgressBar out
+            self.trainer_defaults = {k: v for k, v in defaults.items() if k != "callbacks"}
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as err:  # Lightning's checks of the trainer settings
+            raise ConfigError(f"trainer: {str(err).strip().splitlines()[0]}") from err
+        finally:
+            self.trainer_defaults = defaults
+
+
+def _quiet_third_party() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("transformers", "datasets", "peft", "httpx", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # bitsandbytes warns on import that an optional CPU kernel package is missing; the fallback is fine.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*gemm_4bit_forward.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*val_dataloader.*but have no .validation_step.*")
+    # a data module with val_size 0 returns no validation loader (an empty list), which is what it means
+    warnings.filterwarnings("ignore", message=".*Total length of `list` across ranks is zero.*")
+    # Lightning 2.6 asks manual-optimization modules to stash a pre-step state for ModelCheckpoint; a PPO
+    # training_step is one whole iteration, and the state after it is the one a resume must start from.
+    warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
+    # main() always hands LightningCLI its arguments explicitly (after taking out --debug and the demo/plan
+    # subcommands), so LightningCLI's guard against "args given while sys.argv has arguments" is moot.
+    warnings.filterwarnings(
+        "ignore", message=".*LightningCLI's args parameter is intended to run from within.*"
+    )
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
+    """Build (and by default run) the CLI in-process; used by ``main`` and by the tests.
+
+    Raises:
+        ConfigError: for an unknown key, an abbreviated option or a value of the wrong type (parse), or a
+            value, path or stage/data pairing that cannot work (:mod:`rlhf_lit.checks`).
+        UserError: other user mistakes found later (e.g. a malformed data file: ``DataFormatError``).
+    """
+    _quiet_third_party()
+    parser_kwargs = dict(_PARSER_KWARGS, description=DESCRIPTION)
+    parser_kwargs.update({name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS})
+    return RLHFCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        parser_kwargs=parser_kwargs if run else dict(_PARSER_KWARGS),
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={"callbacks": [StageProgressBar()]},
+    )
+
+
+class _ParseOnly(RLHFCLI):
+    """The CLI's parsing and linking without checks or instantiation (what :func:`parse_config` runs)."""
+
+    def before_instantiate_classes(self) -> None:
+        pass  # the checks look for files that a plan or the demo may not have written yet
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_config(config_files: list[str], overrides: list[str] | None = None) -> dict:
+    """The config ``rlhf-lit fit --config <files...> <overrides...>`` would run, as plain dicts: the stacked
+    files parsed by the CLI's own parser, every class's defaults filled in, links applied, nothing built.
+
+    Dataclass-typed settings that the files leave unset (e.g. ``model.init_args.sampling``) are None, as the
+    module receives them; the module's dataclass supplies their defaults.
+
+    Raises:
+        ConfigError: for an unknown key or a value of the wrong type (as ``fit`` would).
+    """
+    from rlhf_lit.rng import get_rng_state, set_rng_state
+
+    state = get_rng_state()  # LightningCLI seeds everything when the config sets seed_everything
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # no "Seed set to" line: nothing runs
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended.*")
+            cli = _ParseOnly(
+                L.LightningModule,
+                L.LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=[a for f in config_files for a in ("--config", str(f))] + list(overrides or []),
+                run=False,
+                parser_kwargs=dict(_PARSER_KWARGS),
+            )
+    finally:
+        set_rng_state(state)
+        seed_log.setLevel(level)
+    return cli.config.as_dict()

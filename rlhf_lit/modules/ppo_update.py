@@ -1,0 +1,271 @@
+"""Step 6 of the PPO iteration: ``ppo_epochs`` x global minibatches x micro-batches, one optimizer step each.
+
+One path for every configuration: each micro-batch runs the policy's forward for the objective's terms and
+back-propagates them (:func:`micro_batch_backward`); the two-pass option only splits the terms into two
+forward + backward pairs (actor terms, then the value term). Then the PTX term (if any), global-norm
+gradient clipping, and the optimizer and schedule step -- skipped, with nothing changed, when the gradient
+norm is inf or nan (:func:`optimizer_step`).
+
+The loss of a minibatch is the token mean over the GLOBAL minibatch (this rank's rows of it and every
+other rank's): DDP and FSDP average gradients over ranks, so a micro-batch's mean loss is weighted by
+``world_size * its tokens / global tokens``; the average of the ranks' gradients is then
+``sum(token losses) / global tokens`` however unevenly rows and tokens are spread (a per-rank mean,
+averaged, would not be). One rank: ``n / N``.
+
+Lightning's manual-optimization contract (DESIGN.md): ``manual_backward`` for every backward, our own
+clipping (Lightning's FSDP precision plugin refuses norm clipping), ``opt.step()`` and ``sched.step()``
+here. The functions take the module: they call its ``manual_backward``, ``_clip_gradients`` and policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlhf_lit import metrics as M
+from rlhf_lit.algorithms.objectives import MicroBatch
+from rlhf_lit.errors import NonFiniteError
+from rlhf_lit.functional.losses import sft_nll
+from rlhf_lit.functional.sequence import trim_left_padding
+from rlhf_lit.parallel import global_sum, grad_norm_value
+
+if TYPE_CHECKING:
+    from rlhf_lit.modules.ppo import PPOModule
+
+log = logging.getLogger("rlhf_lit")
+
+__all__ = ["UpdateBatch", "clip_global_grad_norm", "epoch_schedule", "micro_batch_backward", "ppo_update"]
+
+
+def epoch_schedule(
+    order: torch.Tensor, world_size: int, rank: int, minibatch_size: int, micro_batch_size: int
+) -> list[tuple[torch.Tensor, int]]:
+    """This rank's rows of each global minibatch of one PPO epoch, and the micro-batches every rank runs.
+
+    The global rollout batch has ``W * B`` rows; global row ``g`` is row ``g // W`` of rank ``g % W`` (the
+    prompt sampler deals each global batch out round-robin: ``ResumableSampler``, like PyTorch's
+    ``DistributedSampler``). ``order`` is one permutation of the global rows, drawn identically on every
+    rank; global minibatch ``k`` is ``order[k * W * minibatch_size : (k + 1) * W * minibatch_size]``, exactly
+    the minibatch one rank holding all ``W * B`` rows draws with ``ppo_minibatch_size = W * minibatch_size``.
+    Each rank takes its own rows of it, in that order; their number varies between ranks and minibatches.
+    DDP and FSDP need the same number of forwards and backwards on every rank, so the micro-batch count of a
+    minibatch is the largest over the ranks (a rank with fewer runs empty, zero-weight micro-batches).
+
+    Args:
+        order: ``(W * B,)`` a permutation of the global rows.
+        world_size: W.
+        rank: this rank.
+        minibatch_size: ``ppo.ppo_minibatch_size``, rows per rank per minibatch on average.
+        micro_batch_size: rows per forward / backward.
+
+    Returns:
+        One ``(local_rows, num_micro_batches)`` per global minibatch; ``local_rows`` is a long tensor of this
+        rank's row indices (possibly empty). E.g. W = 2, order ``[3, 0, 2, 1, ...]``, minibatch 2: global
+        minibatch ``[3, 0, 2, 1]`` -> rank 0 takes rows ``[0, 1]`` (global 0, 2), rank 1 rows ``[1, 0]``.
+    """
+    global_mb = minibatch_size * world_size
+    out = []
+    for start in range(0, order.numel(), global_mb):
+        rows = order[start : start + global_mb]
+        owners = rows % world_size
+        counts = torch.bincount(owners, minlength=world_size)
+        n_micro = int(-(-int(counts.max()) // micro_batch_size))
+        out.append((rows[owners == rank] // world_size, n_micro))
+    return out
+
+
+@dataclass
+class UpdateBatch:
+    """The rollout tensors the update reads (this rank's B rows; the fields in ``PPOModule._update``'s order).
+
+    Attributes:
+        input_ids: ``(B, T)`` prompt (left padded) then response; ``attention_mask`` ``(B, T)``.
+        prompt_len: P.
+        mask: ``(B, R)`` bool, the update tokens (``Rollout.update_mask``).
+        old_logprobs: ``(B, R)``.
+        old_values: ``(B, R)`` or None without a critic.
+        advantages: ``(B, R)``.
+        returns: ``(B, R)`` or None without a critic.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor | None
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+
+    def micro_batch(self, rows: torch.Tensor) -> MicroBatch:
+        """Rows ``rows`` (long, on the batch's device), with the prompt columns that are padding in all of
+        them dropped. No rows: one zero-weight filler row (row 0 with an all-False mask), because every rank
+        must run as many forwards and backwards as the others (DDP / FSDP collectives)."""
+        mask = self.mask[rows]
+        if rows.numel() == 0:
+            rows = torch.zeros(1, dtype=torch.long, device=self.input_ids.device)
+            mask = torch.zeros_like(self.mask[rows])
+        ids, attn, p = trim_left_padding(self.input_ids[rows], self.attention_mask[rows], self.prompt_len)
+        return MicroBatch(
+            input_ids=ids,
+            attention_mask=attn,
+            prompt_len=p,
+            mask=mask,
+            old_logprobs=self.old_logprobs[rows],
+            advantages=self.advantages[rows],
+            old_values=None if self.old_values is None else self.old_values[rows],
+            returns=None if self.returns is None else self.returns[rows],
+        )
+
+
+def ppo_update(
+    module: PPOModule, batch: UpdateBatch, schedule: Callable = epoch_schedule
+) -> dict[str, float]:
+    """``ppo.ppo_epochs`` passes over the rollout in global minibatches (``schedule``), one optimizer step
+    per minibatch. Returns the update's metrics: token-weighted means of the objective's statistics over
+    all micro-batches (``ppo/*``), the PTX loss, the mean gradient norm of the applied steps and the number
+    of skipped steps.
+
+    Raises:
+        NonFiniteError: after ``ppo.max_consecutive_skips`` optimizer steps in a row with a non-finite norm.
+    """
+    cfg, trainer = module.ppo, module.trainer
+    opt, sched = module.optimizers(), module.lr_schedulers()
+    micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
+    world_size, rank = trainer.world_size, trainer.global_rank
+    has_critic = batch.returns is not None
+    # Actor and critic on separate adapters have disjoint trainable parameters, so the backward of the
+    # policy terms and that of the value term can run one after the other: the same gradients, but the
+    # actor's activations are freed before the critic's forward (peak ~ one forward's activations, not
+    # two). One process only: DDP expects every trainable parameter's gradient from each backward.
+    two_pass = module._two_pass and has_critic and not module.policy.shared_critic and world_size == 1
+    terms = module.objective.terms(has_critic)
+    passes = tuple((t,) for t in terms) if two_pass else (terms,)
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + module.iteration)
+    sums: dict[str, float] = {}
+    n_steps = n_applied = 0
+    grad_norms = 0.0
+    for _ in range(cfg.ppo_epochs):
+        # one permutation of the GLOBAL batch, the same on every rank (same generator): each rank takes its
+        # own rows of each global minibatch, so the minibatches are those of one rank holding every row
+        order = torch.randperm(batch.input_ids.shape[0] * world_size, generator=generator)
+        for mb_rows, n_micro in schedule(order, world_size, rank, cfg.ppo_minibatch_size, micro):
+            mb_rows = mb_rows.to(batch.input_ids.device)
+            global_tokens = global_sum(trainer, batch.mask[mb_rows].sum().float()).clamp(min=1.0)
+            opt.zero_grad()
+            for m in range(n_micro):
+                mb = batch.micro_batch(mb_rows[m * micro : (m + 1) * micro])
+                weight = world_size * mb.mask.sum().float() / global_tokens
+                stats = micro_batch_backward(module, mb, weight, passes)
+                # the same weights for the logged statistics: their mean over ranks is then the token mean
+                # over the global minibatch, as on one rank
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + float(weight) * float(value)
+            if module._ptx is not None:
+                sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + ptx_backward(module)
+            n_steps += 1
+            applied, grad_norm = optimizer_step(module, opt, sched)
+            if applied:
+                n_applied += 1
+                grad_norms += float("nan") if grad_norm is None else grad_norm
+    out = {k: v / n_steps for k, v in sums.items()}
+    out[M.PPO_GRAD_NORM] = grad_norms / n_applied if n_applied else float("nan")
+    out[M.PPO_SKIPPED_STEPS] = float(n_steps - n_applied)
+    return out
+
+
+def micro_batch_backward(
+    module: PPOModule, mb: MicroBatch, weight: torch.Tensor, passes: tuple[tuple[str, ...], ...]
+) -> dict[str, torch.Tensor]:
+    """For each group of terms in ``passes``: the policy's forward for those terms, the objective's loss,
+    and the backward of ``loss * weight``. ``passes`` is ``(("policy", "value"),)`` for one combined pass,
+    ``(("policy",), ("value",))`` for the two-pass option. Returns the detached statistics of all terms."""
+    cfg, stats = module.ppo, {}
+    for terms in passes:
+        out = module.policy(
+            mb.input_ids,
+            mb.attention_mask,
+            mb.prompt_len,
+            module.sampling.temperature,
+            chunk_size=cfg.logprob_chunk_size,
+            entropy_grad=cfg.entropy_coef != 0,
+            **module.objective.wants(terms),
+        )
+        loss, term_stats = module.objective.loss(out, mb, terms)
+        module.manual_backward(loss * weight)
+        stats.update(term_stats)
+        del out, loss  # the actor's outputs are not kept alive through the critic's forward
+    return stats
+
+
+def ptx_backward(module: PPOModule) -> float:
+    """Backward of ``ptx.coef`` times the next PTX batch's SFT loss through the actor (Ouyang et al. 2022,
+    eq. 2); returns the loss."""
+    batch = {k: v.to(module.device) for k, v in module._ptx.next_batch().items() if torch.is_tensor(v)}
+    lm = module.policy.lm
+    with lm.adapter("actor"):
+        hidden = lm.hidden_states(batch["input_ids"], batch["attention_mask"])
+        loss, _ = sft_nll(lm.logits(hidden), batch["labels"])
+    module.manual_backward(module.ptx_cfg.coef * loss)
+    return float(loss.detach())
+
+
+def optimizer_step(module: PPOModule, opt, sched) -> tuple[bool, float | None]:
+    """Clip, then step optimizer and schedule. Returns ``(applied, norm)``: the gradient norm before
+    clipping (None under fp16 mixed precision, where Lightning clips). A step whose norm is inf / nan is
+    skipped (``applied`` False): gradients dropped, no parameter, optimizer-state or learning-rate change
+    (every rank sees the same global norm, so every rank skips together).
+
+    Raises:
+        NonFiniteError: after ``ppo.max_consecutive_skips`` skipped steps in a row.
+    """
+    grad_norm = module._clip_gradients(opt)
+    if grad_norm is None or math.isfinite(grad_norm):
+        module._consecutive_skips = 0
+        opt.step()
+        sched.step()
+        return True, grad_norm
+    opt.zero_grad()
+    module._consecutive_skips += 1
+    log.warning(
+        "PPO iteration %d: optimizer step skipped, the global gradient norm is %s (%d in a row)",
+        module.iteration + 1,
+        grad_norm,
+        module._consecutive_skips,
+    )
+    if module._consecutive_skips >= module.ppo.max_consecutive_skips:
+        raise NonFiniteError(
+            f"PPO stopped at iteration {module.iteration + 1}: {module._consecutive_skips} optimizer steps in a "
+            f"row had a non-finite gradient norm ({grad_norm}), so none was applied "
+            f"(ppo.max_consecutive_skips={module.ppo.max_consecutive_skips}). The run has diverged: lower "
+            "optimizer.lr, set ppo.max_grad_norm, or check the reward model's scores"
+        )
+    return False, grad_norm
+
+
+def clip_global_grad_norm(module: PPOModule, opt) -> float | None:
+    """Clip the global gradient norm over actor and critic parameters; returns the norm before clipping
+    (inf or nan when a gradient is), or None under fp16 mixed precision, where Lightning clips and the
+    GradScaler skips non-finite steps itself.
+
+    Owned here (not Lightning's ``clip_gradients``) because Lightning's FSDP precision plugin refuses
+    norm clipping; ``torch.nn.utils.clip_grad_norm_`` handles sharded (DTensor) parameters.
+    """
+    params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    if not params:
+        return 0.0
+    max_grad_norm = module.ppo.max_grad_norm
+    if "16-mixed" == str(module.trainer.precision):  # fp16 GradScaler: Lightning must unscale first
+        # the norm is not returned; the GradScaler itself skips steps with inf / nan gradients
+        module.clip_gradients(opt, gradient_clip_val=max_grad_norm, gradient_clip_algorithm="norm")
+        return None
+    max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
+    # With FSDP2 the gradients are DTensor shards: clip_grad_norm_ reduces the partial norms over the
+    # ranks (the norm it returns is a DTensor), so the norm is the global one and every rank scales
+    # its shard by the same factor. Under DDP the gradients are already averaged, the same on each rank.
+    return grad_norm_value(torch.nn.utils.clip_grad_norm_(params, max_norm))

@@ -1,0 +1,108 @@
+"""Memory planner: the peak accelerator memory of a run, estimated from its configs before anything loads.
+
+    rlhf-lit plan --config configs/ppo/llama3_8b_qlora.yaml --config configs/trainer/single_gpu_qlora.yaml \\
+        [--device-memory-gb 24] [--model-config path/to/config.json]
+
+The model is read as a config only: ``tiny`` dicts, a folder's ``config.json``, GGUF metadata, or the
+``rlhf_lit.json`` of an export; a hub id that is not cached (offline) is taken from ``--model-config`` or a
+small table of known architectures (the output says which). The architecture is then built on the
+``meta`` device (shapes, no storage) to count parameters exactly: embeddings, the Linear layers of the
+transformer blocks (what 4-bit quantizes and LoRA adapts), the rest.
+
+Notation: N parameters; L layers, H hidden size, I MLP width, kv = key/value width (n_kv_heads x head_dim),
+V vocabulary; B sequences per micro-batch, T tokens per sequence (P prompt + R response in PPO); s_w weight
+bytes (4 fp32, 2 bf16/fp16), s_a activation bytes (2 under bf16-mixed or a 4-bit base computing in bf16,
+else s_w); W data-parallel ranks (FSDP divides weights, gradients and optimizer states by W).
+
+Formulae (bytes; every figure per device):
+
+* base weights: ``N * s_w``; 4-bit NF4 with double quantization (bitsandbytes): the block Linear weights at
+  ``0.5 + 1/64 + 1/4096`` bytes per parameter (packed nibbles + an 8-bit absmax per 64 + an fp32 absmax per
+  256 absmax), everything else (embeddings, LM head, norms, biases) at 4 bytes, because
+  ``peft.prepare_model_for_kbit_training`` upcasts the non-quantized parameters to fp32.
+* LoRA: ``r * (in + out)`` parameters per adapted Linear, fp32 (peft keeps adapters fp32), per adapter
+  (PPO: actor, critic unless ``shared_trunk``, plus a reward adapter in ``adapter`` mode).
+* scalar heads: ``H + 1`` fp32 parameters each.
+* gradients: one fp32 copy of every trainable parameter (weight dtype for full fine-tuning).
+* optimizer: AdamW two moments at the parameter dtype, ``8`` bytes per fp32 parameter; the bitsandbytes
+  8-bit variants ``2`` bytes (paged ones may spill to host memory; counted in full here).
+* activations saved for backward, per layer per token, measured on the transformers 5.x implementations
+  (saved-tensor hooks on 1- and 3-layer models, H = 128; attention by SDPA, which keeps no T x T matrix):
+  Llama-style blocks (RMSNorm, gated MLP): ``7H`` elements in fp32 (RMSNorm upcasts) + ``H + 2kv + 4I``
+  at s_a; GPT-2-style blocks (LayerNorm, GELU MLP): ``2H`` at 4 bytes under autocast (else s_a) +
+  ``10H + 4I`` at s_a, ``10H + I`` when the tanh GELU runs as one kernel (``fused_activations``). Whole
+  model: ``B * T * L * per_layer``. With gradient checkpointing only each block's input is kept,
+  ``B * T * L * H * s_r`` (s_r: the residual stream's bytes), plus one block recomputed in full:
+  ``B * T * per_layer``.
+* autocast weight copies: under bf16-mixed with fp32 (non-4-bit) weights every block Linear weight is cast
+  to bf16 and the copy is saved for backward: ``2 * N_linear`` per training forward (one block's worth with
+  checkpointing); a 4-bit base dequantizes one layer at a time: ``2 * N_linear / L``.
+* logits (the LM head output; only the R response positions in PPO): ``B * T * V * 2 * s_a`` for the loss
+  with its backward: the logits and their gradient, at the logits' dtype. The selective log-prob and the
+  entropy (``rlhf_lit.functional``, PITFALLS B21) work on pieces of a few positions in fp32 and recompute the
+  softmax in the backward, so they keep no full-size copy (a full log-softmax, ``B * T * V * 4``, is
+  reported as the saving); PPO's entropy bonus, when ``ppo.entropy_coef`` is not 0, adds its own gradient
+  and autograd's sum of the two: ``+ 2 * s_a``.
+* KV cache (PPO rollout): ``2 * L * B_rollout * (P + R) * kv * s_a``, plus the prefill's transient
+  ``B_rollout * P * (2H + 2I) * s_a`` and per-step logits ``3 * B_rollout * V * 4``.
+* separate reward model: its weights as above; its forward is no-grad and short-lived.
+
+Peak = weights + adapters + heads + reward model + optimizer + the largest phase: SFT / reward step
+(activations + weight copies + logits + gradients); PPO rollout (KV cache + prefill); PPO experience
+(no-grad forwards over ``rollout_forward_batch_size`` rows: one layer's intermediates + the response
+logits); PPO update (micro-batch activations of one forward; with a separate critic adapter on several
+processes of two, because there the actor's backward cannot run before the critic's forward + weight copies
++ response logits + gradients). FSDP adds the largest gathered unit.
+
+Not modelled: the CUDA context and allocator fragmentation (the "fits" line adds 10 % + 1 GiB for them),
+the optimizer's temporary buffers during ``step`` (foreach AdamW: about one more copy of the trainable
+parameters), dataloader tensors, the prompt/response buffers (KBs), and activation memory of attention
+implementations that do store the T x T matrix (``attn_implementation: eager``).
+
+Modules: ``settings`` (the configs, read by the CLI's own parser), ``shapes`` (parameter counts on the meta
+device), ``formulas``, ``estimate`` (the breakdown), ``report`` (text, JSON, the command).
+
+Validation: ``tests/test_planner.py`` runs the tiny and SmolLM2 configs on the CPU and compares this
+estimate with the measured peak of live tensor bytes (a dispatch mode that records every tensor storage
+created and freed: what ``torch.cuda.max_memory_allocated`` counts on a GPU), with the same batch shapes.
+"""
+
+from rlhf_lit.models.architecture import KNOWN_ARCHITECTURES
+from rlhf_lit.planner.estimate import Estimate, estimate
+from rlhf_lit.planner.formulas import (
+    DTYPE_BYTES,
+    NF4_BYTES_PER_PARAM,
+    GiB,
+    MiB,
+    activation_bytes,
+    layer_activation_bytes,
+    loss_bytes,
+    weights_bytes,
+)
+from rlhf_lit.planner.report import main, plan, report
+from rlhf_lit.planner.settings import RunSettings, read_settings, settings_from_config
+from rlhf_lit.planner.shapes import ModelShape, model_shape
+
+_weights_bytes = weights_bytes  # the name tests/test_planner.py uses
+
+__all__ = [
+    "DTYPE_BYTES",
+    "KNOWN_ARCHITECTURES",
+    "NF4_BYTES_PER_PARAM",
+    "Estimate",
+    "GiB",
+    "MiB",
+    "ModelShape",
+    "RunSettings",
+    "activation_bytes",
+    "estimate",
+    "layer_activation_bytes",
+    "loss_bytes",
+    "main",
+    "model_shape",
+    "plan",
+    "read_settings",
+    "report",
+    "settings_from_config",
+    "weights_bytes",
+]

@@ -1,0 +1,233 @@
+"""The estimate: bytes per component (per device), the phase totals and the peak (formulae: ``rlhf_lit.planner``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhf_lit.planner.formulas import (
+    DTYPE_BYTES,
+    GiB,
+    activation_bytes,
+    layer_activation_bytes,
+    loss_bytes,
+    weights_bytes,
+)
+from rlhf_lit.planner.settings import RunSettings
+from rlhf_lit.planner.shapes import ModelShape
+
+__all__ = ["Estimate", "estimate"]
+
+
+@dataclass
+class Estimate:
+    """Bytes per component (per device), the phase totals, and the peak."""
+
+    settings: RunSettings
+    shape: ModelShape
+    rows: list[tuple[str, float, str]] = field(default_factory=list)  # (component, bytes, note)
+    phases: dict[str, float] = field(default_factory=dict)
+    static: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return self.static + max(self.phases.values(), default=0.0)
+
+    def add(self, name: str, nbytes: float, note: str = "") -> float:
+        self.rows.append((name, float(nbytes), note))
+        return float(nbytes)
+
+
+@dataclass
+class _Sizes:
+    """The byte sizes every formula uses: W ranks sharing the weights, s_w weights, s_a activations, s_r the
+    residual stream (fp32 after ``prepare_model_for_kbit_training``), and the model's L, H, V."""
+
+    W: int
+    autocast: bool
+    s_w: int
+    s_a: int
+    s_r: int
+
+    @classmethod
+    def of(cls, s: RunSettings) -> _Sizes:
+        cfg = s.backbone
+        s_w = DTYPE_BYTES[cfg.dtype]
+        return cls(
+            W=s.world_size if s.sharded else 1,
+            autocast="mixed" in s.precision,
+            s_w=s_w,
+            s_a=activation_bytes(s.precision, cfg),
+            s_r=4 if (cfg.load_in_4bit or s_w == 4) else s_w,
+        )
+
+
+def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape | None = None) -> Estimate:
+    """The breakdown and the peak of one run (see the package docstring for every formula)."""
+    est, z = Estimate(settings, shape), _Sizes.of(settings)
+    trainable = _static(est, z, reward_shape)
+    grad_bytes_per = 4 if (settings.backbone.lora or settings.stage == "ppo") else z.s_w
+    opt_per = {"adamw": 2 * grad_bytes_per, "adamw_8bit": 2.0, "paged_adamw_8bit": 2.0}[settings.optimizer]
+    est.static += est.add(
+        f"optimizer state ({settings.optimizer})",
+        trainable * opt_per / z.W,
+        f"{trainable / 1e6:.2f} M trainable params",
+    )
+    grads = trainable * grad_bytes_per / z.W
+    if (
+        settings.sharded and z.W > 1
+    ):  # all-gathered while in use: one block, and the root unit (embeddings, head)
+        block = shape.block_linear_params / shape.num_layers * z.s_w
+        root = (shape.num_params - shape.block_linear_params) * z.s_w
+        est.static += est.add("FSDP gathered units", block + root, "one transformer block + the root unit")
+    if settings.stage in ("sft", "reward"):
+        _training_step(est, z, grads, grad_bytes_per)
+    else:
+        _ppo_phases(est, z, grads)
+    return est
+
+
+def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
+    """Weights, adapters, heads and a separate reward model into ``est.static``; returns the trainable count."""
+    s, shape, cfg = est.settings, est.shape, est.settings.backbone
+    H = shape.hidden
+    est.static = est.add(
+        "base weights",
+        weights_bytes(shape, cfg) / z.W,
+        f"{shape.num_params / 1e6:,.1f} M params, {'NF4 (+fp32 non-quantized)' if cfg.load_in_4bit else cfg.dtype}",
+    )
+    lora_params = shape.lora_params(cfg.lora.r, cfg.lora.target_modules) if cfg.lora else 0
+    if s.stage != "ppo":
+        if cfg.lora:
+            trainable = lora_params
+            est.static += est.add(
+                "LoRA adapter (fp32)",
+                lora_params * 4 / z.W,
+                f"{lora_params / 1e6:.2f} M params, r={cfg.lora.r}",
+            )
+        else:
+            trainable = shape.num_params
+            est.notes.append("full fine-tuning: every base parameter is trainable")
+        if s.stage == "reward":
+            trainable += H + 1
+            est.static += est.add("reward head", (H + 1) * 4, "fp32")
+        return trainable
+    critic_lora = s.critic_lora or {}
+    critic_params = (
+        0
+        if s.shared_critic
+        else shape.lora_params(critic_lora.get("r", 8), critic_lora.get("target_modules", "all-linear"))
+    )
+    reward_adapter = lora_params if s.reward_mode == "adapter" else 0
+    est.static += est.add(
+        "LoRA adapters (fp32)",
+        (lora_params + critic_params + reward_adapter) * 4 / z.W,
+        f"actor {lora_params / 1e6:.2f} M"
+        + ("" if s.shared_critic else f", critic {critic_params / 1e6:.2f} M")
+        + (f", reward {reward_adapter / 1e6:.2f} M (frozen)" if reward_adapter else ""),
+    )
+    est.static += est.add(
+        "value head (+ reward head)", (H + 1) * 4 * (2 if s.reward_mode == "adapter" else 1), "fp32"
+    )
+    if s.reward_mode == "separate" and reward_shape is not None:
+        rcfg = s.reward_backbone
+        rbytes = weights_bytes(
+            reward_shape,
+            rcfg,
+            s.reward_dtype or rcfg.dtype,
+            s.reward_load_in_4bit if s.reward_load_in_4bit is not None else rcfg.load_in_4bit,
+        )
+        est.static += est.add(
+            "reward model (separate, frozen)",
+            rbytes / z.W + (reward_shape.hidden + 1) * 4,
+            f"{reward_shape.num_params / 1e6:,.1f} M params",
+        )
+    return lora_params + critic_params + H + 1
+
+
+def _activations(est: Estimate, z: _Sizes, tokens: int, forwards: int = 1) -> tuple[float, float, float]:
+    """Activations saved for backward: ``(as configured, without checkpointing, with checkpointing)``."""
+    shape, ckpt = est.shape, est.settings.backbone.gradient_checkpointing
+    L, H = shape.num_layers, shape.hidden
+    per_layer = layer_activation_bytes(shape, z.s_a, z.autocast, z.s_w)
+    workspace = (3 * H + 3 * shape.intermediate) * z.s_a  # per token: gradients inside one block's backward
+    outside = tokens * 3 * H * z.s_r  # embedding output, final norm, its output
+    full = forwards * (tokens * L * per_layer + outside) + tokens * workspace
+    with_ckpt = forwards * (tokens * L * H * z.s_r + outside) + tokens * (per_layer + workspace)
+    return (with_ckpt if ckpt else full), full, with_ckpt
+
+
+def _weight_copies(est: Estimate, z: _Sizes, forwards: int) -> float:
+    """Autocast's bf16 copies of fp32 block weights saved for backward (a 4-bit base: one layer's)."""
+    shape, cfg = est.shape, est.settings.backbone
+    if cfg.load_in_4bit:
+        return 2 * shape.block_linear_params / shape.num_layers
+    if z.autocast and z.s_w == 4:
+        ckpt = cfg.gradient_checkpointing
+        return 2 * shape.block_linear_params * (1 / shape.num_layers if ckpt else 1) * forwards / z.W
+    return 0.0
+
+
+def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) -> None:
+    """The SFT / reward step: activations + weight copies + logits (SFT) + gradients."""
+    s, V = est.settings, est.shape.vocab
+    rows = s.batch_size * (2 if s.stage == "reward" else 1)
+    tokens = rows * s.seq_len
+    act, full, with_ckpt = _activations(est, z, tokens)
+    est.add(
+        "activations (training step)",
+        act,
+        f"{rows} x {s.seq_len} tokens; without checkpointing {full / GiB:.2f} GiB, with {with_ckpt / GiB:.2f} GiB",
+    )
+    copies = (
+        est.add("autocast weight copies", _weight_copies(est, z, 1), "bf16 casts saved for backward")
+        if _weight_copies(est, z, 1)
+        else 0.0
+    )
+    logits = 0.0
+    if s.stage == "sft":
+        logits = est.add(
+            "logits + loss",
+            tokens * V * loss_bytes(z.s_a),
+            f"B x T x V = {rows} x {s.seq_len} x {V}; a full log_softmax would add {tokens * V * 4 / GiB:.2f} GiB",
+        )
+    est.add("gradients", grads, "fp32" if grad_bytes_per == 4 else s.backbone.dtype)
+    est.phases["training step"] = act + copies + logits + grads
+
+
+def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
+    """PPO's rollout (KV cache + prefill), experience (no-grad forwards) and update (one micro-batch)."""
+    s, shape = est.settings, est.shape
+    L, H, V = shape.num_layers, shape.hidden, shape.vocab
+    B, P, R, m = s.batch_size, s.prompt_len, s.response_len, s.ppo_micro_batch
+    T = P + R
+    kv_cache = est.add(
+        "KV cache (rollout)", 2 * L * B * T * shape.kv * z.s_a, f"2 x L x {B} x {T} tokens x kv {shape.kv}"
+    )
+    prefill = B * P * (2 * H + 2 * shape.intermediate) * z.s_a + 3 * B * V * 4
+    est.phases["rollout"] = kv_cache + prefill
+    f = s.rollout_forward_batch or B
+    # explicit logprob_chunk_size rows: two fp32 temporaries of that many rows; by default a few positions
+    pieces = min(s.logprob_chunk, f) * R * V * 8 if s.logprob_chunk else 0
+    experience = f * T * (2 * H + 2 * shape.intermediate) * z.s_a + f * T * H * 4 + f * R * V * z.s_a + pieces
+    est.add("experience forwards (no grad)", experience, f"{f} rows; logits over R={R} response positions")
+    est.phases["experience"] = experience
+    # one process: the actor's backward runs before the critic's forward (the two-pass update), so only one
+    # forward's activations are alive; several processes keep both (DDP needs one backward)
+    forwards = 1 if s.shared_critic or s.world_size == 1 else 2
+    act, full, with_ckpt = _activations(est, z, m * T, forwards)
+    est.add(
+        "activations (PPO micro-batch)",
+        act,
+        f"{m} x {T} tokens x {forwards} forward(s); without checkpointing {full / GiB:.2f} GiB, with {with_ckpt / GiB:.2f} GiB",
+    )
+    copies = _weight_copies(est, z, forwards)
+    if copies:
+        est.add("autocast weight copies", copies, "bf16 casts saved for backward")
+    logits = est.add(
+        "response logits + loss + entropy",
+        m * R * V * (loss_bytes(z.s_a) + (2 * z.s_a if s.entropy_coef else 0)),
+        f"{m} x {R} x {V}; a full log_softmax would add {m * R * V * 4 / GiB:.2f} GiB",
+    )
+    est.add("gradients", grads, "fp32")
+    est.phases["update"] = act + copies + logits + grads

@@ -1,0 +1,56 @@
+"""The planner's formulae (bytes; see ``rlhf_lit.planner`` for each one's derivation and measurement)."""
+
+from __future__ import annotations
+
+from rlhf_lit.models.backbone import BackboneConfig
+from rlhf_lit.planner.shapes import ModelShape
+
+__all__ = [
+    "DTYPE_BYTES",
+    "GiB",
+    "MiB",
+    "NF4_BYTES_PER_PARAM",
+    "activation_bytes",
+    "layer_activation_bytes",
+    "loss_bytes",
+    "weights_bytes",
+]
+
+GiB = 1024**3
+MiB = 1024**2
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 1 / 4096
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weights_bytes(
+    shape: ModelShape, cfg: BackboneConfig, dtype_override: str | None = None, four_bit=None
+) -> float:
+    four_bit = cfg.load_in_4bit if four_bit is None else four_bit
+    if four_bit:
+        return (
+            shape.block_linear_params * NF4_BYTES_PER_PARAM
+            + (shape.num_params - shape.block_linear_params) * 4
+        )
+    return shape.num_params * DTYPE_BYTES[dtype_override or cfg.dtype]
+
+
+def activation_bytes(precision: str, backbone: BackboneConfig) -> int:
+    """s_a: bytes of the activations the matmuls produce."""
+    if "16" in precision:  # bf16-mixed, 16-mixed, bf16-true, 16-true
+        return 2
+    return DTYPE_BYTES[backbone.dtype]  # a 4-bit base computes in backbone.dtype
+
+
+def loss_bytes(s_a: int) -> int:
+    """Bytes per logit for the log-prob loss with its backward: the logits and their gradient (same dtype);
+    the fp32 working pieces of ``gather_logprobs`` are a few positions each."""
+    return 2 * s_a
+
+
+def layer_activation_bytes(shape: ModelShape, s_a: int, autocast: bool, s_w: int) -> float:
+    """Bytes saved for backward per layer per token (see the module docstring)."""
+    H, mlp, kv = shape.hidden, shape.intermediate, shape.kv
+    if shape.family == "rms":
+        return 7 * H * 4 + (H + 2 * kv + 4 * mlp) * s_a
+    # the Python-arithmetic tanh GELU keeps 3 more I-wide intermediates than the fused kernel (measured)
+    return 2 * H * (4 if autocast else s_w) + (10 * H + (1 if shape.fused_gelu else 4) * mlp) * s_a

@@ -1,0 +1,100 @@
+"""The estimate as text (``rlhf-lit plan``) or JSON, and the command's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rlhf_lit.planner.estimate import Estimate, estimate
+from rlhf_lit.planner.formulas import GiB, MiB
+from rlhf_lit.planner.settings import read_settings
+from rlhf_lit.planner.shapes import model_shape
+
+_DESCRIPTION = (
+    "Memory planner: the peak accelerator memory of a run, estimated from its configs before anything loads."
+)
+
+__all__ = ["main", "plan", "report"]
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:8.3f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / MiB:8.2f} MiB"
+
+
+def report(est: Estimate, device_memory_gb: float | None = None) -> str:
+    """The breakdown table, the phase peaks and (with ``device_memory_gb``) whether the run fits."""
+    s, shape = est.settings, est.shape
+    lines = [
+        f"rlhf-lit plan: {s.stage} stage, model {shape.name} ({shape.source})",
+        f"  {shape.num_params / 1e6:,.1f} M params, L={shape.num_layers} H={shape.hidden} I={shape.intermediate} "
+        f"kv={shape.kv} V={shape.vocab}; precision {s.precision}; {s.world_size} device(s)"
+        + (" sharded (FSDP)" if s.sharded else ""),
+        "",
+        f"  {'component':<36} {'memory':>12}   note",
+        f"  {'-' * 36} {'-' * 12}   {'-' * 30}",
+    ]
+    for name, nbytes, note in est.rows:
+        lines.append(f"  {name:<36} {_fmt(nbytes):>12}   {note}")
+    lines.append(f"  {'-' * 36} {'-' * 12}")
+    lines.append(f"  {'static (weights, adapters, optimizer)':<36} {_fmt(est.static):>12}")
+    for phase, nbytes in est.phases.items():
+        lines.append(
+            f"  {'+ ' + phase:<36} {_fmt(nbytes):>12}   peak in this phase {_fmt(est.static + nbytes).strip()}"
+        )
+    lines.append(f"  {'estimated peak':<36} {_fmt(est.peak):>12}")
+    for note in est.notes:
+        lines.append(f"  note: {note}")
+    if device_memory_gb:
+        need = est.peak * 1.10 + GiB
+        verdict = "fits" if need <= device_memory_gb * GiB else "does NOT fit"
+        lines.append(
+            f"  {verdict} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB with 10 % allocator slack + 1 GiB CUDA context"
+        )
+    return "\n".join(lines)
+
+
+def plan(configs: list[str], model_config: str | None = None, overrides: dict | None = None) -> Estimate:
+    """Estimate the run that ``rlhf-lit fit --config <configs...>`` would start (``overrides``: fields of
+    :class:`~rlhf_lit.planner.settings.RunSettings` to set after reading the configs)."""
+    settings = read_settings(configs)
+    for key, value in (overrides or {}).items():
+        setattr(settings, key, value)
+    shape = model_shape(settings.backbone, model_config)
+    reward_shape = None
+    if (
+        settings.stage == "ppo"
+        and settings.reward_mode == "separate"
+        and settings.reward_backbone is not None
+    ):
+        reward_shape = model_shape(settings.reward_backbone)
+    return estimate(settings, shape, reward_shape)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf-lit plan", description=_DESCRIPTION)
+    parser.add_argument("--config", action="append", required=True, help="a config; repeat to stack them")
+    parser.add_argument("--device-memory-gb", type=float, default=None, help="say whether the run fits")
+    parser.add_argument("--model-config", default=None, help="a config.json (or its folder) for the model")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes (default: trainer.devices x num_nodes; -1 counts as 1)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args = parser.parse_args(argv)
+    est = plan(args.config, args.model_config, {"world_size": args.world_size} if args.world_size else None)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "peak_bytes": est.peak,
+                    "static_bytes": est.static,
+                    "phases": est.phases,
+                    "rows": [{"component": n, "bytes": b, "note": t} for n, b, t in est.rows],
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(report(est, args.device_memory_gb))

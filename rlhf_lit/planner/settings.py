@@ -1,0 +1,156 @@
+"""What the estimate depends on (:class:`RunSettings`), read from the configs by the CLI's own parser.
+
+``read_settings`` stacks the ``--config`` files exactly as ``rlhf-lit fit`` does
+(:func:`rlhf_lit.lightning_cli.parse_config`: every class's defaults filled in, links applied) and builds
+the modules' own config dataclasses from the result, so a default changed in a module or a data module is
+the planner's default too. An export folder that an earlier stage has not written yet (a PPO config naming
+the SFT export as its base) is read from the config that writes it (``rlhf_lit.stage_outputs`` finds it),
+parsed the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_lit.generation import SamplingConfig
+from rlhf_lit.models.backbone import BackboneConfig
+from rlhf_lit.stage_outputs import configs_root_of, not_written_yet, producing_config
+
+__all__ = ["RunSettings", "read_settings", "settings_from_config"]
+
+# Prompt length assumed for a PPO run whose prompts have no length limit (the data decides; a guess).
+UNLIMITED_PROMPT_GUESS = 256
+# ... and the sequence length of an SFT / reward data module that has no max_length (not ours).
+UNKNOWN_SEQ_LEN_GUESS = 512
+
+
+@dataclass
+class RunSettings:
+    """What the estimate depends on, read from the stacked configs (each field can be overridden)."""
+
+    stage: str  # sft | reward | ppo
+    backbone: BackboneConfig
+    precision: str = "32-true"
+    world_size: int = 1
+    sharded: bool = False
+    optimizer: str = "adamw"
+    batch_size: int = (
+        8  # sequences per micro-batch (SFT), pairs per batch (reward), prompts per rollout (PPO)
+    )
+    seq_len: int = 512  # T (SFT, reward)
+    prompt_len: int = 256  # P (PPO)
+    response_len: int = 48  # R (PPO)
+    ppo_micro_batch: int = 4
+    rollout_forward_batch: int | None = None
+    logprob_chunk: int | None = None
+    entropy_coef: float = 0.0
+    shared_critic: bool = False
+    critic_lora: dict | None = None
+    reward_mode: str | None = None  # separate | adapter (PPO)
+    reward_backbone: BackboneConfig | None = None
+    reward_load_in_4bit: bool | None = None
+    reward_dtype: str | None = None
+
+
+def read_settings(configs: list[str]) -> RunSettings:
+    """The settings of ``rlhf-lit fit --config <configs...>``."""
+    return settings_from_config(_parse(configs), configs_root_of(configs))
+
+
+def _parse(configs: list[str]) -> dict:
+    from rlhf_lit.lightning_cli import parse_config
+
+    return parse_config([str(c) for c in configs])
+
+
+def _stage(class_path: str) -> str:
+    """``ppo`` / ``reward`` / ``sft`` by the model class's base (a subclass plans as its base)."""
+    module, _, name = class_path.rpartition(".")
+    mro = [k.__name__ for k in getattr(getattr(importlib.import_module(module), name), "__mro__", ())]
+    return "ppo" if "PPOModule" in mro else "reward" if "RewardModule" in mro else "sft"
+
+
+def _export_backbone(path: str, roots: list[Path]) -> BackboneConfig | None:
+    """The backbone an export folder was (or will be) made from: its rlhf_lit.json, else the backbone of the
+    stage config under ``configs/`` whose ``export_dir`` is that folder."""
+    meta_file = Path(path) / "rlhf_lit.json"
+    if meta_file.exists():
+        base = json.loads(meta_file.read_text()).get("base")
+        if base:
+            return BackboneConfig(**{**base, "lora": None})
+    found = producing_config(path, roots)
+    if found is None:
+        return None
+    backbone = _parse([str(found[0])])["model"]["init_args"].get("backbone")
+    if not backbone:
+        return None
+    backbone = BackboneConfig(**{**backbone, "lora": None})
+    if backbone.name_or_path and not_written_yet(backbone.name_or_path):
+        return _export_backbone(backbone.name_or_path, roots) or backbone
+    return backbone
+
+
+def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSettings:
+    """The stage, the model and the shapes that matter, from a parsed config (``parse_config``)."""
+    from rlhf_lit.modules.common import OptimizerConfig, as_config
+
+    roots = roots if roots is not None else configs_root_of(None)
+    init = spec["model"]["init_args"]
+    stage = _stage(spec["model"]["class_path"])
+    backbone = BackboneConfig(**init["backbone"])
+    if backbone.name_or_path and not_written_yet(backbone.name_or_path):
+        found = _export_backbone(backbone.name_or_path, roots)
+        if found is not None:  # where the weights come from; how they are held stays this run's
+            source = {
+                k: getattr(found, k) for k in ("name_or_path", "gguf_file", "tiny", "tokenizer", "seed")
+            }
+            backbone = BackboneConfig(**{**init["backbone"], **source})
+    trainer = spec.get("trainer") or {}
+    data = (spec.get("data") or {}).get("init_args") or {}
+    strategy_name = json.dumps(trainer.get("strategy", "auto")).lower()
+    devices = trainer.get("devices", 1)
+    world = int(devices) if isinstance(devices, int) and devices > 0 else 1
+    settings = RunSettings(
+        stage=stage,
+        backbone=backbone,
+        precision=str(trainer.get("precision") or "32-true"),
+        world_size=world * int(trainer.get("num_nodes") or 1),
+        sharded=any(k in strategy_name for k in ("fsdp", "modelparallel")),
+        optimizer=(as_config(OptimizerConfig, init.get("optimizer")) or OptimizerConfig()).name,
+        batch_size=int(data.get("batch_size", 1)),
+        seq_len=int(data.get("max_length") or UNKNOWN_SEQ_LEN_GUESS),
+    )
+    if stage == "ppo":
+        _ppo_settings(settings, init, data, roots)
+    return settings
+
+
+def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:
+    from rlhf_lit.models.reward_source import RewardModelConfig
+    from rlhf_lit.modules.common import as_config
+    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig
+
+    ppo = as_config(PPOConfig, init.get("ppo")) or PPOConfig()
+    sampling = as_config(SamplingConfig, init.get("sampling")) or SamplingConfig()
+    critic = as_config(CriticConfig, init.get("critic")) or CriticConfig()
+    reward_model = as_config(RewardModelConfig, init["reward_model"])
+    settings.prompt_len = int(
+        data.get("max_prompt_length") or data.get("pad_to_length") or UNLIMITED_PROMPT_GUESS
+    )
+    settings.response_len = sampling.max_new_tokens
+    settings.ppo_micro_batch = ppo.micro_batch_size or ppo.ppo_minibatch_size
+    settings.rollout_forward_batch = ppo.rollout_forward_batch_size
+    settings.logprob_chunk = ppo.logprob_chunk_size
+    settings.entropy_coef = ppo.entropy_coef
+    settings.shared_critic = critic.shared_trunk
+    settings.critic_lora = {"r": critic.lora.r, "target_modules": critic.lora.target_modules}
+    settings.reward_mode = reward_model.mode
+    settings.reward_dtype = reward_model.dtype
+    settings.reward_load_in_4bit = reward_model.load_in_4bit
+    if reward_model.backbone is not None:
+        settings.reward_backbone = BackboneConfig(**{**reward_model.backbone.to_dict(), "lora": None})
+    elif reward_model.path and reward_model.mode == "separate":
+        settings.reward_backbone = _export_backbone(reward_model.path, roots)
