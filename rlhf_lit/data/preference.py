@@ -45,6 +45,9 @@ class PreferenceDataModule(RLHFDataModule):
         val_size: held out of EACH train file after filtering: a fraction (< 1) or a row count.
         max_train_samples_per_file: keep at most this many training rows per file (a fixed, seeded
             subset); None keeps all.
+        train_part: ``[i, n]``: train on part ``i`` (0-based) of ``n`` disjoint, equal parts of each file's
+            training rows (its seeded order cut in n), with the same validation rows for every part, e.g.
+            ``[0, 2]`` and ``[1, 2]`` for two reward models on disjoint halves; None: all.
         format: the row format; "auto" detects it per file.
         prompt_field: field holding the prompt (explicit, messages and ranked formats).
         chosen_field: field holding the preferred response (or transcript, for hh).
@@ -79,6 +82,7 @@ class PreferenceDataModule(RLHFDataModule):
         val_files: list[str] | str | None = None,
         val_size: int | float = 0.05,
         max_train_samples_per_file: int | None = None,
+        train_part: tuple[int, int] | None = None,
         format: Literal["auto", "hh", "explicit", "messages", "ranked"] = "auto",
         prompt_field: str = "prompt",
         chosen_field: str = "chosen",
@@ -107,7 +111,7 @@ class PreferenceDataModule(RLHFDataModule):
             chat_template=chat_template, max_length=max_length, max_prompt_length=max_prompt_length,
             min_prompt_tokens=min_prompt_tokens, append_eos=append_eos, batch_size=batch_size,
             val_batch_size=val_batch_size, num_workers=num_workers, shuffle=shuffle, seed=seed,
-            pad_to_multiple_of=pad_to_multiple_of, tokenizer=tokenizer,
+            pad_to_multiple_of=pad_to_multiple_of, tokenizer=tokenizer, train_part=train_part,
         )
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):
