@@ -156,3 +156,53 @@ def length_bias_report(
             torch.cat([chosen_scores, rejected_scores]), torch.cat([len_chosen, len_rejected])
         )
     return report
+
+
+def within_group_slope(values: list[torch.Tensor], lengths: list[torch.Tensor]) -> float:
+    """The common slope of ``value ~ a_g + b * length`` fitted by least squares with one intercept per group
+    (analysis of covariance): ``b = sum_g S_xy(g) / sum_g S_xx(g)`` over groups g of ``(M_g,)`` tensors, with
+    ``S_xy(g)`` the sum of products of the deviations from group g's means. A slope fitted across groups
+    would also take up any difference between them (a policy that got both longer and better); this one
+    is the length effect within a group only. 0 when no group's lengths vary.
+
+    Example: groups ([1, 2, 3] at lengths [10, 20, 30]) and ([3, 4, 5] at [10, 20, 30]): 40 / 400 = 0.1.
+    """
+    sxy = sxx = 0.0
+    for v, x in zip(values, lengths):
+        v, x = v.double(), x.double()
+        dx = x - x.mean()
+        sxy += float((dx * (v - v.mean())).sum())
+        sxx += float((dx * dx).sum())
+    return sxy / sxx if sxx > 0 else 0.0
+
+
+def length_adjusted_change(
+    before: torch.Tensor, after: torch.Tensor, len_before: torch.Tensor, len_after: torch.Tensor
+) -> dict:
+    """How a score changed between two policies on the same K prompts, and how much of it length explains.
+
+    Args:
+        before, after: ``(K,)`` scores of the two policies' responses, pairs i on the same prompt.
+        len_before, len_after: ``(K,)`` their response lengths.
+
+    Returns:
+        ``change`` and ``change_se`` (the paired mean of ``after - before`` and its SE), ``slope`` (score per
+        length unit, ``within_group_slope`` of the two policies), ``length_part`` (``slope`` times the mean
+        length change) and ``adjusted_change`` / ``adjusted_change_se`` (the paired mean of
+        ``(after - slope * len_after) - (before - slope * len_before)``: the change that the length change
+        does not explain, the slope taken as known).
+    """
+    slope = within_group_slope([before, after], [len_before, len_after])
+    change, change_se = paired_difference(after, before)
+    dlen = (len_after.double() - len_before.double()).mean()
+    adjusted, adjusted_se = paired_difference(
+        after.double() - slope * len_after.double(), before.double() - slope * len_before.double()
+    )
+    return {
+        "change": change,
+        "change_se": change_se,
+        "slope": slope,
+        "length_part": slope * float(dlen),
+        "adjusted_change": adjusted,
+        "adjusted_change_se": adjusted_se,
+    }

@@ -78,6 +78,38 @@ log = logging.getLogger("rlhf_lit")
 TEMPERATURE_BOUNDS = (1e-2, 1e2)
 
 
+_DATA_RECORD = (
+    "train_files",
+    "val_files",
+    "val_size",
+    "max_train_samples_per_file",
+    "train_part",
+    "format",
+    "chat_template",
+    "max_length",
+    "max_prompt_length",
+    "min_prompt_tokens",
+    "append_eos",
+    "seed",
+)
+
+
+def _data_record(datamodule) -> dict | None:
+    """Which pairs a reward model was trained and validated on (the preference data module's split settings;
+    local files as absolute paths), so that a later step can rebuild the same split: e.g. the held-out-RM
+    experiment (``rlhf_lit.heldout_rm``) takes its evaluation prompts from the validation pairs and checks
+    that two reward models were trained on disjoint parts."""
+    if datamodule is None or not all(hasattr(datamodule, k) for k in _DATA_RECORD):
+        return None
+    record = {k: getattr(datamodule, k) for k in _DATA_RECORD}
+    for key in ("train_files", "val_files"):
+        if record[key]:
+            record[key] = [os.path.abspath(f) if os.path.exists(f) else f for f in record[key]]
+    if record["train_part"] is not None:
+        record["train_part"] = list(record["train_part"])
+    return record
+
+
 class RewardModule(L.LightningModule):
     """A scalar reward model on a causal-LM or encoder trunk, trained with the Bradley–Terry pairwise loss.
 
@@ -503,6 +535,9 @@ class RewardModule(L.LightningModule):
                 "max_length": getattr(datamodule, "max_length", None),
                 "max_prompt_length": getattr(datamodule, "max_prompt_length", None),
             }
+        data = _data_record(datamodule)
+        if data is not None:
+            meta["data"] = data
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:

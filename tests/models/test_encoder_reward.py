@@ -11,7 +11,7 @@ What is checked:
   exactly as the validation pass scored them in training; ``load_reward_model`` does the same;
 * PPO's cross-tokenizer path feeds an encoder reward model exactly the ids reward training built.
 
-The tokenizer is a WordPiece vocabulary trained here in milliseconds (``tokenizers``), saved as a plain
+The tokenizer is a WordPiece vocabulary trained here in milliseconds (``tests.models.encoders``), a plain
 transformers folder with CLS/SEP/PAD/UNK/MASK and no BOS/EOS, as BERT and all-MiniLM-L6-v2 ship.
 """
 
@@ -25,7 +25,7 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_lit.data import PreferenceDataModule
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig, RewardSource, load_reward_model
@@ -41,6 +41,7 @@ from rlhf_lit.models.tokenizer import build_byte_tokenizer
 from rlhf_lit.modules import RewardModule
 from rlhf_lit.modules.common import OptimizerConfig
 from tests.conftest import TINY_GPT2
+from tests.models.encoders import wordpiece_folder
 from tests.tiny_runs import one_thread
 
 TINY_BERT = {
@@ -74,26 +75,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def wordpiece(tmp_path_factory) -> str:
-    from tokenizers import BertWordPieceTokenizer, processors
-
-    core = BertWordPieceTokenizer(lowercase=True)
-    corpus = PROMPTS + GOOD + BAD + ["human assistant"] * 3
-    core.train_from_iterator(
-        corpus, vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    return wordpiece_folder(
+        tmp_path_factory.mktemp("wordpiece"), PROMPTS + GOOD + BAD + ["human assistant"] * 3
     )
-    core._tokenizer.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))  # BERT's template
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core._tokenizer,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        model_max_length=128,
-    )
-    folder = tmp_path_factory.mktemp("wordpiece")
-    tok.save_pretrained(folder)
-    return str(folder)
 
 
 def _pairs_file(path: Path, n: int) -> str:
@@ -196,6 +180,7 @@ def _fit(module: RewardModule, path: str, root: Path, max_prompt_length: int | N
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps,
+        default_root_dir=str(root),  # where a reliability diagram goes without an export folder
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -132,3 +132,21 @@ def test_z_when_the_paired_difference_has_no_noise():
     # right on every pair where the rule is wrong on every pair: d = [1, 1], an exact win
     win = length_bias_report(torch.tensor([1.0, 1.0]), torch.tensor([5, 4]), torch.tensor([10, 20]))
     assert win["vs_length_rule"]["z"] == math.inf
+
+
+def test_a_change_length_explains_is_told_apart_from_one_it_does_not():
+    from rlhf_lit.functional.length_bias import length_adjusted_change, within_group_slope
+
+    before, len_before = torch.tensor([1.0, 2, 3]), torch.tensor([10, 20, 30])
+    # within each policy the score rises 0.1 per token: S_xy = 20 + 20, S_xx = 200 + 200 -> slope 0.1
+    assert within_group_slope([before, before + 2], [len_before, len_before]) == pytest.approx(0.1)
+    # better at the same lengths: change 2, all of it beyond length
+    better = length_adjusted_change(before, before + 2, len_before, len_before)
+    assert better["change"] == pytest.approx(2.0) and better["change_se"] == 0.0
+    assert better["length_part"] == 0.0 and better["adjusted_change"] == pytest.approx(2.0)
+    # 10 tokens longer and scored along the same line: change 1 = 0.1 * 10, nothing left once length is out
+    longer = length_adjusted_change(before, before + 1, len_before, len_before + 10)
+    assert longer["change"] == pytest.approx(1.0) and longer["length_part"] == pytest.approx(1.0)
+    assert longer["adjusted_change"] == pytest.approx(0.0, abs=1e-12)
+    # lengths that never vary within a policy carry no length effect: slope 0
+    assert within_group_slope([before], [torch.tensor([5, 5, 5])]) == 0.0
