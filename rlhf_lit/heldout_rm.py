@@ -411,8 +411,9 @@ def write_prompt_files(export_a: str, out: str, num_eval: int, seed: int = 0) ->
     """The PPO training prompts (of the training pairs, all parts) and ``num_eval`` evaluation prompts (of
     the validation pairs, the same number from each file, a seeded sample) as JSONL files in ``out``.
 
-    The split is rebuilt with the preference data module and RM-A's recorded settings; prompts are the HH
-    prompt texts (``{"prompt": ...}``, the ``explicit`` prompt format). Returns the two paths and counts.
+    The split is rebuilt with the preference data module and RM-A's recorded settings; each line holds the
+    pair's chosen transcript (``{"chosen": ...}``, the ``hh`` prompt format, whose prompt is the transcript up
+    to its last ``"\n\nAssistant:"``: the pair's prompt). Returns the two paths and counts.
     """
     from rlhf_lit.data import PreferenceDataModule
     from rlhf_lit.data.formats import Fields
@@ -424,14 +425,16 @@ def write_prompt_files(export_a: str, out: str, num_eval: int, seed: int = 0) ->
     record["train_part"] = None  # every training pair's prompt may serve PPO
     data = PreferenceDataModule(**record, tokenizer=load_tokenizer(export_a))
     data.setup("fit")
+    if data.format not in ("hh", "auto"):
+        raise ValueError(
+            f"the held-out experiment reads HH transcripts; RM-A was trained on {data.format!r} data"
+        )
     prompts: dict[tuple[int, int], str] = {}
-    fmt = data.format
     for source, path in enumerate(data._source_specs):
         rows = load_rows(path)
-        file_fmt = fmt if fmt != "auto" else "hh"
-        for _, rec in preference_records(rows, file_fmt, Fields(), data.chat_template, source, path):
+        for _, rec in preference_records(rows, "hh", Fields(), False, source, path):
             if not isinstance(rec, str):
-                prompts[(source, rec["row"])] = rec["prompt"]
+                prompts[(source, rec["row"])] = rows[rec["row"]]["chosen"]
     train = sorted({(e["source"], e["row"]) for e in data.train_dataset.examples})
     val = sorted({(e["source"], e["row"]) for e in data.val_dataset.examples})
     if set(train) & set(val):
@@ -451,7 +454,7 @@ def write_prompt_files(export_a: str, out: str, num_eval: int, seed: int = 0) ->
     paths = (os.path.join(out, "prompts_train.jsonl"), os.path.join(out, "prompts_eval.jsonl"))
     for path, keys in zip(paths, (train, chosen)):
         with open(path, "w") as f:
-            f.writelines(json.dumps({"prompt": prompts[k]}) + "\n" for k in keys)
+            f.writelines(json.dumps({"chosen": prompts[k]}) + "\n" for k in keys)
     return (
         paths[0],
         paths[1],

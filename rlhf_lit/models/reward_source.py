@@ -20,7 +20,9 @@ policy's tokenizer (special tokens kept, the stop token left out). Chat prompts,
 reward model trained with ``chat_template: true`` (``input_format`` in its ``rlhf_lit.json``), are rendered
 with the reward model's chat template, the response as the assistant turn (a text prompt in the HH transcript
 form is split into its turns, as the data modules' ``hh`` format does); text prompts otherwise are
-prompt text + response text. The reward model's EOS is appended (when it was trained with ``append_eos``)
+prompt text + response text. A reward model with no chat template (an encoder trained on HH transcripts, such
+as the MiniLM recipe) gets a chat prompt back as the HH transcript text it parses from (``hh_transcript``),
+and the response with the leading space HH responses have. The reward model's EOS is appended (when it was trained with ``append_eos``)
 only to responses that ended with a stop token: a response cut at ``max_new_tokens`` gets neither EOS nor the
 template's end-of-turn text, exactly as the same-encoding path scores it without a stop token. The prompt is
 cut from the left as reward training cut it: to the recorded ``max_prompt_length`` (``input_format``; e.g. 1
@@ -190,6 +192,20 @@ class RewardInputFormat:
         return cls(**flags, **limits)
 
 
+def hh_transcript(messages: list[dict]) -> str:
+    """Messages as the HH-RLHF transcript text they parse from (``rlhf_lit.data.records.parse_hh_messages``),
+    ending with the assistant's turn marker: ``"\n\nHuman: hi\n\nAssistant: hello\n\nHuman: more?\n\nAssistant:"``.
+    A system message's text leads the transcript."""
+    parts = []
+    for m in messages:
+        content = str(m.get("content", "")).strip()
+        if m["role"] == "system":
+            parts.append(content)
+        else:
+            parts.append(f"{HUMAN_MARK if m['role'] == 'user' else ASSISTANT_MARK} {content}")
+    return "".join(parts) + ASSISTANT_MARK
+
+
 def _is_hh(text: str) -> bool:
     return HUMAN_MARK in text or ASSISTANT_MARK in text
 
@@ -232,6 +248,10 @@ class RewardInputBuilder:
         tok = self._with_eos
         if not self.renders_chat(prompt):
             return prompt, response, False
+        if not isinstance(prompt, str) and not getattr(self.tokenizer, "chat_template", None):
+            # a reward model without a chat template (an encoder such as MiniLM) was trained on text: a chat
+            # prompt becomes the HH transcript it came from, the response its assistant turn
+            return hh_transcript(prompt), " " + response.strip(), False
         messages = list(prompt) if not isinstance(prompt, str) else chat_prompt(prompt, _is_hh(prompt))
         content = response.strip()  # chat contents are stripped, as in the data modules
         prompt_text, response_text, _ = tok.render(messages, {"role": "assistant", "content": content})

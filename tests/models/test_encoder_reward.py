@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_lit.data import PreferenceDataModule
+from rlhf_lit.data.records import parse_hh_messages
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig, RewardSource, load_reward_model
 from rlhf_lit.models.backbone import (
     backbone_is_encoder,
@@ -335,10 +336,14 @@ def test_settings_an_encoder_cannot_take_are_refused(wordpiece):
 
 
 # -- PPO's path -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("as_chat", [False, True], ids=["text_prompts", "chat_prompts"])
 @pytest.mark.parametrize("max_prompt_length", [1, 6, None])
-def test_ppo_feeds_an_encoder_reward_model_what_reward_training_built(wordpiece, tmp_path, max_prompt_length):
+def test_ppo_feeds_an_encoder_reward_model_what_reward_training_built(
+    wordpiece, tmp_path, max_prompt_length, as_chat
+):
     """A byte-level policy, an encoder reward model exported by the reward stage: the ids PPO scores are the
-    ids the reward stage's data module builds for the same (prompt, response), prompt cut as in training."""
+    ids the reward stage's data module builds for the same (prompt, response), prompt cut as in training. A
+    chat prompt (a chat policy's HH prompt, as messages) reaches the encoder as the HH text it was trained on."""
     module = RewardModule(
         BackboneConfig(tiny=TINY_BERT, tokenizer=wordpiece), export_dir=str(tmp_path / "rm")
     )
@@ -376,7 +381,8 @@ def test_ppo_feeds_an_encoder_reward_model_what_reward_training_built(wordpiece,
         return score(ids, mask, calibrated)
 
     source.scorer.score = spy
-    source.score(prompt_ids, prompt_mask, response_ids, response_mask, torch.tensor(stopped), prompts)
+    records = [parse_hh_messages(p) for p in prompts] if as_chat else prompts
+    source.score(prompt_ids, prompt_mask, response_ids, response_mask, torch.tensor(stopped), records)
     trained_on = [e["prompt_ids"] + e["chosen_ids"] for e in data.train_dataset.examples]
     sep = module.tokenizer.sep_token_id
     assert seen["rows"][0] == trained_on[0]  # stopped: exactly the training sequence, [SEP] included

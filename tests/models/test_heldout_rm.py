@@ -87,7 +87,10 @@ def experiment(tmp_path_factory):
         init["ppo"].update(total_iterations=2, ppo_minibatch_size=2, micro_batch_size=2)
         init["sampling"]["max_new_tokens"] = 8
         init["monitor"] = {"heldout": [M.HELDOUT_RM_SCORE], "window": 3}
-        spec["data"]["init_args"].update(format="explicit", batch_size=2, train_files=["placeholder.jsonl"])
+        # HH prompts rendered as chats for the policy; the encoder RMs get them back as HH text
+        spec["data"]["init_args"].update(
+            format="hh", chat_template=True, batch_size=2, train_files=["placeholder.jsonl"]
+        )
         config = root / "ppo.yaml"
         config.write_text(yaml.safe_dump(spec))
         out = root / "out"
@@ -112,10 +115,10 @@ def experiment(tmp_path_factory):
 
 def test_the_evaluation_prompts_are_the_validation_pairs_and_ppo_never_trains_on_them(experiment):
     out = experiment["out"]
-    train = [json.loads(line)["prompt"] for line in (out / "prompts_train.jsonl").read_text().splitlines()]
-    held = [json.loads(line)["prompt"] for line in (out / "prompts_eval.jsonl").read_text().splitlines()]
+    train = [json.loads(line)["chosen"] for line in (out / "prompts_train.jsonl").read_text().splitlines()]
+    held = [json.loads(line)["chosen"] for line in (out / "prompts_eval.jsonl").read_text().splitlines()]
     assert len(train) == 32 and len(held) == 6  # 40 pairs: 8 validation, 32 training (both halves)
-    assert not set(train) & set(held)
+    assert not set(train) & set(held) and set(train) | set(held) <= {r["chosen"] for r in experiment["rows"]}
     meta = json.loads((Path(experiment["exports"][1]) / "rlhf_lit.json").read_text())
     assert meta["data"]["train_part"] == [1, 2] and meta["data"]["val_size"] == 8
 
