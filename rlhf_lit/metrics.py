@@ -29,6 +29,14 @@ REWARD_NLL = "reward/nll"
 REWARD_NLL_CALIBRATED = "reward/nll_calibrated"
 REWARD_TEMPERATURE = "reward/temperature"
 REWARD_LENGTH_RULE_ACCURACY = "reward/length_rule_accuracy"
+# Length bias (rlhf_lit.functional.length_bias)
+REWARD_VS_LENGTH_RULE_SE = "reward/accuracy_vs_length_rule_se"
+REWARD_LENGTH_MATCHED_ACCURACY = "reward/length_matched_accuracy"
+REWARD_LENGTH_MATCHED_LENGTH_RULE = "reward/length_matched_length_rule_accuracy"
+REWARD_LENGTH_MATCHED_FRACTION = "reward/length_matched_fraction"
+REWARD_ACCURACY_BY_LENGTH_DIFF = "reward/accuracy_by_length_diff/{bucket}"
+REWARD_LENGTH_RULE_BY_LENGTH_DIFF = "reward/length_rule_accuracy_by_length_diff/{bucket}"
+REWARD_SCORE_LENGTH_SPEARMAN = "reward/score_length_spearman"
 
 # PPO rollout (one value per iteration)
 ROLLOUT_SCORE_MEAN = "rollout/score_mean"
@@ -63,6 +71,8 @@ MONITOR_SCORE_LENGTH_CORR = "monitor/score_length_corr"
 MONITOR_REF_PERPLEXITY = "monitor/ref_perplexity"
 MONITOR_SCORE_TREND = "monitor/score_trend_se"
 MONITOR_OVEROPTIMIZATION = "monitor/overoptimization"
+# A held-out reward model that PPO never optimises (rlhf_lit.heldout_rm)
+HELDOUT_RM_SCORE = "heldout/rm_score"
 
 # Speed and memory
 PERF_GENERATION_S = "perf/generation_s"
@@ -97,7 +107,19 @@ GLOSSARY: dict[str, str] = {
     REWARD_NLL: "mean -log sigmoid(r_chosen - r_rejected) over validation pairs (nats), what the temperature fit minimises",
     REWARD_NLL_CALIBRATED: "the same NLL with rewards divided by the fitted temperature (never above reward/nll)",
     REWARD_TEMPERATURE: "calibration temperature T fitted on the validation pairs (scores are divided by T)",
-    REWARD_LENGTH_RULE_ACCURACY: "accuracy of the baseline rule 'the longer response wins' on the same pairs",
+    REWARD_LENGTH_RULE_ACCURACY: "accuracy of the baseline rule 'the longer response wins' on the same pairs "
+    "(equal lengths count 0.5); `reward/length_rule_accuracy/<file>` per input file",
+    REWARD_VS_LENGTH_RULE_SE: "reward/accuracy minus reward/length_rule_accuracy, in paired standard errors "
+    "(pair by pair on the same pairs; above 3: the reward model beats the length rule)",
+    REWARD_LENGTH_MATCHED_ACCURACY: "accuracy on the length-matched validation pairs: response lengths (tokens, "
+    "EOS included) differ by at most 10% of the longer one",
+    REWARD_LENGTH_MATCHED_LENGTH_RULE: "the length rule's accuracy on those same length-matched pairs",
+    REWARD_LENGTH_MATCHED_FRACTION: "fraction of validation pairs that are length-matched",
+    REWARD_ACCURACY_BY_LENGTH_DIFF: "accuracy on the pairs whose relative length difference |L_c - L_r| / "
+    "max(L_c, L_r) is in a bucket: 0-10pct (the length-matched pairs), 10-25pct, 25-50pct, 50-100pct",
+    REWARD_LENGTH_RULE_BY_LENGTH_DIFF: "the length rule's accuracy on the pairs of the same bucket",
+    REWARD_SCORE_LENGTH_SPEARMAN: "Spearman rank correlation of the reward score with the response length over "
+    "all validation responses, chosen and rejected (near 1: the score mostly measures length)",
     ROLLOUT_SCORE_MEAN: "mean reward-model score of the sampled responses (calibrated, before normalisation)",
     ROLLOUT_SCORE_STD: "standard deviation of those scores",
     ROLLOUT_KL_REF: "KL(policy || reference) per response, summed over its tokens, with the configured estimator (nats)",
@@ -131,6 +153,8 @@ GLOSSARY: dict[str, str] = {
     MONITOR_SCORE_TREND: "slope of rollout/score_mean over the monitor's window of iterations, in standard errors",
     MONITOR_OVEROPTIMIZATION: "1 when the monitor flags over-optimisation: the RM score rises (> num_se standard "
     "errors over the window) while a held-out signal falls, or reference perplexity exceeds its limit; else 0",
+    HELDOUT_RM_SCORE: "mean calibrated score a held-out reward model (trained on other pairs, never optimised) "
+    "gives an iteration's rollout responses; a held-out signal for the monitor (`rlhf_lit.heldout_rm`)",
     PERF_GENERATION_S: "seconds spent sampling responses, per iteration",
     PERF_EXPERIENCE_S: "seconds for the old-logprob, reference, value and reward passes plus GAE, per iteration",
     PERF_UPDATE_S: "seconds for the PPO epochs, per iteration",
@@ -147,7 +171,15 @@ def is_known(name: str) -> bool:
     """True if ``name`` is one of the names above, or a per-file / per-reason / per-estimator variant."""
     if name in GLOSSARY:
         return True
-    if name.startswith(("reward/accuracy/", "reward/length_rule_accuracy/", "data/", "rollout/kl_ref_")):
+    prefixes = (
+        "reward/accuracy/",
+        "reward/length_rule_accuracy/",
+        "reward/accuracy_by_length_diff/",
+        "reward/length_rule_accuracy_by_length_diff/",
+        "data/",
+        "rollout/kl_ref_",
+    )
+    if name.startswith(prefixes):
         return True
     return False
 

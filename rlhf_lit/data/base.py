@@ -54,7 +54,12 @@ def _val_count(val_size: int | float, num_rows: int) -> int:
 
 
 def split_examples(
-    examples: list[dict], val_size: int | float, max_train_rows: int | None, seed: int, name: str
+    examples: list[dict],
+    val_size: int | float,
+    max_train_rows: int | None,
+    seed: int,
+    name: str,
+    train_part: tuple[int, int] | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Split one file's kept examples into ``(train, val)`` by source row.
 
@@ -64,6 +69,9 @@ def split_examples(
         max_train_rows: keep at most this many training rows (a fixed, seeded subset); None: all.
         seed: the split seed; the generator is seeded with ``seed + crc32(name)``.
         name: the file's name, so each file gets its own (stable) permutation.
+        train_part: ``(i, n)``: keep only part ``i`` (0-based) of ``n`` contiguous, equal parts of the
+            seeded training order (before ``max_train_rows``); the validation rows are the same for every
+            part, and the parts are disjoint. None: all training rows.
 
     Returns:
         ``(train, val)``, each in the file's original order.
@@ -79,6 +87,9 @@ def split_examples(
     order = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
     val_rows = set(order[:n_val])
     train_order = order[n_val:]
+    if train_part is not None:
+        part, parts = train_part
+        train_order = train_order[part * len(train_order) // parts : (part + 1) * len(train_order) // parts]
     train_rows = set(train_order if max_train_rows is None else train_order[:max_train_rows])
     return [e for e in examples if e["row"] in train_rows], [e for e in examples if e["row"] in val_rows]
 
@@ -195,8 +206,14 @@ class RLHFDataModule(L.LightningDataModule):
         min_prompt_tokens: int,
         append_eos: bool,
         tokenizer: Any,
+        train_part: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        if train_part is not None:
+            train_part = tuple(int(v) for v in train_part)
+            if len(train_part) != 2 or not 0 <= train_part[0] < train_part[1]:
+                raise ConfigError(f"train_part must be [i, n] with 0 <= i < n, got {list(train_part)}")
+        self.train_part = train_part
         if format not in ("auto",) + self.formats:
             raise ConfigError(f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}")
         self.loader = loader
@@ -295,7 +312,8 @@ class RLHFDataModule(L.LightningDataModule):
             examples = self._read_file(path, "train", counter, tok)
             val_size = 0 if self.val_files else self.val_size
             file_train, file_val = split_examples(
-                examples, val_size, self.max_train_samples_per_file, self.seed, source_name(path)
+                examples, val_size, self.max_train_samples_per_file, self.seed, source_name(path),
+                self.train_part,
             )
             counter.count_held_out("train", len(file_val))
             counter.count_not_sampled("train", len(examples) - len(file_train) - len(file_val))

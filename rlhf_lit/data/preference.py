@@ -51,6 +51,9 @@ class PreferenceDataModule(RLHFDataModule):
 
     Args:
         {LOADER_ARGS}
+        train_part: ``[i, n]``: train on part ``i`` (0-based) of ``n`` disjoint, equal parts of each file's
+            training rows (its seeded order cut in n), with the same validation rows for every part, e.g.
+            ``[0, 2]`` and ``[1, 2]`` for two reward models on disjoint halves; None: all.
         format: the row format; "auto" detects it per file.
         prompt_field: field holding the prompt (explicit, messages, ranked and unpaired formats); a dotted /
             indexed path such as ``instances.0.input`` reads nested rows (every ``*_field`` accepts one).
@@ -92,6 +95,7 @@ class PreferenceDataModule(RLHFDataModule):
         val_files: list[str] | str | None = None,
         val_size: int | float = 0.05,
         max_train_samples_per_file: int | None = None,
+        train_part: tuple[int, int] | None = None,
         format: Literal["auto", "hh", "explicit", "messages", "sharegpt", "ranked", "oasst_tree", "unpaired"] = "auto",
         prompt_field: str = "prompt",
         chosen_field: str = "chosen",
@@ -136,6 +140,7 @@ class PreferenceDataModule(RLHFDataModule):
             min_prompt_tokens=min_prompt_tokens,
             append_eos=append_eos,
             tokenizer=tokenizer,
+            train_part=train_part,
         )
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):

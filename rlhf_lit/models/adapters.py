@@ -30,8 +30,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel
 
-from rlhf_lit.functional.sequence import position_ids_from_mask
-from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk
+from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk_hidden_states
 from rlhf_lit.models.peft_compat import activate_adapters, zero_adapter_dropout
 
 
@@ -235,15 +234,10 @@ class AdaptedLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states ``(B, T, H)`` from the trunk, without vocabulary logits.
 
-        Position ids come from the attention mask, so left padding does not shift positions (B11).
+        Position ids come from the attention mask, so left padding does not shift positions (B11); an
+        encoder's rows must be right padded (``rlhf_lit.models.backbone.trunk_hidden_states``).
         """
-        out = trunk(self.model)(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
-        return out.last_hidden_state
+        return trunk_hidden_states(self.model, input_ids, attention_mask)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``(..., V)`` for hidden states ``(..., H)``."""

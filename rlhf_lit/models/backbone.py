@@ -1,8 +1,23 @@
-"""Loading a causal-LM backbone, with the options every stage shares.
+"""Loading a backbone (a causal LM, or for reward models an encoder), with the options every stage shares.
+
+**Causal LMs and encoders.** A backbone whose model type has a masked-LM head in transformers and is not an
+encoder-decoder (BERT, RoBERTa, DeBERTa(-v2), DistilBERT, ELECTRA, MPNet, ModernBERT, MiniLM checkpoints such
+as all-MiniLM-L6-v2, which are BERTs; ``is_encoder_config``) is an **encoder**: it is loaded with
+``AutoModel`` (the bare trunk, no LM head) and can only be a reward model's trunk. Every other model is a
+causal LM, loaded with ``AutoModelForCausalLM``. Two things differ for encoders:
+
+* their tokenizer gets ``bos_token = cls_token`` and ``eos_token = sep_token`` when it has none
+  (``load_backbone_tokenizer``), so the data modules' rules (BOS before a plain-text prompt, EOS after every
+  response; ``rlhf_lit.data.tokenize``) build ``[CLS] prompt response [SEP]``, the form the encoder was
+  pre-trained on; the exported tokenizer keeps those settings, so PPO rebuilds the same input;
+* their forward gets no ``position_ids`` (RoBERTa-style models offset positions by the pad id; the model's
+  own default is right for right-padded rows), so their input must be right padded
+  (``trunk_hidden_states`` refuses a left-padded row).
 
 A backbone comes from one of five places (``BackboneConfig``):
 
-* a local folder or a hub id (``name_or_path``), loaded with ``AutoModelForCausalLM.from_pretrained``;
+* a local folder or a hub id (``name_or_path``), loaded with ``AutoModelForCausalLM.from_pretrained``
+  (``AutoModel`` for an encoder);
 * a GGUF file (``name_or_path`` = its folder, ``gguf_file`` = its name), de-quantized by transformers (for
   ``load_in_4bit`` once into a cached folder that is then quantized to NF4: transformers will not quantize a
   GGUF checkpoint directly);
@@ -38,8 +53,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
+from rlhf_lit.functional.sequence import position_ids_from_mask
 from rlhf_lit.models.tokenizer import load_tokenizer
 
 log = logging.getLogger("rlhf_lit")
@@ -135,16 +152,70 @@ def load_backbone_tokenizer(cfg: BackboneConfig) -> PreTrainedTokenizerBase:
     """The tokenizer that belongs to a backbone config (its own, or ``cfg.tokenizer``).
 
     An adapter-only export's tokenizer is the one saved beside it, else (a bare adapter folder) its base's.
+    An encoder's tokenizer without BOS / EOS gets its CLS / SEP tokens as BOS / EOS (module docstring).
     """
     if cfg.tokenizer is not None:
-        return load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    elif cfg.tiny is not None:
+        tokenizer = load_tokenizer("byte")
+    else:
+        source = base_adapter_source(cfg)
+        if source is not None:
+            folder = _tokenizer_folder(source[1])
+            tokenizer = load_tokenizer(folder) if folder is not None else load_backbone_tokenizer(source[0])
+        else:
+            tokenizer = load_tokenizer(resolve_path(cfg.name_or_path), gguf_file=cfg.gguf_file)
+    if backbone_is_encoder(cfg):
+        encoder_special_tokens(tokenizer)
+    return tokenizer
+
+
+def encoder_special_tokens(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give an encoder's tokenizer ``bos_token = cls_token`` and ``eos_token = sep_token`` where it has no
+    BOS / EOS (BERT-style tokenizers have none); returns the same object, changed in place.
+
+    With them the data modules' rules write ``[CLS]`` before a plain-text prompt and ``[SEP]`` after each
+    response; ``tokenizer(text)`` itself is unchanged (its post-processor adds CLS / SEP as before).
+    """
+    if tokenizer.bos_token is None and getattr(tokenizer, "cls_token", None) is not None:
+        tokenizer.bos_token = tokenizer.cls_token
+    if tokenizer.eos_token is None and getattr(tokenizer, "sep_token", None) is not None:
+        tokenizer.eos_token = tokenizer.sep_token
+    return tokenizer
+
+
+def is_encoder_config(config) -> bool:
+    """Whether a transformers config describes an encoder (module docstring): its model type has a
+    masked-LM head in transformers and it is not an encoder-decoder."""
+    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
+        config, "is_encoder_decoder", False
+    )
+
+
+def backbone_is_encoder(cfg: BackboneConfig) -> bool:
+    """Whether the backbone a config describes is an encoder; reads only its ``config.json`` (a GGUF file is
+    always a causal LM). A config that cannot be read counts as a causal LM (loading it then says why)."""
+    if cfg.gguf_file:
+        return False
     if cfg.tiny is not None:
-        return load_tokenizer("byte")
+        spec = dict(cfg.tiny)
+        model_type = spec.pop("model_type", "gpt2")
+        return is_encoder_config(AutoConfig.for_model(model_type, **spec))
     source = base_adapter_source(cfg)
     if source is not None:
-        folder = _tokenizer_folder(source[1])
-        return load_tokenizer(folder) if folder is not None else load_backbone_tokenizer(source[0])
-    return load_tokenizer(resolve_path(cfg.name_or_path), gguf_file=cfg.gguf_file)
+        return backbone_is_encoder(source[0])
+    try:
+        config = AutoConfig.from_pretrained(resolve_path(cfg.name_or_path))
+    except (OSError, ValueError):
+        return False
+    return is_encoder_config(config)
+
+
+def model_is_encoder(model: nn.Module) -> bool:
+    """Whether a loaded model (possibly wrapped by peft) is an encoder."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    return config is not None and is_encoder_config(config)
 
 
 META_FILE = "rlhf_lit.json"  # written by rlhf_lit.models.export beside every export
@@ -231,12 +302,16 @@ def _tiny_config(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase):
     return AutoConfig.for_model(model_type, **spec)
 
 
+def _auto_class(encoder: bool):
+    return AutoModel if encoder else AutoModelForCausalLM
+
+
 def _build_tiny(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     config = _tiny_config(cfg, tokenizer)
     state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[cfg.dtype])
+        model = _auto_class(is_encoder_config(config)).from_config(config, dtype=_DTYPES[cfg.dtype])
     finally:
         torch.random.set_rng_state(state)
     return model
@@ -296,7 +371,8 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         tokenizer: its tokenizer (needed for ``tiny`` models: vocab size and special ids).
 
     Returns:
-        A ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``), in train mode.
+        A ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``), or for an encoder the bare
+        trunk (``AutoModel``), in train mode.
         Under 4-bit the base weights are frozen and prepared for k-bit training, before any adapter is
         added (the order matters; PITFALLS B15). For an adapter-only export (see the module docstring) a
         ``peft.PeftModel`` with that adapter frozen, unless it was merged into full-precision weights.
@@ -306,6 +382,7 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
     if source is not None:
         return _load_with_base_adapter(cfg, *source, tokenizer)
     dtype = _DTYPES[cfg.dtype]
+    auto_class = _auto_class(backbone_is_encoder(cfg))
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
@@ -322,7 +399,7 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
             bnb_4bit_compute_dtype=dtype,
         )
         device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else {"": "cpu"}
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             source, gguf_file=gguf_file, quantization_config=quant, dtype=dtype, device_map=device_map
         )
         keep_4bit_layout_on_cpu(model)
@@ -330,7 +407,7 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         model = _build_tiny(cfg, tokenizer)
     else:
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-        model = AutoModelForCausalLM.from_pretrained(resolve_path(cfg.name_or_path), dtype=dtype, **kwargs)
+        model = auto_class.from_pretrained(resolve_path(cfg.name_or_path), dtype=dtype, **kwargs)
         if cfg.gguf_file:
             _drop_gguf_marker(model)
     if cfg.disable_dropout:
@@ -464,10 +541,88 @@ def trunk(model: nn.Module) -> nn.Module:
     return base.base_model
 
 
+def trunk_hidden_states(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Last-layer hidden states ``(B, T, H)`` of a model's trunk (no vocabulary logits).
+
+    A causal LM gets position ids from the attention mask, so left padding does not shift positions (B11).
+    An encoder gets none (module docstring): its rows must be right padded.
+
+    Raises:
+        ValueError: an encoder given a row with padding before a real token.
+    """
+    if model_is_encoder(model):
+        mask = attention_mask.bool()
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError(
+                "an encoder backbone needs right-padded input (real tokens first): its positions count from "
+                "the first column, so left padding would shift them"
+            )
+        return trunk(model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    out = trunk(model)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state
+
+
 def lm_head(model: nn.Module) -> nn.Module:
-    """The output projection (hidden -> vocabulary logits) of a causal LM."""
+    """The output projection (hidden -> vocabulary logits) of a causal LM.
+
+    Raises:
+        ValueError: for an encoder, which has none.
+    """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_output_embeddings()
+    head = base.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(base).__name__} has no language-model head (an encoder backbone)")
+    return head
+
+
+def freeze_lower_layers(model: nn.Module, num_layers: int) -> int:
+    """Freeze the embeddings and the lowest ``num_layers`` transformer layers of a trunk; returns how many
+    parameter tensors were frozen.
+
+    "Lower" is registration order: every parameter that comes before the first parameter of layer
+    ``num_layers`` of the model's layer stack (the ``nn.ModuleList`` with ``num_hidden_layers`` entries:
+    BERT's ``encoder.layer``, GPT-2's ``h``, Llama's ``layers``) is frozen: the embeddings and layers
+    ``0 .. num_layers - 1``. Autograd then stops below layer ``num_layers``: less backward compute.
+
+    Raises:
+        ValueError: ``num_layers`` outside ``[0, num_hidden_layers]``, or no layer stack found.
+    """
+    if num_layers == 0:
+        return 0
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    stack = _layer_stack(base)
+    if stack is None:
+        raise ValueError(f"freeze_layers: no stack of transformer layers found in {type(base).__name__}")
+    if not 0 <= num_layers <= len(stack):
+        raise ValueError(f"freeze_layers must be in [0, {len(stack)}] for this model, got {num_layers}")
+    params = [p for _, p in base.named_parameters()]
+    if num_layers < len(stack):  # up to the first parameter of layer num_layers
+        first = {id(p) for p in stack[num_layers].parameters()}
+        cut = next(i for i, p in enumerate(params) if id(p) in first)
+    else:  # every layer: up to just after the last layer's last parameter (final norm, pooler stay trainable)
+        last = {id(p) for p in stack[-1].parameters()}
+        cut = max(i for i, p in enumerate(params) if id(p) in last) + 1
+    frozen = 0
+    for p in params[:cut]:
+        if p.requires_grad:
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def _layer_stack(model: nn.Module) -> nn.ModuleList | None:
+    n = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    return None
 
 
 def hidden_size(model: nn.Module) -> int:

@@ -3,16 +3,20 @@
 An exported folder is usable with transformers and peft alone:
 
 * ``config.json`` + ``model.safetensors``: the whole causal LM with any LoRA adapter merged in
-  (``AutoModelForCausalLM.from_pretrained(folder)``); written unless the base is 4-bit, where merging is
-  lossy;
+  (``AutoModelForCausalLM.from_pretrained(folder)``; an encoder reward model's trunk loads with
+  ``AutoModel.from_pretrained(folder)``); written unless the base is 4-bit, where merging is lossy;
 * ``adapter/``: the LoRA adapter alone (``PeftModel.from_pretrained(base, folder + "/adapter")``), when
   one was trained; ``rlhf_lit.json`` records the base it belongs to;
 * the tokenizer files;
 * for reward models, ``reward_head.safetensors`` (``weight`` (1, H), ``bias`` (1,)) and in
-  ``rlhf_lit.json`` the calibration ``temperature``: the calibrated score is
-  ``head(h_last) / temperature``, where ``h_last`` is the trunk's last-layer hidden state at the last
-  real token; and ``input_format`` (``chat_template``, ``append_eos``: how its training sequences were
-  built, so that PPO can rebuild them for a policy with another tokenizer; ``rlhf_lit.models.reward_source``).
+  ``rlhf_lit.json`` the calibration ``temperature``, the ``architecture`` (``causal`` | ``encoder``) and the
+  ``pooling``: the calibrated score is ``head(h) / temperature``, where ``h`` is the trunk's last-layer hidden
+  state pooled over the real tokens (``last``: at the last real token, the causal default; ``mean``: their
+  mean, the encoder default; ``first``: the first, an encoder's ``[CLS]``; ``rlhf_lit.models.heads``); and
+  ``input_format`` (``chat_template``, ``append_eos``, ``max_length``, ``max_prompt_length``: how its
+  training sequences were built, so that PPO rebuilds them exactly for a policy with another tokenizer;
+  ``rlhf_lit.models.reward_source``). An encoder's input is ``[CLS] prompt response [SEP]`` (its saved
+  tokenizer has ``bos_token = [CLS]``, ``eos_token = [SEP]``; ``rlhf_lit.models.backbone``).
 
 Loading back: a folder with merged weights loads as any Hugging Face model; a folder with only ``adapter/``
 (e.g. a QLoRA SFT) is a valid ``backbone.name_or_path`` for every stage (``rlhf_lit.models.backbone``): its
@@ -33,17 +37,18 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
     disable_dropout,
+    encoder_special_tokens,
     load_backbone,
     load_backbone_tokenizer,
     stack_frozen_adapter,
 )
-from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.models.heads import POOLINGS, Pooling, ScalarHead, score_pooled
 from rlhf_lit.models.tokenizer import load_tokenizer
 from rlhf_lit.parallel.fsdp import plain_state_dict
 
@@ -64,7 +69,7 @@ def save_causal_lm(
     """Write ``lm`` (with adapter ``adapter_name`` active, if any) to ``path`` in HF format.
 
     Args:
-        lm: the model.
+        lm: the model (a causal LM, or an encoder trunk).
         tokenizer: saved beside it.
         path: output folder (created; files in it are overwritten).
         backbone: the config the base came from, recorded in ``rlhf_lit.json``.
@@ -193,22 +198,31 @@ class RewardScorer(nn.Module):
         lm: the backbone (any architecture; its own tokenizer).
         head: the scalar head.
         tokenizer: the reward model's tokenizer (may differ from the policy's).
-        temperature: calibration temperature T; ``score`` returns ``head(h_last) / T`` when
+        temperature: calibration temperature T; ``score`` returns ``head(h) / T`` when
             ``calibrated`` (the default), so that ``sigmoid(score_a - score_b)`` is a calibrated
             preference probability.
+        pooling: which state ``h`` is (``rlhf_lit.models.heads``): ``last`` | ``mean`` | ``first``.
     """
 
     def __init__(
-        self, lm: AdaptedLM, head: ScalarHead, tokenizer: PreTrainedTokenizerBase, temperature: float = 1.0
+        self,
+        lm: AdaptedLM,
+        head: ScalarHead,
+        tokenizer: PreTrainedTokenizerBase,
+        temperature: float = 1.0,
+        pooling: Pooling = "last",
     ) -> None:
         super().__init__()
         # A scorer is only ever evaluated: every dropout probability is 0 (the base's, and the LoRA dropout of
         # a reward model trained with lora.dropout > 0), so identical calls give identical scores in train
         # mode too (PPO keeps its modules in train mode; PITFALLS B12).
         disable_dropout(lm)
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         self.lm = lm
         self.head = head
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.register_buffer("temperature", torch.tensor(float(temperature)))
         self.requires_grad_(False)
 
@@ -216,9 +230,10 @@ class RewardScorer(nn.Module):
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, calibrated: bool = True
     ) -> torch.Tensor:
-        """``(B, T)`` ids and mask (1 = real; any padding side) -> ``(B,)`` float32 scores."""
+        """``(B, T)`` ids and mask (1 = real; any padding side for a causal LM, right padding for an encoder)
+        -> ``(B,)`` float32 scores."""
         hidden = self.lm.hidden_states(input_ids, attention_mask)
-        scores = score_last_token(self.head, hidden, attention_mask)
+        scores = score_pooled(self.head, hidden, attention_mask, self.pooling)
         return scores / self.temperature if calibrated else scores
 
 
@@ -237,13 +252,16 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
     if meta.get("kind") != "reward_model":
         raise ValueError(f"{path!r} holds a {meta.get('kind', 'policy')!r} export, not a reward model")
     tokenizer = load_tokenizer(path)
+    if meta.get("architecture") == "encoder":  # saved with them; set again for exports edited by hand
+        encoder_special_tokens(tokenizer)
     base_cfg = BackboneConfig(**{**meta["base"], "lora": None})
     if dtype is not None:
         base_cfg.dtype = dtype
     if load_in_4bit is not None:
         base_cfg.load_in_4bit = load_in_4bit
     if meta["weights"] == "merged" and not base_cfg.load_in_4bit:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
+        auto_class = AutoModel if meta.get("architecture") == "encoder" else AutoModelForCausalLM
+        model = auto_class.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
         disable_dropout(model)
         lm = AdaptedLM(model)
     else:  # the adapter on its base (which may itself be an adapter-only export: the adapters stack)
@@ -251,6 +269,12 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
         lm = AdaptedLM(stack_frozen_adapter(base, os.path.join(path, "adapter")))
     head = ScalarHead(int(meta["hidden_size"]))
     head.linear.load_state_dict(load_file(os.path.join(path, HEAD_FILE)))
-    scorer = RewardScorer(lm, head, tokenizer, temperature=float(meta.get("temperature", 1.0)))
+    scorer = RewardScorer(
+        lm,
+        head,
+        tokenizer,
+        temperature=float(meta.get("temperature", 1.0)),
+        pooling=meta.get("pooling", "last"),
+    )
     scorer.eval()
     return scorer

@@ -1,16 +1,30 @@
-"""Scalar heads for reward and value models.
+"""Scalar heads for reward and value models, and the pooling that picks the state a reward is read from.
 
 A ``ScalarHead`` maps a hidden state ``(..., H)`` to one float ``(...)``. Its weights are float32 and the
 hidden states are cast to float32 first, so a bf16 or 4-bit backbone never meets a dtype mismatch
 (PITFALLS B15).
+
+Pooling (``POOLINGS``), over the real tokens of each row (attention mask 1):
+
+* ``last``: the state at the last real token; the causal-LM default (it has read the whole sequence) and the
+  only one that can sit on a causal LM's EOS (PITFALLS B04);
+* ``mean``: the mean of the states of every real token, special tokens included (as sentence-transformers
+  pools all-MiniLM-L6-v2 and its kin); the encoder default;
+* ``first``: the state at the first real token, an encoder's ``[CLS]`` (the last-layer state itself, not
+  BERT's pooler, whose dense + tanh layer is not part of every encoder).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
 
 from rlhf_lit.functional.sequence import last_real_index
+
+Pooling = Literal["last", "mean", "first"]
+POOLINGS: tuple[str, ...] = ("last", "mean", "first")
 
 
 class ScalarHead(nn.Module):
@@ -34,6 +48,41 @@ class ScalarHead(nn.Module):
         return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1)
 
 
+def pool_hidden(
+    hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling = "last"
+) -> torch.Tensor:
+    """One state per row: ``(B, T, H)`` hidden states -> ``(B, H)`` (module docstring).
+
+    Args:
+        hidden: ``(B, T, H)`` hidden states.
+        attention_mask: ``(B, T)``, 1 = real token; left or right padding, pad may equal EOS.
+        pooling: ``last`` | ``mean`` | ``first``.
+
+    Returns:
+        ``(B, H)``: the chosen row state (``last``, ``first``: in the hidden dtype) or the float32 mean over
+        real tokens (``mean``; a row without a real token gives zeros).
+
+    Raises:
+        ValueError: an unknown ``pooling``.
+    """
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    if pooling == "last":
+        return hidden[rows, last_real_index(attention_mask)]
+    if pooling == "first":  # argmax returns the first maximal index: the first real token
+        return hidden[rows, attention_mask.long().argmax(-1)]
+    if pooling == "mean":
+        mask = attention_mask.to(torch.float32).unsqueeze(-1)
+        return (hidden.float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+
+
+def score_pooled(
+    head: ScalarHead, hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling = "last"
+) -> torch.Tensor:
+    """``(B,)`` float32 scalars of ``head`` over the pooled state of each row (``pool_hidden``)."""
+    return head(pool_hidden(hidden, attention_mask, pooling))
+
+
 def score_last_token(head: ScalarHead, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scalar read at the last real token of each row (PITFALLS B04).
 
@@ -45,6 +94,4 @@ def score_last_token(head: ScalarHead, hidden: torch.Tensor, attention_mask: tor
     Returns:
         ``(B,)`` float32 scores.
     """
-    index = last_real_index(attention_mask)
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return head(hidden[rows, index])
+    return score_pooled(head, hidden, attention_mask, "last")

@@ -2,27 +2,33 @@
 
 Two modes (``RewardModelConfig.mode``):
 
-* ``separate``: any exported reward model, or any Hugging Face ``*ForSequenceClassification`` folder with
-  one label (a decoder, or an encoder such as BERT, read at the last real token).
+* ``separate``: any exported reward model (a causal LM or an encoder such as MiniLM, scored on the state its
+  export names: ``pooling``), or any Hugging Face ``*ForSequenceClassification`` folder with one label (a
+  decoder, or an encoder such as BERT, read at the last real token).
 * ``adapter``: the reward model's LoRA adapter is loaded onto the policy's own base as a fourth adapter,
   with its head; nothing else is held in memory. Valid only when the reward model was trained on that same
   base (checked against the export's record of its base).
 
 **What the reward model is fed.** When the reward model encodes text exactly as the policy does (same
-vocabulary, same chat template, same BOS/EOS; see ``same_encoding``) it scores the policy's own ids: the
-prompt, then the response up to and including its stop token. Otherwise (another tokenizer, or the same
-vocabulary with another chat template) its input is rebuilt, per row, the way reward training built it
+vocabulary, same chat template, same BOS/EOS; see ``same_encoding``) and is a causal LM, it scores the
+policy's own ids: the prompt, then the response up to and including its stop token. Otherwise (another
+tokenizer, the same vocabulary with another chat template, or an encoder, which needs right-padded rows) its
+input is rebuilt, per row, the way reward training built it
 (``rlhf_lit.data.tokenize.Tokenization``, the same code): from the prompt as the data gave it (its message
 list, or its text; ``batch["prompt"]`` of the prompt data module) and the response decoded to text with the
 policy's tokenizer (special tokens kept, the stop token left out). Chat prompts, and text prompts of a
 reward model trained with ``chat_template: true`` (``input_format`` in its ``rlhf_lit.json``), are rendered
 with the reward model's chat template, the response as the assistant turn (a text prompt in the HH transcript
 form is split into its turns, as the data modules' ``hh`` format does); text prompts otherwise are
-prompt text + response text. The reward model's EOS is appended (when it was trained with ``append_eos``)
+prompt text + response text. A reward model with no chat template (an encoder trained on HH transcripts, such
+as the MiniLM recipe) gets a chat prompt back as the HH transcript text it parses from (``hh_transcript``),
+and the response with the leading space HH responses have. The reward model's EOS is appended (when it was trained with ``append_eos``)
 only to responses that ended with a stop token: a response cut at ``max_new_tokens`` gets neither EOS nor the
-template's end-of-turn text, exactly as the same-encoding path scores it without a stop token. A rebuilt
-input longer than the reward model's ``model_max_length`` or position limit loses prompt tokens from the
-left.
+template's end-of-turn text, exactly as the same-encoding path scores it without a stop token. The prompt is
+cut from the left as reward training cut it: to the recorded ``max_prompt_length`` (``input_format``; e.g. 1
+for a reward model trained on responses alone, which keeps only an encoder's ``[CLS]``), and so that prompt +
+response fit the recorded ``max_length`` and the model's ``model_max_length`` / position limit (a leading
+BOS / ``[CLS]`` is kept). Reward training cut for the longer response of a pair; here there is one response.
 
 Every dropout probability of the reward model is 0 in both modes (its base's, and the LoRA dropout of a reward
 model trained with ``lora.dropout > 0``), so identical calls score identically in train mode too.
@@ -44,7 +50,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedTokenizer
 
 from rlhf_lit.data.formats import chat_prompt
 from rlhf_lit.data.records import ASSISTANT_MARK, HUMAN_MARK
-from rlhf_lit.data.tokenize import Tokenization, fit_prompt, left_truncate
+from rlhf_lit.data.tokenize import Tokenization, left_truncate
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
@@ -53,6 +59,7 @@ from rlhf_lit.models.backbone import (
     hidden_size,
     load_backbone,
     load_backbone_tokenizer,
+    model_is_encoder,
 )
 from rlhf_lit.models.export import (
     HEAD_FILE,
@@ -62,7 +69,7 @@ from rlhf_lit.models.export import (
     portable_base,
     read_meta,
 )
-from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.models.heads import ScalarHead, score_pooled
 from rlhf_lit.models.tokenizer import load_tokenizer
 
 log = logging.getLogger("rlhf_lit")
@@ -130,7 +137,8 @@ def untrained_scorer(backbone: BackboneConfig) -> RewardScorer:
         head = ScalarHead(hidden_size(model))
     finally:
         torch.random.set_rng_state(state)
-    return RewardScorer(AdaptedLM(model), head, tokenizer).eval()
+    pooling = "mean" if model_is_encoder(model) else "last"
+    return RewardScorer(AdaptedLM(model), head, tokenizer, pooling=pooling).eval()
 
 
 def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
@@ -162,16 +170,40 @@ class RewardInputFormat:
         chat_template: text prompts were rendered as a chat with its tokenizer's chat template (message
             lists always are).
         append_eos: its EOS was appended to every response.
+        max_length: the longest prompt + response in training, in its tokens (None: no limit recorded).
+        max_prompt_length: prompts were cut to this many tokens first, from the left (None: no limit).
     """
 
     chat_template: bool = False
     append_eos: bool = True
+    max_length: int | None = None
+    max_prompt_length: int | None = None
 
     @classmethod
     def from_meta(cls, meta: dict | None) -> RewardInputFormat:
         """The format recorded in an export's metadata; the data modules' defaults where none is."""
         recorded = (meta or {}).get("input_format") or {}
-        return cls(**{k: bool(v) for k, v in recorded.items() if k in ("chat_template", "append_eos")})
+        flags = {k: bool(v) for k, v in recorded.items() if k in ("chat_template", "append_eos")}
+        limits = {
+            k: int(v)
+            for k, v in recorded.items()
+            if k in ("max_length", "max_prompt_length") and v is not None
+        }
+        return cls(**flags, **limits)
+
+
+def hh_transcript(messages: list[dict]) -> str:
+    """Messages as the HH-RLHF transcript text they parse from (``rlhf_lit.data.records.parse_hh_messages``),
+    ending with the assistant's turn marker: ``"\n\nHuman: hi\n\nAssistant: hello\n\nHuman: more?\n\nAssistant:"``.
+    A system message's text leads the transcript."""
+    parts = []
+    for m in messages:
+        content = str(m.get("content", "")).strip()
+        if m["role"] == "system":
+            parts.append(content)
+        else:
+            parts.append(f"{HUMAN_MARK if m['role'] == 'user' else ASSISTANT_MARK} {content}")
+    return "".join(parts) + ASSISTANT_MARK
 
 
 def _is_hh(text: str) -> bool:
@@ -185,7 +217,7 @@ class RewardInputBuilder:
         tokenizer: the reward model's tokenizer (with its chat template, if any).
         input_format: how its training sequences were built.
         max_positions: the reward model's position limit (its config's ``max_position_embeddings``); inputs
-            are cut to it and to the tokenizer's ``model_max_length``.
+            are cut to it, to the tokenizer's ``model_max_length`` and to the recorded ``max_length``.
 
     The prompt is a string or a list of ``{"role", "content"}`` messages (a canonical record's prompt).
     """
@@ -198,7 +230,9 @@ class RewardInputBuilder:
     ) -> None:
         self.tokenizer = tokenizer
         self.input_format = input_format
-        limits = [n for n in (tokenizer.model_max_length, max_positions) if n and n < 10**6]
+        limits = [
+            n for n in (tokenizer.model_max_length, max_positions, input_format.max_length) if n and n < 10**6
+        ]
         self.max_length = int(min(limits)) if limits else None
         eos = input_format.append_eos and tokenizer.eos_token_id is not None
         length = self.max_length or 1 << 30
@@ -214,6 +248,10 @@ class RewardInputBuilder:
         tok = self._with_eos
         if not self.renders_chat(prompt):
             return prompt, response, False
+        if not isinstance(prompt, str) and not getattr(self.tokenizer, "chat_template", None):
+            # a reward model without a chat template (an encoder such as MiniLM) was trained on text: a chat
+            # prompt becomes the HH transcript it came from, the response its assistant turn
+            return hh_transcript(prompt), " " + response.strip(), False
         messages = list(prompt) if not isinstance(prompt, str) else chat_prompt(prompt, _is_hh(prompt))
         content = response.strip()  # chat contents are stripped, as in the data modules
         prompt_text, response_text, _ = tok.render(messages, {"role": "assistant", "content": content})
@@ -237,22 +275,22 @@ class RewardInputBuilder:
             stopped: the response ended with a stop token (only then is EOS appended).
 
         Returns:
-            Prompt ids + response ids, cut from the left to the tokenizer's ``model_max_length``.
+            Prompt ids + response ids, the prompt cut from the left (a leading BOS kept) to the recorded
+            ``max_prompt_length`` and so that the whole fits ``max_length`` (module docstring); a response
+            that alone exceeds ``max_length`` is cut from the left too.
         """
         prompt_text, response_text, rendered = self.texts(prompt, response, stopped)
         tok = self._with_eos if stopped else self._without_eos
         prompt_ids = tok.encode_prompts([prompt_text], [rendered])[0]
         response_ids = tok.encode_responses([response_text])[0]
-        if self.max_length is None or len(prompt_ids) + len(response_ids) <= self.max_length:
-            return prompt_ids + response_ids
+        budget = self.max_length - len(response_ids) if self.max_length is not None else len(prompt_ids)
+        if self.input_format.max_prompt_length is not None:
+            budget = min(budget, self.input_format.max_prompt_length)
         bos = self.tokenizer.bos_token_id
         keep_first = bool(prompt_ids) and bos is not None and prompt_ids[0] == bos
-        cut = fit_prompt(
-            prompt_ids, [len(response_ids)], self.max_length, min_prompt_tokens=0, keep_first=keep_first
-        )
-        if cut is not None:
-            return cut + response_ids
-        return left_truncate(prompt_ids + response_ids, self.max_length)
+        if budget >= 0:
+            return left_truncate(prompt_ids, budget, keep_first) + response_ids
+        return left_truncate(prompt_ids + response_ids, self.max_length, keep_first)
 
 
 class RewardSource(torch.nn.Module):
@@ -296,6 +334,7 @@ class RewardSource(torch.nn.Module):
             self.head = ScalarHead(hidden_size(policy_lm.model))
             self.head.linear.load_state_dict(load_file(os.path.join(cfg.path, HEAD_FILE)))
             self.head.requires_grad_(False)
+            self.pooling = meta.get("pooling", "last")
             self.register_buffer("temperature", torch.tensor(float(meta.get("temperature", 1.0))))
             self.tokenizer = policy_tokenizer
         else:
@@ -310,6 +349,8 @@ class RewardSource(torch.nn.Module):
             # mode keeps the whole module in one mode under Lightning.
             self.scorer.train()
         self.same_tokenizer = same_encoding(self.tokenizer, policy_tokenizer)
+        # an encoder reads positions from the first column: its rows are always rebuilt, right padded
+        self.is_encoder = self.scorer is not None and model_is_encoder(self.scorer.lm.model)
         self.input_builder = RewardInputBuilder(
             self.tokenizer, RewardInputFormat.from_meta(meta), _max_positions(self.scorer or policy_lm)
         )
@@ -353,7 +394,7 @@ class RewardSource(torch.nn.Module):
         text_for_chat = self.input_builder.input_format.chat_template and any(
             isinstance(p, str) for p in prompts or []
         )
-        rebuild = not self.same_tokenizer or text_for_chat
+        rebuild = not self.same_tokenizer or text_for_chat or self.is_encoder
         if rebuild:
             ids, mask = self._reencode(
                 prompt_ids, prompt_mask, response_ids, response_mask, has_stop, prompts
@@ -366,7 +407,7 @@ class RewardSource(torch.nn.Module):
         else:
             lm = self._policy_lm[0]
             with lm.adapter("reward"):
-                raw = score_last_token(self.head, lm.hidden_states(ids, mask), mask)
+                raw = score_pooled(self.head, lm.hidden_states(ids, mask), mask, self.pooling)
         return raw / self.temperature_value
 
     def _ends_with_eos(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

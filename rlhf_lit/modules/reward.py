@@ -15,6 +15,16 @@ last batch); the imitation term, a token mean per micro-batch, is weighted by th
 Calibration (Guo et al. 2017): at the end of fit a single temperature T > 0 is fitted on the validation
 pairs by minimising the NLL of sigmoid(d / T); T never changes the ranking. ECE before and after, and the
 reliability diagram, go to TensorBoard, to ``eval_results.json`` and to ``reliability.png``.
+
+Length bias (every evaluation; ``rlhf_lit.functional.length_bias``): accuracy on the length-matched pairs
+(response lengths within 10% of each other), accuracy by relative-length-difference bucket, the Spearman
+correlation of the score with the response length, and "the longer response wins" on exactly the same pairs,
+with the reward model's paired advantage over that rule in standard errors. Lengths are the reward model's
+response tokens, EOS included.
+
+Backbones: a causal LM (the score read at its last real token by default) or an encoder such as BERT,
+RoBERTa, DeBERTa or MiniLM (the mean of its last-layer states over the real tokens by default; ``pooling``;
+``rlhf_lit.models.backbone`` for how encoder inputs are built), trained in full or with LoRA alike.
 """
 
 from __future__ import annotations
@@ -36,11 +46,19 @@ from rlhf_lit.functional.calibration import (
     pairwise_calibration_inputs,
     reliability_bins,
 )
+from rlhf_lit.functional.length_bias import LENGTH_DIFF_BUCKETS, length_bias_report
 from rlhf_lit.functional.losses import bt_pairwise_loss, sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, hidden_size, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import (
+    BackboneConfig,
+    freeze_lower_layers,
+    hidden_size,
+    load_backbone,
+    load_backbone_tokenizer,
+    model_is_encoder,
+)
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
-from rlhf_lit.models.heads import ScalarHead, score_last_token
+from rlhf_lit.models.heads import POOLINGS, ScalarHead, score_pooled
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
@@ -60,24 +78,44 @@ log = logging.getLogger("rlhf_lit")
 TEMPERATURE_BOUNDS = (1e-2, 1e2)
 
 
-def _accuracy(margins: torch.Tensor) -> float:
-    """Fraction of pairs with r_chosen > r_rejected; ties count as wrong."""
-    return float((margins > 0).float().mean()) if margins.numel() else float("nan")
+_DATA_RECORD = (
+    "train_files",
+    "val_files",
+    "val_size",
+    "max_train_samples_per_file",
+    "train_part",
+    "format",
+    "chat_template",
+    "max_length",
+    "max_prompt_length",
+    "min_prompt_tokens",
+    "append_eos",
+    "seed",
+)
 
 
-def _length_rule_accuracy(len_chosen: torch.Tensor, len_rejected: torch.Tensor) -> float:
-    """Accuracy of 'the longer response wins'; a tie is a coin flip (0.5)."""
-    if not len_chosen.numel():
-        return float("nan")
-    wins = (len_chosen > len_rejected).float() + 0.5 * (len_chosen == len_rejected).float()
-    return float(wins.mean())
+def _data_record(datamodule) -> dict | None:
+    """Which pairs a reward model was trained and validated on (the preference data module's split settings;
+    local files as absolute paths), so that a later step can rebuild the same split: e.g. the held-out-RM
+    experiment (``rlhf_lit.heldout_rm``) takes its evaluation prompts from the validation pairs and checks
+    that two reward models were trained on disjoint parts."""
+    if datamodule is None or not all(hasattr(datamodule, k) for k in _DATA_RECORD):
+        return None
+    record = {k: getattr(datamodule, k) for k in _DATA_RECORD}
+    for key in ("train_files", "val_files"):
+        if record[key]:
+            record[key] = [os.path.abspath(f) if os.path.exists(f) else f for f in record[key]]
+    if record["train_part"] is not None:
+        record["train_part"] = list(record["train_part"])
+    return record
 
 
 class RewardModule(L.LightningModule):
-    """A scalar reward model on a causal-LM trunk, trained with the Bradley–Terry pairwise loss.
+    """A scalar reward model on a causal-LM or encoder trunk, trained with the Bradley–Terry pairwise loss.
 
     Args:
-        backbone: the trunk (often the SFT model) and how it is held (LoRA, 4-bit, dtype).
+        backbone: the trunk (often the SFT model, or an encoder such as all-MiniLM-L6-v2) and how it is held
+            (LoRA, 4-bit, dtype).
         optimizer: optimizer and learning-rate schedule (the head and the adapter share it).
         label_smoothing: eps in the conservative smoothed loss; 0 disables it.
         beta_rm: weight of the LM-imitation term NLL(chosen response); 0 disables it.
@@ -96,6 +134,15 @@ class RewardModule(L.LightningModule):
             run was 1.8x slower per step with 4 (more, smaller forwards; under autocast each forward re-casts
             the frozen base weights), so measure before raising it. Not used with ``beta_rm > 0`` (the
             imitation term reads the chosen hidden states) or under FSDP2.
+        pooling: the state the head reads (``rlhf_lit.models.heads``): ``last`` (last real token), ``mean``
+            (mean over real tokens) or ``first`` (first real token, an encoder's ``[CLS]``); ``auto`` is
+            ``last`` for a causal LM and ``mean`` for an encoder. Recorded in the export.
+        freeze_layers: freeze the embeddings and the lowest this many transformer layers (full fine-tuning
+            only: less backward compute, and fewer weights to fit on few pairs); 0 trains everything.
+
+    Raises:
+        ValueError: a setting out of range, an unknown pooling, or ``beta_rm > 0`` on an encoder (it has no
+            language-model head to imitate with).
     """
 
     def __init__(
@@ -111,10 +158,20 @@ class RewardModule(L.LightningModule):
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
         length_groups: int = 1,
+        pooling: Literal["auto", "last", "mean", "first"] = "auto",
+        freeze_layers: int = 0,
     ) -> None:
         super().__init__()
         if length_groups < 1:
             raise ValueError(f"length_groups must be >= 1, got {length_groups}")
+        if pooling != "auto" and pooling not in POOLINGS:
+            raise ValueError(f"pooling must be 'auto' or one of {POOLINGS}, got {pooling!r}")
+        if freeze_layers < 0:
+            raise ValueError(f"freeze_layers must be >= 0, got {freeze_layers}")
+        if freeze_layers and as_config(BackboneConfig, backbone).lora is not None:
+            raise ValueError(
+                "freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already"
+            )
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
         backbone = as_config(BackboneConfig, backbone)
@@ -133,16 +190,24 @@ class RewardModule(L.LightningModule):
                 export_dir=export_dir,
                 export_mode=export_mode,
                 length_groups=length_groups,
+                pooling=pooling,
+                freeze_layers=freeze_layers,
             )
         )
         self.backbone_cfg = backbone
         self.optim_cfg = optimizer
         self.tokenizer = load_backbone_tokenizer(backbone)
         model = load_backbone(backbone, self.tokenizer)
+        self.is_encoder = model_is_encoder(model)
+        if self.is_encoder and beta_rm > 0:
+            raise ValueError("beta_rm > 0 needs a causal LM head to imitate with; the backbone is an encoder")
+        self.pooling = pooling if pooling != "auto" else "mean" if self.is_encoder else "last"
         self.lm = AdaptedLM(model, {"default": backbone.lora} if backbone.lora is not None else None)
+        self.num_frozen = freeze_lower_layers(self.lm.model, freeze_layers)
         self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
         self.register_buffer("temperature", torch.tensor(1.0))
-        self.val_margins = CatMetric()
+        self.val_chosen = CatMetric()
+        self.val_rejected = CatMetric()
         self.val_sources = CatMetric()
         self.val_len_chosen = CatMetric()
         self.val_len_rejected = CatMetric()
@@ -152,8 +217,10 @@ class RewardModule(L.LightningModule):
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` ids and mask -> ``(B,)`` uncalibrated float32 rewards at the last real token."""
-        return score_last_token(self.head, self.lm.hidden_states(input_ids, attention_mask), attention_mask)
+        """``(B, T)`` ids and mask -> ``(B,)`` uncalibrated float32 rewards of the pooled state (``pooling``)."""
+        return score_pooled(
+            self.head, self.lm.hidden_states(input_ids, attention_mask), attention_mask, self.pooling
+        )
 
     def _score_pairs(
         self, batch: dict, need_hidden: bool = False
@@ -169,7 +236,7 @@ class RewardModule(L.LightningModule):
         groups = self.hparams.get("length_groups", 1)
         if need_hidden or groups <= 1 or self.device_mesh is not None or ids.shape[0] < 2 * groups:
             hidden = self.lm.hidden_states(ids, mask)
-            scores = score_last_token(self.head, hidden, mask)
+            scores = score_pooled(self.head, hidden, mask, self.pooling)
             return scores[:n], scores[n:], hidden[:n] if need_hidden else None
         order = torch.argsort(mask.sum(-1), stable=True)
         parts = []
@@ -179,7 +246,8 @@ class RewardModule(L.LightningModule):
             # the columns holding a real token of these rows (all of them if none does)
             first, last = (int(real.min()), int(real.max()) + 1) if real.numel() else (0, mask.shape[1])
             sub_mask, sub_ids = sub_mask[:, first:last], ids[rows, first:last]
-            parts.append(score_last_token(self.head, self.lm.hidden_states(sub_ids, sub_mask), sub_mask))
+            hidden = self.lm.hidden_states(sub_ids, sub_mask)
+            parts.append(score_pooled(self.head, hidden, sub_mask, self.pooling))
         scores = torch.cat(parts)[torch.argsort(order)]
         return scores[:n], scores[n:], None
 
@@ -241,24 +309,26 @@ class RewardModule(L.LightningModule):
         self.log(M.VAL_LOSS, loss.mean(), batch_size=chosen.shape[0], sync_dist=True)
         self.log(M.REWARD_CHOSEN_MEAN, chosen.mean(), batch_size=chosen.shape[0], sync_dist=True)
         self.log(M.REWARD_REJECTED_MEAN, rejected.mean(), batch_size=chosen.shape[0], sync_dist=True)
-        self.val_margins.update(chosen - rejected)
+        self.val_chosen.update(chosen.float())
+        self.val_rejected.update(rejected.float())
         self.val_sources.update(batch["source"].float())
         self.val_len_chosen.update(batch["chosen_response_len"].float())
         self.val_len_rejected.update(batch["rejected_response_len"].float())
 
     def on_validation_epoch_end(self) -> None:
-        margins = self.val_margins.compute().float().cpu()
-        sources = self.val_sources.compute().long().cpu()
-        len_c, len_r = self.val_len_chosen.compute().cpu(), self.val_len_rejected.compute().cpu()
-        for metric in (self.val_margins, self.val_sources, self.val_len_chosen, self.val_len_rejected):
+        state = (self.val_chosen, self.val_rejected, self.val_sources, self.val_len_chosen)
+        state = (*state, self.val_len_rejected)
+        chosen, rejected, sources, len_c, len_r = (m.compute().cpu() for m in state)
+        for metric in state:
             metric.reset()
-        results = self._evaluate(margins, sources, len_c, len_r, float(self.temperature))
+        scores = (chosen.float(), rejected.float(), sources.long(), len_c, len_r)
+        results = self._evaluate(*scores, temperature=float(self.temperature))
         self.results = results
         trainer = self._trainer
         limit = trainer.limit_val_batches if trainer is not None else None
         if trainer is not None and not trainer.sanity_checking and isinstance(limit, float) and limit == 1.0:
             # a whole pass, kept so that calibration at the end of fit needs no second pass over the same weights
-            self._last_val_pass = (self.global_step, margins, sources, len_c, len_r)
+            self._last_val_pass = (self.global_step, *scores)
         for name, value in results["metrics"].items():
             self.log(name, value, prog_bar=name == M.REWARD_ACCURACY)
 
@@ -266,17 +336,31 @@ class RewardModule(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         return list(getattr(datamodule, "source_names", []) or [])
 
-    def _evaluate(self, margins, sources, len_c, len_r, temperature: float) -> dict:
-        """Accuracy (overall, per file), length-rule baseline, margin and ECE of a set of pairs."""
+    def _evaluate(self, chosen, rejected, sources, len_c, len_r, temperature: float) -> dict:
+        """Accuracy (overall, per file), the length-rule baseline and the length-bias diagnostics, margin,
+        ECE and NLL of a set of pairs (``(N,)`` scores, source indices and response lengths)."""
         bins = self.hparams.ece_bins
+        margins = chosen - rejected
         probs, labels = pairwise_calibration_inputs(margins)
+        bias = length_bias_report(margins, len_c, len_r, chosen, rejected)
         metrics = {
-            M.REWARD_ACCURACY: _accuracy(margins),
+            M.REWARD_ACCURACY: bias["accuracy"],
             M.REWARD_MARGIN: float(margins.mean()),
-            M.REWARD_LENGTH_RULE_ACCURACY: _length_rule_accuracy(len_c, len_r),
+            M.REWARD_LENGTH_RULE_ACCURACY: bias["length_rule_accuracy"],
+            M.REWARD_VS_LENGTH_RULE_SE: bias["vs_length_rule"]["z"],
+            M.REWARD_LENGTH_MATCHED_ACCURACY: bias["length_matched"]["accuracy"],
+            M.REWARD_LENGTH_MATCHED_LENGTH_RULE: bias["length_matched"]["length_rule_accuracy"],
+            M.REWARD_LENGTH_MATCHED_FRACTION: bias["length_matched"]["fraction"],
+            M.REWARD_SCORE_LENGTH_SPEARMAN: bias["score_length_spearman"],
             M.REWARD_ECE: float(expected_calibration_error(probs, labels, n_bins=bins)),
             M.REWARD_NLL: float(binary_nll(margins, torch.ones_like(margins))),
         }
+        for name in LENGTH_DIFF_BUCKETS:
+            bucket = bias["by_length_diff"][name]
+            if bucket["pairs"]:
+                metrics[M.REWARD_ACCURACY_BY_LENGTH_DIFF.format(bucket=name)] = bucket["accuracy"]
+                rule = bucket["length_rule_accuracy"]
+                metrics[M.REWARD_LENGTH_RULE_BY_LENGTH_DIFF.format(bucket=name)] = rule
         if temperature != 1.0:
             probs_t, labels_t = pairwise_calibration_inputs(margins, temperature)
             metrics[M.REWARD_ECE_CALIBRATED] = float(
@@ -289,16 +373,16 @@ class RewardModule(L.LightningModule):
         for index, name in enumerate(self._source_names()):
             keep = sources == index
             if keep.any():
-                per_file[name] = {
-                    "pairs": int(keep.sum()),
-                    "accuracy": _accuracy(margins[keep]),
-                    "length_rule_accuracy": _length_rule_accuracy(len_c[keep], len_r[keep]),
-                }
-                metrics[f"{M.REWARD_ACCURACY}/{name}"] = per_file[name]["accuracy"]
-                metrics[f"{M.REWARD_LENGTH_RULE_ACCURACY}/{name}"] = per_file[name]["length_rule_accuracy"]
+                file_bias = length_bias_report(
+                    margins[keep], len_c[keep], len_r[keep], chosen[keep], rejected[keep]
+                )
+                per_file[name] = {"pairs": int(keep.sum()), **file_bias}
+                metrics[f"{M.REWARD_ACCURACY}/{name}"] = file_bias["accuracy"]
+                metrics[f"{M.REWARD_LENGTH_RULE_ACCURACY}/{name}"] = file_bias["length_rule_accuracy"]
         return {
             "pairs": int(margins.numel()),
             "metrics": metrics,
+            "length_bias": bias,
             "per_file": per_file,
             "chance_accuracy": 0.5,
         }
@@ -324,11 +408,18 @@ class RewardModule(L.LightningModule):
             dataloader: preference batches.
             max_batches: score only the first this many batches (default: all), with a progress bar.
         """
+        chosen, rejected, sources, len_c, len_r = self.collect_scores(dataloader, max_batches)
+        return chosen - rejected, sources, len_c, len_r
+
+    @torch.no_grad()
+    def collect_scores(self, dataloader, max_batches: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Score the pairs of a loader: ``(r_chosen, r_rejected, sources, len_chosen, len_rejected)``, each
+        ``(N,)`` on the CPU, the scores uncalibrated float32 (see ``collect_margins``)."""
         from tqdm.auto import tqdm
 
         was_training = self.training
         self.eval()
-        out = {"m": [], "s": [], "c": [], "r": []}
+        out = {"chosen": [], "rejected": [], "s": [], "c": [], "r": []}
         try:
             total = len(dataloader) if max_batches is None else max_batches
         except TypeError:
@@ -340,7 +431,8 @@ class RewardModule(L.LightningModule):
                 break
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             chosen, rejected, _ = self._score_pairs(batch)
-            out["m"].append((chosen - rejected).float().cpu())
+            out["chosen"].append(chosen.float().cpu())
+            out["rejected"].append(rejected.float().cpu())
             out["s"].append(batch["source"].cpu())
             out["c"].append(batch["chosen_response_len"].cpu())
             out["r"].append(batch["rejected_response_len"].cpu())
@@ -355,11 +447,10 @@ class RewardModule(L.LightningModule):
         """
         cached = self._last_val_pass
         if cached is not None and self._trainer is not None and cached[0] == self.global_step:
-            margins, sources, len_c, len_r = cached[1:]
+            scores = cached[1:]
         else:
-            margins, sources, len_c, len_r = self.collect_margins(
-                dataloader, self._calibration_batches(dataloader)
-            )
+            scores = self.collect_scores(dataloader, self._calibration_batches(dataloader))
+        margins = scores[0] - scores[1]
         temperature = fit_temperature(
             margins, torch.ones_like(margins), TEMPERATURE_BOUNDS[0], TEMPERATURE_BOUNDS[1]
         )
@@ -375,7 +466,7 @@ class RewardModule(L.LightningModule):
                 else "separate the pairs perfectly (or nearly)",
             )
         self.temperature.fill_(temperature)
-        results = self._evaluate(margins, sources, len_c, len_r, temperature)
+        results = self._evaluate(*scores, temperature=temperature)
         results["temperature"] = temperature
         results["temperature_at_bound"] = at_bound
         bins = self.hparams.ece_bins
@@ -438,11 +529,18 @@ class RewardModule(L.LightningModule):
 
     def export(self, path: str, results: dict | None = None) -> None:
         """Write the reward model in Hugging Face format (see ``rlhf_lit.models.export``) to ``path``."""
+        positions = {
+            "last": "last real token (attention_mask == 1)",
+            "mean": "mean over the real tokens (attention_mask == 1)",
+            "first": "first real token (attention_mask == 1)",
+        }
         meta = {
             "kind": "reward_model",
+            "architecture": "encoder" if self.is_encoder else "causal",
             "hidden_size": self.head.linear.in_features,
             "temperature": float(self.temperature),
-            "score_position": "last real token (attention_mask == 1)",
+            "pooling": self.pooling,
+            "score_position": positions[self.pooling],
         }
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if hasattr(datamodule, "chat_template") and hasattr(datamodule, "append_eos"):
@@ -450,7 +548,12 @@ class RewardModule(L.LightningModule):
             meta["input_format"] = {
                 "chat_template": bool(datamodule.chat_template),
                 "append_eos": bool(datamodule.append_eos),
+                "max_length": getattr(datamodule, "max_length", None),
+                "max_prompt_length": getattr(datamodule, "max_prompt_length", None),
             }
+        data = _data_record(datamodule)
+        if data is not None:
+            meta["data"] = data
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:

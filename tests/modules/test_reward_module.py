@@ -38,6 +38,9 @@ LOGGED = (
     M.REWARD_ECE,
     M.REWARD_TEMPERATURE,
     M.REWARD_LENGTH_RULE_ACCURACY,
+    M.REWARD_VS_LENGTH_RULE_SE,
+    M.REWARD_LENGTH_MATCHED_FRACTION,
+    M.REWARD_SCORE_LENGTH_SPEARMAN,
     M.TRAIN_LOSS,
     M.VAL_LOSS,
 )
@@ -301,8 +304,8 @@ def test_calibrate_temperature_recovers_a_known_temperature(true_temperature, mo
     module = RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
     margins = _bt_pairs(true_temperature, 20000)
     n = margins.numel()
-    stats = (margins, torch.zeros(n, dtype=torch.long), torch.full((n,), 5), torch.full((n,), 3))
-    monkeypatch.setattr(module, "collect_margins", lambda loader, max_batches=None: stats)
+    stats = (margins, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.full((n,), 5), torch.full((n,), 3))
+    monkeypatch.setattr(module, "collect_scores", lambda loader, max_batches=None: stats)
     results = module.calibrate_temperature(None)
     assert results["temperature_at_bound"] is False
     fitted = results["temperature"]
@@ -321,8 +324,8 @@ def test_a_temperature_at_the_search_bound_is_reported_as_unreliable(monkeypatch
     # as T grows and the fit stops at the upper bound of its interval
     module = RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
     margins = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    stats = (margins, torch.zeros(4, dtype=torch.long), torch.full((4,), 5), torch.full((4,), 3))
-    monkeypatch.setattr(module, "collect_margins", lambda loader, max_batches=None: stats)
+    stats = (margins, torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.full((4,), 5), torch.full((4,), 3))
+    monkeypatch.setattr(module, "collect_scores", lambda loader, max_batches=None: stats)
     with caplog.at_level("WARNING", logger="rlhf_lit"):
         results = module.calibrate_temperature(None)
     assert results["temperature"] == 100.0 and results["temperature_at_bound"] is True
@@ -479,7 +482,7 @@ def test_ties_count_as_wrong(rm, monkeypatch):
     assert logged[M.REWARD_MARGIN] == 0.0
     # margins [+1, 0, -1, 0]: one right, one wrong and two ties -> 1/4
     results = rm._evaluate(
-        torch.tensor([1.0, 0.0, -1.0, 0.0]), torch.zeros(4), torch.ones(4), torch.ones(4), 1.0
+        torch.tensor([1.0, 0.0, -1.0, 0.0]), torch.zeros(4), torch.zeros(4), torch.ones(4), torch.ones(4), 1.0
     )
     assert results["metrics"][M.REWARD_ACCURACY] == 0.25
     assert results["metrics"][M.REWARD_LENGTH_RULE_ACCURACY] == 0.5  # equal lengths: a coin flip
@@ -540,3 +543,46 @@ def test_pair_weights_give_each_ranked_prompt_the_same_total_weight(rm, monkeypa
     torch.testing.assert_close(plain, torch.tensor(0.410038), atol=1e-6, rtol=0)
     equal = rm.training_step({"margin": torch.zeros(2), "pair_weight": torch.tensor([0.5, 0.5])}, 0)
     torch.testing.assert_close(equal, plain)  # equal weights are the plain mean
+
+
+# -- length-bias diagnostics ------------------------------------------------------------------------------
+def test_validation_logs_the_length_diagnostics_pooled_and_per_file(rm, monkeypatch):
+    """Six pairs over two files, scores patched in; every logged value worked out by hand.
+
+    Lengths (chosen, rejected) and r_chosen - r_rejected:
+      file a: (10, 11) +0.5, (20, 8) -1.0, (30, 30) +2.0      file b: (5, 6) +0.3, (8, 8) -0.2, (40, 25) +1.0
+    correct [1, 0, 1, 1, 0, 1] -> 4/6; longer wins [0, 1, .5, 0, .5, 1] -> 1/2; paired z = (1/6) / (1/3) = 0.5
+    (tests/unit/test_length_bias.py); matched pairs (within 10%) 0, 2, 4: accuracy 2/3, the rule 1/3.
+    """
+    chosen = torch.tensor([0.5, -1.0, 2.0, 0.3, -0.2, 1.0])
+    rejected = torch.zeros(6)
+    batch = {
+        "source": torch.tensor([0, 0, 0, 1, 1, 1]),
+        "chosen_response_len": torch.tensor([10, 20, 30, 5, 8, 40]),
+        "rejected_response_len": torch.tensor([11, 8, 30, 6, 8, 25]),
+        "margin": None,
+    }
+    logged: dict[str, float] = {}
+    monkeypatch.setattr(rm, "log", lambda name, value, **k: logged.__setitem__(name, float(value)))
+    monkeypatch.setattr(rm, "_score_pairs", lambda batch, need_hidden=False: (chosen, rejected, None))
+    monkeypatch.setattr(rm, "_source_names", lambda: ["a", "b"])
+    with torch.no_grad():
+        rm.validation_step(batch, 0)
+        rm.on_validation_epoch_end()
+    assert logged[M.REWARD_ACCURACY] == pytest.approx(4 / 6)
+    assert logged[M.REWARD_LENGTH_RULE_ACCURACY] == pytest.approx(0.5)
+    assert logged[M.REWARD_VS_LENGTH_RULE_SE] == pytest.approx(0.5)
+    assert logged[M.REWARD_LENGTH_MATCHED_ACCURACY] == pytest.approx(2 / 3)
+    assert logged[M.REWARD_LENGTH_MATCHED_LENGTH_RULE] == pytest.approx(1 / 3)
+    assert logged[M.REWARD_LENGTH_MATCHED_FRACTION] == pytest.approx(0.5)
+    assert logged[M.REWARD_ACCURACY_BY_LENGTH_DIFF.format(bucket="50-100pct")] == 0.0  # pair 1
+    assert logged[M.REWARD_LENGTH_RULE_BY_LENGTH_DIFF.format(bucket="50-100pct")] == 1.0
+    # 12 responses: scores [.5, -1, 2, .3, -.2, 1, 0 x 6] against lengths [10, 20, 30, 5, 8, 40, 11, 8, 30, 6, 8, 25]
+    assert -1.0 <= logged[M.REWARD_SCORE_LENGTH_SPEARMAN] <= 1.0
+    # per file: a = pairs 0-2 (correct 2/3, rule 1/2), b = pairs 3-5 (correct 2/3, rule 1/2)
+    assert logged[f"{M.REWARD_ACCURACY}/a"] == pytest.approx(2 / 3)
+    assert logged[f"{M.REWARD_LENGTH_RULE_ACCURACY}/b"] == pytest.approx(0.5)
+    per_file = rm.results["per_file"]
+    assert per_file["a"]["length_matched"]["pairs"] == 2 and per_file["b"]["length_matched"]["pairs"] == 1
+    assert per_file["a"]["length_matched"]["accuracy"] == 1.0 and per_file["b"]["length_matched"]["accuracy"] == 0.0
+    assert rm.results["length_bias"]["vs_length_rule"]["se"] == pytest.approx(1 / 3)
