@@ -16,11 +16,8 @@ Calibration (Guo et al. 2017): at the end of fit a single temperature T > 0 is f
 pairs by minimising the NLL of sigmoid(d / T); T never changes the ranking. ECE before and after, and the
 reliability diagram, go to TensorBoard, to ``eval_results.json`` and to ``reliability.png``.
 
-Length bias (every evaluation; ``rlhf_lit.functional.length_bias``): accuracy on the length-matched pairs
-(response lengths within 10% of each other), accuracy by relative-length-difference bucket, the Spearman
-correlation of the score with the response length, and "the longer response wins" on exactly the same pairs,
-with the reward model's paired advantage over that rule in standard errors. Lengths are the reward model's
-response tokens, EOS included.
+Every evaluation also reports the length bias (``rlhf_lit.modules.reward_eval``, README "Reward model"):
+length-matched accuracy, accuracy by length difference, score-length Spearman and the length rule.
 
 Backbones: a causal LM (the score read at its last real token by default) or an encoder such as BERT,
 RoBERTa, DeBERTa or MiniLM (the mean of its last-layer states over the real tokens by default; ``pooling``;
@@ -39,75 +36,31 @@ import torch
 from torchmetrics import CatMetric
 
 from rlhf_lit import metrics as M
-from rlhf_lit.functional.calibration import (
-    binary_nll,
-    expected_calibration_error,
-    fit_temperature,
-    pairwise_calibration_inputs,
-    reliability_bins,
-)
-from rlhf_lit.functional.length_bias import LENGTH_DIFF_BUCKETS, length_bias_report
 from rlhf_lit.functional.losses import bt_pairwise_loss, sft_nll
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import (
-    BackboneConfig,
-    freeze_lower_layers,
-    hidden_size,
-    load_backbone,
-    load_backbone_tokenizer,
-    model_is_encoder,
-)
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import POOLINGS, ScalarHead, score_pooled
+from rlhf_lit.models.trunk import freeze_lower_layers, hidden_size, model_is_encoder
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
     as_config,
-    build_optimizer,
-    build_scheduler,
+    attached_trainer,
+    configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
 )
+from rlhf_lit.modules.reward_eval import (
+    calibration_batches,
+    evaluate_pairs,
+    export_meta,
+    fit_calibration,
+    report_calibration,
+)
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
-from rlhf_lit.plots import reliability_figure, save_figure
 
 log = logging.getLogger("rlhf_lit")
-
-
-# The interval fit_temperature searches; a fitted T on either end is reported as unreliable.
-TEMPERATURE_BOUNDS = (1e-2, 1e2)
-
-
-_DATA_RECORD = (
-    "train_files",
-    "val_files",
-    "val_size",
-    "max_train_samples_per_file",
-    "train_part",
-    "format",
-    "chat_template",
-    "max_length",
-    "max_prompt_length",
-    "min_prompt_tokens",
-    "append_eos",
-    "seed",
-)
-
-
-def _data_record(datamodule) -> dict | None:
-    """Which pairs a reward model was trained and validated on (the preference data module's split settings;
-    local files as absolute paths), so that a later step can rebuild the same split: e.g. the held-out-RM
-    experiment (``rlhf_lit.heldout_rm``) takes its evaluation prompts from the validation pairs and checks
-    that two reward models were trained on disjoint parts."""
-    if datamodule is None or not all(hasattr(datamodule, k) for k in _DATA_RECORD):
-        return None
-    record = {k: getattr(datamodule, k) for k in _DATA_RECORD}
-    for key in ("train_files", "val_files"):
-        if record[key]:
-            record[key] = [os.path.abspath(f) if os.path.exists(f) else f for f in record[key]]
-    if record["train_part"] is not None:
-        record["train_part"] = list(record["train_part"])
-    return record
 
 
 class RewardModule(L.LightningModule):
@@ -297,10 +250,7 @@ class RewardModule(L.LightningModule):
         return (losses * weights).sum() / total.clamp(min=torch.finfo(losses.dtype).tiny), float(total)
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = build_optimizer([{"params": params}], self.optim_cfg, self._trainer)
-        scheduler = build_scheduler(optimizer, self.optim_cfg, self.trainer.estimated_stepping_batches)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_trainable_optimizer(self, self.optim_cfg)
 
     # -- validation ------------------------------------------------------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -324,7 +274,7 @@ class RewardModule(L.LightningModule):
         scores = (chosen.float(), rejected.float(), sources.long(), len_c, len_r)
         results = self._evaluate(*scores, temperature=float(self.temperature))
         self.results = results
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         limit = trainer.limit_val_batches if trainer is not None else None
         if trainer is not None and not trainer.sanity_checking and isinstance(limit, float) and limit == 1.0:
             # a whole pass, kept so that calibration at the end of fit needs no second pass over the same weights
@@ -333,72 +283,20 @@ class RewardModule(L.LightningModule):
             self.log(name, value, prog_bar=name == M.REWARD_ACCURACY)
 
     def _source_names(self) -> list[str]:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(attached_trainer(self), "datamodule", None)
         return list(getattr(datamodule, "source_names", []) or [])
 
     def _evaluate(self, chosen, rejected, sources, len_c, len_r, temperature: float) -> dict:
-        """Accuracy (overall, per file), the length-rule baseline and the length-bias diagnostics, margin,
-        ECE and NLL of a set of pairs (``(N,)`` scores, source indices and response lengths)."""
-        bins = self.hparams.ece_bins
-        margins = chosen - rejected
-        probs, labels = pairwise_calibration_inputs(margins)
-        bias = length_bias_report(margins, len_c, len_r, chosen, rejected)
-        metrics = {
-            M.REWARD_ACCURACY: bias["accuracy"],
-            M.REWARD_MARGIN: float(margins.mean()),
-            M.REWARD_LENGTH_RULE_ACCURACY: bias["length_rule_accuracy"],
-            M.REWARD_VS_LENGTH_RULE_SE: bias["vs_length_rule"]["z"],
-            M.REWARD_LENGTH_MATCHED_ACCURACY: bias["length_matched"]["accuracy"],
-            M.REWARD_LENGTH_MATCHED_LENGTH_RULE: bias["length_matched"]["length_rule_accuracy"],
-            M.REWARD_LENGTH_MATCHED_FRACTION: bias["length_matched"]["fraction"],
-            M.REWARD_SCORE_LENGTH_SPEARMAN: bias["score_length_spearman"],
-            M.REWARD_ECE: float(expected_calibration_error(probs, labels, n_bins=bins)),
-            M.REWARD_NLL: float(binary_nll(margins, torch.ones_like(margins))),
-        }
-        for name in LENGTH_DIFF_BUCKETS:
-            bucket = bias["by_length_diff"][name]
-            if bucket["pairs"]:
-                metrics[M.REWARD_ACCURACY_BY_LENGTH_DIFF.format(bucket=name)] = bucket["accuracy"]
-                rule = bucket["length_rule_accuracy"]
-                metrics[M.REWARD_LENGTH_RULE_BY_LENGTH_DIFF.format(bucket=name)] = rule
-        if temperature != 1.0:
-            probs_t, labels_t = pairwise_calibration_inputs(margins, temperature)
-            metrics[M.REWARD_ECE_CALIBRATED] = float(
-                expected_calibration_error(probs_t, labels_t, n_bins=bins)
-            )
-            metrics[M.REWARD_NLL_CALIBRATED] = float(
-                binary_nll(margins, torch.ones_like(margins), temperature)
-            )
-        per_file = {}
-        for index, name in enumerate(self._source_names()):
-            keep = sources == index
-            if keep.any():
-                file_bias = length_bias_report(
-                    margins[keep], len_c[keep], len_r[keep], chosen[keep], rejected[keep]
-                )
-                per_file[name] = {"pairs": int(keep.sum()), **file_bias}
-                metrics[f"{M.REWARD_ACCURACY}/{name}"] = file_bias["accuracy"]
-                metrics[f"{M.REWARD_LENGTH_RULE_ACCURACY}/{name}"] = file_bias["length_rule_accuracy"]
-        return {
-            "pairs": int(margins.numel()),
-            "metrics": metrics,
-            "length_bias": bias,
-            "per_file": per_file,
-            "chance_accuracy": 0.5,
-        }
+        """``reward_eval.evaluate_pairs`` of these pairs with this module's bins and the data's file names."""
+        return evaluate_pairs(
+            chosen, rejected, sources, len_c, len_r, temperature, self.hparams.ece_bins, self._source_names()
+        )
 
     # -- calibration and export ------------------------------------------------------------------------
     def _calibration_batches(self, dataloader) -> int | None:
-        """How many batches of ``dataloader`` calibration scores: ``trainer.limit_val_batches`` applied
-        (an int is a batch count, a float a fraction) to the loader's length; ``None`` = all of it."""
-        limit = self._trainer.limit_val_batches if self._trainer is not None else 1.0
-        try:
-            total = len(dataloader)
-        except TypeError:  # an iterable without a length: only an int limit can apply
-            return int(limit) if isinstance(limit, int) else None
-        if isinstance(limit, int):
-            return min(total, limit)
-        return total if limit >= 1.0 else max(1, int(total * limit)) if limit > 0 else 0
+        """How many batches of ``dataloader`` calibration scores (``reward_eval.calibration_batches`` of
+        ``trainer.limit_val_batches``)."""
+        return calibration_batches(getattr(attached_trainer(self), "limit_val_batches", None), dataloader)
 
     @torch.no_grad()
     def collect_margins(self, dataloader, max_batches: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -424,7 +322,8 @@ class RewardModule(L.LightningModule):
             total = len(dataloader) if max_batches is None else max_batches
         except TypeError:
             total = None
-        show = self._trainer is None or self._trainer.is_global_zero
+        trainer = attached_trainer(self)
+        show = trainer is None or trainer.is_global_zero
         batches = tqdm(dataloader, total=total, desc="[reward] calibration", disable=not show, leave=False)
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
@@ -446,34 +345,14 @@ class RewardModule(L.LightningModule):
         reused instead of scoring the loader again.
         """
         cached = self._last_val_pass
-        if cached is not None and self._trainer is not None and cached[0] == self.global_step:
+        if cached is not None and attached_trainer(self) is not None and cached[0] == self.global_step:
             scores = cached[1:]
         else:
             scores = self.collect_scores(dataloader, self._calibration_batches(dataloader))
-        margins = scores[0] - scores[1]
-        temperature = fit_temperature(
-            margins, torch.ones_like(margins), TEMPERATURE_BOUNDS[0], TEMPERATURE_BOUNDS[1]
-        )
-        at_bound = temperature in TEMPERATURE_BOUNDS
-        if at_bound:
-            log.warning(
-                "reward model: the fitted temperature T=%g is at a bound of its search interval %s: the "
-                "validation margins %s; the calibrated probabilities are unreliable",
-                temperature,
-                list(TEMPERATURE_BOUNDS),
-                "carry almost no information about the labels"
-                if temperature == TEMPERATURE_BOUNDS[1]
-                else "separate the pairs perfectly (or nearly)",
-            )
+        temperature, at_bound, reliability = fit_calibration(scores[0] - scores[1], self.hparams.ece_bins)
         self.temperature.fill_(temperature)
         results = self._evaluate(*scores, temperature=temperature)
-        results["temperature"] = temperature
-        results["temperature_at_bound"] = at_bound
-        bins = self.hparams.ece_bins
-        results["reliability"] = {
-            "uncalibrated": reliability_bins(*pairwise_calibration_inputs(margins), n_bins=bins),
-            "calibrated": reliability_bins(*pairwise_calibration_inputs(margins, temperature), n_bins=bins),
-        }
+        results.update(temperature=temperature, temperature_at_bound=at_bound, reliability=reliability)
         return results
 
     def on_fit_end(self) -> None:
@@ -494,66 +373,16 @@ class RewardModule(L.LightningModule):
                     self.export(self.hparams.export_dir, results)
 
     def _report_calibration(self, results: dict) -> None:
-        m = results["metrics"]
-        log.info(
-            "reward model: %d validation pairs, accuracy %.4f, ECE %.4f -> %.4f after temperature T=%.4f",
-            results["pairs"],
-            m[M.REWARD_ACCURACY],
-            m[M.REWARD_ECE],
-            m.get(M.REWARD_ECE_CALIBRATED, m[M.REWARD_ECE]),
-            results["temperature"],
-        )
-        if not self.trainer.is_global_zero:
-            return
-        fig = self._reliability_figure(results)
-        for logger in self.trainer.loggers:
-            logger.log_metrics({M.REWARD_TEMPERATURE: results["temperature"], **m}, step=self.global_step)
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_figure"):
-                experiment.add_figure(
-                    "reward/reliability_diagram", fig, global_step=self.global_step, close=False
-                )
         folder = self.hparams.export_dir or self.trainer.log_dir or self.trainer.default_root_dir
-        results["reliability_png"] = save_figure(fig, os.path.join(folder, "reliability.png"))
-
-    def _reliability_figure(self, results: dict):
-        m = results["metrics"]
-        rel = results["reliability"]
-        curves = {
-            f"uncalibrated (ECE {m[M.REWARD_ECE]:.3f})": rel["uncalibrated"],
-            f"T = {results['temperature']:.2f} (ECE {m.get(M.REWARD_ECE_CALIBRATED, m[M.REWARD_ECE]):.3f})": rel[
-                "calibrated"
-            ],
-        }
-        return reliability_figure(curves, f"reward model reliability, {results['pairs']} validation pairs")
+        report_calibration(self.trainer, results, folder, self.global_step)
 
     def export(self, path: str, results: dict | None = None) -> None:
-        """Write the reward model in Hugging Face format (see ``rlhf_lit.models.export``) to ``path``."""
-        positions = {
-            "last": "last real token (attention_mask == 1)",
-            "mean": "mean over the real tokens (attention_mask == 1)",
-            "first": "first real token (attention_mask == 1)",
-        }
-        meta = {
-            "kind": "reward_model",
-            "architecture": "encoder" if self.is_encoder else "causal",
-            "hidden_size": self.head.linear.in_features,
-            "temperature": float(self.temperature),
-            "pooling": self.pooling,
-            "score_position": positions[self.pooling],
-        }
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if hasattr(datamodule, "chat_template") and hasattr(datamodule, "append_eos"):
-            # how the training sequences were built, so that PPO can rebuild them for another tokenizer
-            meta["input_format"] = {
-                "chat_template": bool(datamodule.chat_template),
-                "append_eos": bool(datamodule.append_eos),
-                "max_length": getattr(datamodule, "max_length", None),
-                "max_prompt_length": getattr(datamodule, "max_prompt_length", None),
-            }
-        data = _data_record(datamodule)
-        if data is not None:
-            meta["data"] = data
+        """Write the reward model in Hugging Face format (see ``rlhf_lit.models.export``) to ``path``, with
+        ``eval_results.json`` when calibration ``results`` are given."""
+        datamodule = getattr(attached_trainer(self), "datamodule", None)
+        meta = export_meta(
+            self.is_encoder, self.head.linear.in_features, float(self.temperature), self.pooling, datamodule
+        )
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:
