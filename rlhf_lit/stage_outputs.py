@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_lit.models.backbone import resolve_path
+from rlhf_lit.models.model_files import resolve_path
 
 __all__ = ["configs_root_of", "holds_model", "not_written_yet", "producing_config", "stage_of"]
 

@@ -91,14 +91,14 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
 
 def _check_backbone(key: str, backbone: dict) -> None:
     """What ``BackboneConfig`` would refuse when the model is built, said before (with the config key)."""
-    from rlhf_lit.models.backbone import _DTYPES
+    from rlhf_lit.models.model_files import DTYPES
 
     if (backbone.get("name_or_path") is None) == (backbone.get("tiny") is None):
         raise ConfigError(
             f"{key}: give exactly one of 'name_or_path' (a folder, hub id or pypi:<package>) and 'tiny'"
         )
-    if backbone.get("dtype", "float32") not in _DTYPES:
-        raise ConfigError(f"{key}.dtype must be one of {sorted(_DTYPES)}, got {backbone.get('dtype')!r}")
+    if backbone.get("dtype", "float32") not in DTYPES:
+        raise ConfigError(f"{key}.dtype must be one of {sorted(DTYPES)}, got {backbone.get('dtype')!r}")
     tiny = backbone.get("tiny")
     if tiny is not None and not isinstance(tiny, dict):
         raise ConfigError(
@@ -166,7 +166,9 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
         raise ConfigError(
             f"{p}ppo.ppo_minibatch_size ({minibatch}) must be a multiple of {p}ppo.micro_batch_size ({micro})"
         )
-    if get(init, "sampling.min_new_tokens", SamplingConfig.min_new_tokens) > get(init, "sampling.max_new_tokens", SamplingConfig.max_new_tokens):
+    if get(init, "sampling.min_new_tokens", SamplingConfig.min_new_tokens) > get(
+        init, "sampling.max_new_tokens", SamplingConfig.max_new_tokens
+    ):
         raise ConfigError(
             f"{p}sampling.min_new_tokens ({get(init, 'sampling.min_new_tokens')}) must be <= sampling.max_new_tokens "
             f"({get(init, 'sampling.max_new_tokens')})"

@@ -45,7 +45,7 @@ def check_inputs(init: dict, data: dict, stage: str | None, roots: list[Path]) -
 
 
 def _model_folder_problem(key: str, name: str, roots: list[Path], gguf_file: str | None = None) -> str | None:
-    from rlhf_lit.models.backbone import resolve_path
+    from rlhf_lit.models.model_files import resolve_path
     from rlhf_lit.stage_outputs import holds_model, producing_config, stage_of
 
     try:

@@ -30,8 +30,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel
 
-from rlhf_lit.models.backbone import LoraSettings, lm_head, trunk_hidden_states
+from rlhf_lit.models.backbone import LoraSettings
 from rlhf_lit.models.peft_compat import activate_adapters, zero_adapter_dropout
+from rlhf_lit.models.trunk import lm_head, trunk_hidden_states
 
 
 def lora_config(settings: LoraSettings, model: nn.Module) -> LoraConfig:
@@ -235,7 +236,7 @@ class AdaptedLM(nn.Module):
         """Last-layer hidden states ``(B, T, H)`` from the trunk, without vocabulary logits.
 
         Position ids come from the attention mask, so left padding does not shift positions (B11); an
-        encoder's rows must be right padded (``rlhf_lit.models.backbone.trunk_hidden_states``).
+        encoder's rows must be right padded (``rlhf_lit.models.trunk.trunk_hidden_states``).
         """
         return trunk_hidden_states(self.model, input_ids, attention_mask)
 

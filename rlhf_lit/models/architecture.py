@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_lit.models.backbone import BackboneConfig, resolve_path
+from rlhf_lit.models.backbone import BackboneConfig
+from rlhf_lit.models.model_files import resolve_path
 
 __all__ = ["KNOWN_ARCHITECTURES", "read_architecture"]
 
@@ -75,9 +76,10 @@ def read_architecture(backbone: BackboneConfig, model_config: str | None = None)
         spec = json.loads((path / "config.json" if path.is_dir() else path).read_text())
         return AutoConfig.for_model(spec.pop("model_type"), **spec), f"--model-config {model_config}"
     if backbone.tiny is not None:
-        from rlhf_lit.models.backbone import _tiny_config, load_backbone_tokenizer
+        from rlhf_lit.models.backbone import load_backbone_tokenizer
+        from rlhf_lit.models.model_files import tiny_config
 
-        return _tiny_config(backbone, load_backbone_tokenizer(backbone)), "tiny config"
+        return tiny_config(backbone, load_backbone_tokenizer(backbone)), "tiny config"
     name = backbone.name_or_path
     path = resolve_path(name)
     if os.path.isdir(path):

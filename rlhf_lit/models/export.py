@@ -42,7 +42,6 @@ from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerBas
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
-    disable_dropout,
     encoder_special_tokens,
     load_backbone,
     load_backbone_tokenizer,
@@ -50,6 +49,7 @@ from rlhf_lit.models.backbone import (
 )
 from rlhf_lit.models.heads import POOLINGS, Pooling, ScalarHead, score_pooled
 from rlhf_lit.models.tokenizer import load_tokenizer
+from rlhf_lit.models.trunk import disable_dropout
 from rlhf_lit.parallel.fsdp import plain_state_dict
 
 ExportMode = Literal["auto", "merged", "adapter"]

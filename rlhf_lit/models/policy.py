@@ -21,8 +21,9 @@ from torch import nn
 from rlhf_lit.functional.losses import entropy_from_logits
 from rlhf_lit.functional.sequence import gather_logprobs, response_positions
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import LoraSettings, hidden_size
+from rlhf_lit.models.backbone import LoraSettings
 from rlhf_lit.models.heads import ScalarHead
+from rlhf_lit.models.trunk import hidden_size
 
 
 @dataclass

@@ -52,15 +52,7 @@ from rlhf_lit.data.formats import chat_prompt
 from rlhf_lit.data.records import ASSISTANT_MARK, HUMAN_MARK
 from rlhf_lit.data.tokenize import Tokenization, left_truncate
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import (
-    BackboneConfig,
-    disable_dropout,
-    fuse_gelu_tanh,
-    hidden_size,
-    load_backbone,
-    load_backbone_tokenizer,
-    model_is_encoder,
-)
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import (
     HEAD_FILE,
     META_FILE,
@@ -71,6 +63,7 @@ from rlhf_lit.models.export import (
 )
 from rlhf_lit.models.heads import ScalarHead, score_pooled
 from rlhf_lit.models.tokenizer import load_tokenizer
+from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh, hidden_size, model_is_encoder
 
 log = logging.getLogger("rlhf_lit")
 

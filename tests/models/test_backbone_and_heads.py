@@ -15,7 +15,7 @@ from rlhf_lit.models import (
     load_backbone,
     score_last_token,
 )
-from rlhf_lit.models.backbone import resolve_path
+from rlhf_lit.models.model_files import resolve_path
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
 from tests.conftest import TINY_GPT2, TINY_LLAMA
 

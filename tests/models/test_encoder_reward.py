@@ -30,15 +30,10 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from rlhf_lit.data import PreferenceDataModule
 from rlhf_lit.data.records import parse_hh_messages
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig, RewardSource, load_reward_model
-from rlhf_lit.models.backbone import (
-    backbone_is_encoder,
-    is_encoder_config,
-    load_backbone,
-    load_backbone_tokenizer,
-    trunk_hidden_states,
-)
+from rlhf_lit.models.backbone import backbone_is_encoder, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.heads import pool_hidden
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from rlhf_lit.models.trunk import is_encoder_config, trunk_hidden_states
 from rlhf_lit.modules import RewardModule
 from rlhf_lit.modules.common import OptimizerConfig
 from tests.conftest import TINY_GPT2

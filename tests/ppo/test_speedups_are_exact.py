@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlhf_lit.models import BackboneConfig, load_backbone
-from rlhf_lit.models.backbone import fuse_gelu_tanh
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from rlhf_lit.models.trunk import fuse_gelu_tanh
 from rlhf_lit.modules.common import OptimizerConfig, _fused_adamw_ok, build_optimizer
 from rlhf_lit.modules.ppo_config import PPOConfig
 from tests.conftest import TINY_GPT2
