@@ -8,7 +8,6 @@ overlaps training and is the same in every run and whatever other files are list
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
@@ -22,76 +21,13 @@ from torch.utils.data import DataLoader, Dataset
 from rlhf_lit.data.formats import Fields, detect_format, required_fields
 from rlhf_lit.data.loading import DataFormatError, display_name, is_hub_id, load_rows, source_name
 from rlhf_lit.data.records import SkipCounter
+from rlhf_lit.data.split import ExampleDataset, split_examples, val_count
 from rlhf_lit.data.tokenize import Tokenization
 from rlhf_lit.errors import ConfigError
 
 __all__ = ["ExampleDataset", "LoaderArgs", "RLHFDataModule", "loader_args_doc", "split_examples"]
 
 log = logging.getLogger("rlhf_lit.data")
-
-
-class ExampleDataset(Dataset):
-    """A list of tokenised examples (dicts of id lists and metadata)."""
-
-    def __init__(self, examples: list[dict]) -> None:
-        self.examples = examples
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> dict:
-        return self.examples[index]
-
-
-def _val_count(val_size: int | float, num_rows: int) -> int:
-    if isinstance(val_size, bool) or val_size < 0:
-        raise ConfigError(f"val_size must be a fraction in [0, 1) or a row count >= 1, got {val_size!r}")
-    if val_size < 1:
-        return int(round(val_size * num_rows))
-    if val_size != int(val_size):
-        raise ConfigError(f"val_size >= 1 is a row count and must be a whole number, got {val_size!r}")
-    return int(val_size)
-
-
-def split_examples(
-    examples: list[dict],
-    val_size: int | float,
-    max_train_rows: int | None,
-    seed: int,
-    name: str,
-    train_part: tuple[int, int] | None = None,
-) -> tuple[list[dict], list[dict]]:
-    """Split one file's kept examples into ``(train, val)`` by source row.
-
-    Args:
-        examples: kept examples of ONE file, each with a ``"row"`` key.
-        val_size: a fraction of the file's kept rows (< 1), or a row count (>= 1); 0 for none.
-        max_train_rows: keep at most this many training rows (a fixed, seeded subset); None: all.
-        seed: the split seed; the generator is seeded with ``seed + crc32(name)``.
-        name: the file's name, so each file gets its own (stable) permutation.
-        train_part: ``(i, n)``: keep only part ``i`` (0-based) of ``n`` contiguous, equal parts of the
-            seeded training order (before ``max_train_rows``); the validation rows are the same for every
-            part, and the parts are disjoint. None: all training rows.
-
-    Returns:
-        ``(train, val)``, each in the file's original order.
-
-    Raises:
-        ConfigError: if ``val_size`` is invalid or would leave no training rows.
-    """
-    rows = sorted({e["row"] for e in examples})
-    n_val = _val_count(val_size, len(rows))
-    if rows and n_val >= len(rows):
-        raise ConfigError(f"val_size={val_size} takes all {len(rows)} kept rows of {name}; nothing is left to train on")
-    generator = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
-    order = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
-    val_rows = set(order[:n_val])
-    train_order = order[n_val:]
-    if train_part is not None:
-        part, parts = train_part
-        train_order = train_order[part * len(train_order) // parts : (part + 1) * len(train_order) // parts]
-    train_rows = set(train_order if max_train_rows is None else train_order[:max_train_rows])
-    return [e for e in examples if e["row"] in train_rows], [e for e in examples if e["row"] in val_rows]
 
 
 @dataclass
@@ -136,7 +72,7 @@ class LoaderArgs:
             raise ConfigError(
                 f"max_train_samples_per_file must be >= 1 or None, got {self.max_train_samples_per_file}"
             )
-        _val_count(self.val_size, 0)  # validates the value early
+        val_count(self.val_size, 0)  # validates the value early
 
     @classmethod
     def pick(cls, arguments: dict[str, Any]) -> LoaderArgs:
@@ -161,7 +97,11 @@ tokenizer: the tokenizer object (linked from the model by the CLI, not set in YA
 
 
 def loader_args_doc(
-    unit: str, padded: str = "length", order: str = "seeded with ``seed``", seeded: str = "shuffle", **extra: str
+    unit: str,
+    padded: str = "length",
+    order: str = "seeded with ``seed``",
+    seeded: str = "shuffle",
+    **extra: str,
 ):
     """Class decorator: writes the shared docs of :class:`LoaderArgs` (and ``tokenizer``) into the class
     docstring's ``Args:`` section, where it says ``{LOADER_ARGS}``; ``unit`` names what a batch holds
@@ -215,7 +155,9 @@ class RLHFDataModule(L.LightningDataModule):
                 raise ConfigError(f"train_part must be [i, n] with 0 <= i < n, got {list(train_part)}")
         self.train_part = train_part
         if format not in ("auto",) + self.formats:
-            raise ConfigError(f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}")
+            raise ConfigError(
+                f"unknown {self.stage} format {format!r}; expected one of {('auto',) + self.formats}"
+            )
         self.loader = loader
         self.train_files, self.val_files = loader.train_files, loader.val_files
         self.val_size, self.max_train_samples_per_file = loader.val_size, loader.max_train_samples_per_file
@@ -236,7 +178,9 @@ class RLHFDataModule(L.LightningDataModule):
     def _convert(self, rows: Any, fmt: str, source: int, where: str):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+    def _tokenize(
+        self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str
+    ) -> list[dict]:
         raise NotImplementedError  # pragma: no cover - abstract
 
     def _collator(self) -> Callable:
@@ -254,8 +198,9 @@ class RLHFDataModule(L.LightningDataModule):
             )
 
     def _tokenization(self) -> Tokenization:
-        return Tokenization(self.tokenizer, self.max_length, self.max_prompt_length,
-                            self.min_prompt_tokens, self.append_eos)
+        return Tokenization(
+            self.tokenizer, self.max_length, self.max_prompt_length, self.min_prompt_tokens, self.append_eos
+        )
 
     # --------------------------------------------------------------------------------- building
     def _source_index(self, path: str) -> int:
@@ -312,7 +257,11 @@ class RLHFDataModule(L.LightningDataModule):
             examples = self._read_file(path, "train", counter, tok)
             val_size = 0 if self.val_files else self.val_size
             file_train, file_val = split_examples(
-                examples, val_size, self.max_train_samples_per_file, self.seed, source_name(path),
+                examples,
+                val_size,
+                self.max_train_samples_per_file,
+                self.seed,
+                source_name(path),
                 self.train_part,
             )
             counter.count_held_out("train", len(file_val))
@@ -367,7 +316,9 @@ class RLHFDataModule(L.LightningDataModule):
         return self
 
     # --------------------------------------------------------------------------------- loaders
-    def _loader(self, dataset: Dataset, batch_size: int, loader_class: type = DataLoader, **kwargs: Any) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset, batch_size: int, loader_class: type = DataLoader, **kwargs: Any
+    ) -> DataLoader:
         return loader_class(
             dataset,
             batch_size=batch_size,

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "PreferenceCollator", "PromptCollator", "SFTCollator", "UnpairedCollator", "pad_sequences"]
+__all__ = [
+    "IGNORE_INDEX",
+    "PreferenceCollator",
+    "PromptCollator",
+    "SFTCollator",
+    "UnpairedCollator",
+    "pad_sequences",
+]
 
 IGNORE_INDEX = -100
 
@@ -45,7 +52,9 @@ def pad_sequences(
     return ids, mask
 
 
-def _response_labels(prompt_lens: Sequence[int], sequences: Sequence[Sequence[int]], length: int) -> torch.Tensor:
+def _response_labels(
+    prompt_lens: Sequence[int], sequences: Sequence[Sequence[int]], length: int
+) -> torch.Tensor:
     """Labels ``(B, length)``: the ids on response positions, -100 on prompt and padding."""
     labels = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
     for i, (p, seq) in enumerate(zip(prompt_lens, sequences)):
@@ -91,7 +100,9 @@ class PreferenceCollator:
             "margin": torch.tensor(margins, dtype=torch.float),
             "source": torch.tensor([e.get("source", 0) for e in examples], dtype=torch.long),
             "chosen_response_len": torch.tensor([len(e["chosen_ids"]) for e in examples], dtype=torch.long),
-            "rejected_response_len": torch.tensor([len(e["rejected_ids"]) for e in examples], dtype=torch.long),
+            "rejected_response_len": torch.tensor(
+                [len(e["rejected_ids"]) for e in examples], dtype=torch.long
+            ),
             "prompt_len": torch.tensor(prompt_lens, dtype=torch.long),
             **self._weights(examples),
         }
@@ -101,7 +112,9 @@ class PreferenceCollator:
         """``pair_weight`` (B,) float when the data module weighs pairs (``weight_ranked_pairs``), else nothing."""
         if "weight" not in examples[0]:
             return {}
-        return {"pair_weight": torch.tensor([float(e.get("weight", 1.0)) for e in examples], dtype=torch.float)}
+        return {
+            "pair_weight": torch.tensor([float(e.get("weight", 1.0)) for e in examples], dtype=torch.float)
+        }
 
 
 @dataclass

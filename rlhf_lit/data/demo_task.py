@@ -56,7 +56,7 @@ def make_response(word: str, style: str, rng: random.Random) -> str:
     if style == "typo":
         i = rng.randrange(len(word))
         letter = rng.choice([c for c in string.ascii_lowercase if c != word[i]])
-        return f"{word[:i]}{letter}{word[i + 1:]}."
+        return f"{word[:i]}{letter}{word[i + 1 :]}."
     if style == "chatty":
         return rng.choice([f"ok {word}.", f"{word} {word}.", f"so {word}."])
     raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
@@ -118,14 +118,16 @@ def preference_rows(n: int, seed: int = 0, split: str = "train", beta: float = D
         a_wins = rng.random() < 1.0 / (1.0 + math.exp(-beta * (gold_a - gold_b)))
         chosen, rejected = (a, b) if a_wins else (b, a)
         gold_c, gold_r = (gold_a, gold_b) if a_wins else (gold_b, gold_a)
-        rows.append({
-            "prompt": prompt,
-            "chosen": chosen,
-            "rejected": rejected,
-            "gold_chosen": gold_c,
-            "gold_rejected": gold_r,
-            "label_agrees_with_gold": gold_c > gold_r,
-        })
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": chosen,
+                "rejected": rejected,
+                "gold_chosen": gold_c,
+                "gold_rejected": gold_r,
+                "label_agrees_with_gold": gold_c > gold_r,
+            }
+        )
     return rows
 
 

@@ -166,9 +166,12 @@ def _quiet_datasets() -> Iterator[None]:
 def _load_local(path: Path) -> datasets.Dataset:
     lowered = path.name.lower()
     builder = (
-        "json" if lowered.endswith(JSON_EXTENSIONS)
-        else "parquet" if lowered.endswith(".parquet")
-        else "csv" if lowered.endswith((".csv", ".csv.gz"))
+        "json"
+        if lowered.endswith(JSON_EXTENSIONS)
+        else "parquet"
+        if lowered.endswith(".parquet")
+        else "csv"
+        if lowered.endswith((".csv", ".csv.gz"))
         else None
     )
     if builder is None:
@@ -182,7 +185,9 @@ def _load_local(path: Path) -> datasets.Dataset:
                 rows = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:
             if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
-                raise DataFormatError(f"{path} holds no rows (only a header); give a file with data") from None
+                raise DataFormatError(
+                    f"{path} holds no rows (only a header); give a file with data"
+                ) from None
             raise DataFormatError(f"malformed {builder} file {path}: {_root_message(err)}") from None
     if len(rows) == 0:
         raise DataFormatError(f"{path} holds no rows (only a header or an empty list); give a file with data")
@@ -196,8 +201,14 @@ def _sniff(path: Path, builder: str) -> None:
         with open(path, "rb") as handle:
             magic = handle.read(4)
         if magic != b"PAR1":
-            hint = " (it looks like text: rename it to .jsonl or .csv)" if magic[:1] in (b"{", b"[") or magic.isascii() else ""
-            raise DataFormatError(f"{path} is not a Parquet file{hint}" if magic else f"{path} is empty (0 bytes)")
+            hint = (
+                " (it looks like text: rename it to .jsonl or .csv)"
+                if magic[:1] in (b"{", b"[") or magic.isascii()
+                else ""
+            )
+            raise DataFormatError(
+                f"{path} is not a Parquet file{hint}" if magic else f"{path} is empty (0 bytes)"
+            )
         return
     try:
         with _open_text(path) as handle:
@@ -215,9 +226,7 @@ def _sniff(path: Path, builder: str) -> None:
     if builder == "json" and head not in ("{", "[", '"'):
         looks_csv = "," in first or "\t" in first
         hint = "; it looks like CSV: rename it to .csv" if looks_csv else ""
-        raise DataFormatError(
-            f"{path} is not JSON: its first line starts with {first.strip()[:40]!r}{hint}"
-        )
+        raise DataFormatError(f"{path} is not JSON: its first line starts with {first.strip()[:40]!r}{hint}")
 
 
 def _load_json(path: Path) -> datasets.Dataset:
@@ -268,7 +277,9 @@ def _load_bare_strings(path: Path) -> datasets.Dataset:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataFormatError(f"malformed JSON in {path}: line {lineno}: invalid JSON ({err.msg})") from None
+                raise DataFormatError(
+                    f"malformed JSON in {path}: line {lineno}: invalid JSON ({err.msg})"
+                ) from None
             if not isinstance(value, str):
                 raise DataFormatError(
                     f"malformed JSON in {path}: line {lineno}: expected a JSON string like the first line, "
@@ -325,7 +336,9 @@ def _diagnose_json(path: Path) -> str | None:
         total = sum(len(v) for v in by_kind.values())
         for kind, wheres in by_kind.items():
             if kind != usual:
-                culprits.append((_row_number(wheres[0]), wheres[0], field, kind, usual, by_kind[usual], total))
+                culprits.append(
+                    (_row_number(wheres[0]), wheres[0], field, kind, usual, by_kind[usual], total)
+                )
     if not culprits:
         return None
     _, where, field, kind, usual, usual_rows, total = min(culprits)

@@ -96,7 +96,9 @@ class PreferenceDataModule(RLHFDataModule):
         val_size: int | float = 0.05,
         max_train_samples_per_file: int | None = None,
         train_part: tuple[int, int] | None = None,
-        format: Literal["auto", "hh", "explicit", "messages", "sharegpt", "ranked", "oasst_tree", "unpaired"] = "auto",
+        format: Literal[
+            "auto", "hh", "explicit", "messages", "sharegpt", "ranked", "oasst_tree", "unpaired"
+        ] = "auto",
         prompt_field: str = "prompt",
         chosen_field: str = "chosen",
         rejected_field: str = "rejected",
@@ -124,10 +126,20 @@ class PreferenceDataModule(RLHFDataModule):
         pad_to_multiple_of: int | None = None,
         tokenizer: Any = None,
     ) -> None:
-        fields = Fields(prompt=prompt_field, chosen=chosen_field, rejected=rejected_field,
-                        responses=responses_field, ranks=ranks_field, margin=margin_field,
-                        conversations=conversations_field, messages=messages_field, completion=completion_field,
-                        label=label_field, prompt_template=prompt_template, separator=separator)
+        fields = Fields(
+            prompt=prompt_field,
+            chosen=chosen_field,
+            rejected=rejected_field,
+            responses=responses_field,
+            ranks=ranks_field,
+            margin=margin_field,
+            conversations=conversations_field,
+            messages=messages_field,
+            completion=completion_field,
+            label=label_field,
+            prompt_template=prompt_template,
+            separator=separator,
+        )
         self.pair_unpaired, self.weight_ranked_pairs = pair_unpaired, weight_ranked_pairs
         self.unpaired = False  # set by setup(): the examples are unpaired completions, not pairs
         super().__init__(
@@ -144,20 +156,33 @@ class PreferenceDataModule(RLHFDataModule):
         )
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):
-        return preference_records(rows, fmt, self.fields, self.chat_template, source, where,
-                                  self.pair_unpaired, self.weight_ranked_pairs)
+        return preference_records(
+            rows,
+            fmt,
+            self.fields,
+            self.chat_template,
+            source,
+            where,
+            self.pair_unpaired,
+            self.weight_ranked_pairs,
+        )
 
     def _check_file(self, rows: Any, fmt: str, path: str) -> None:
         super()._check_file(rows, fmt, path)
         columns = set(rows.column_names)
-        if fmt == "unpaired" and not {self.fields.completion.split(".")[0], self.fields.messages.split(".")[0]} & columns:
+        if (
+            fmt == "unpaired"
+            and not {self.fields.completion.split(".")[0], self.fields.messages.split(".")[0]} & columns
+        ):
             raise DataFormatError(
                 f"{display_name(path)}: format 'unpaired' needs a {self.fields.completion!r} (with "
                 f"{self.fields.prompt!r}) or a {self.fields.messages!r} field, but the file's columns are "
                 f"{sorted(columns)}; set completion_field / messages_field"
             )
 
-    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+    def _tokenize(
+        self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str
+    ) -> list[dict]:
         unpaired = [r for r in records if "label" in r]
         pairs = [r for r in records if "label" not in r]
         return tok.preference(pairs, counter, split) + tok.sft(unpaired, counter, split)

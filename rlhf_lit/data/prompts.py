@@ -128,8 +128,13 @@ class PromptDataModule(RLHFDataModule):
         if pad_to_length is not None and max_prompt_length is not None and max_prompt_length > pad_to_length:
             raise ValueError(f"max_prompt_length ({max_prompt_length}) > pad_to_length ({pad_to_length})")
         limit = max_prompt_length if max_prompt_length is not None else pad_to_length
-        fields = Fields(prompt=prompt_field, messages=messages_field, reference=reference_field,
-                        conversations=conversations_field, prompt_template=prompt_template)
+        fields = Fields(
+            prompt=prompt_field,
+            messages=messages_field,
+            reference=reference_field,
+            conversations=conversations_field,
+            prompt_template=prompt_template,
+        )
         super().__init__(
             LoaderArgs.pick(locals()),
             format=format,
@@ -148,9 +153,13 @@ class PromptDataModule(RLHFDataModule):
         self._sampler: ResumableSampler | None = None
 
     def _convert(self, rows: Any, fmt: str, source: int, where: str):
-        return prompt_records(rows, fmt, self.fields, self.chat_template, source, where, self.hh_first_turn_only)
+        return prompt_records(
+            rows, fmt, self.fields, self.chat_template, source, where, self.hh_first_turn_only
+        )
 
-    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+    def _tokenize(
+        self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str
+    ) -> list[dict]:
         return tok.prompts(records, counter, split)
 
     def _collator(self) -> PromptCollator:
@@ -174,7 +183,9 @@ class PromptDataModule(RLHFDataModule):
             sampler.resume_at(self._resume)
             self._resume = None
         self._sampler = sampler
-        return self._loader(self.train_dataset, self.batch_size, _PromptLoader, sampler=sampler, drop_last=True)
+        return self._loader(
+            self.train_dataset, self.batch_size, _PromptLoader, sampler=sampler, drop_last=True
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` in a loop outside ``Trainer.fit`` (Lightning calls the sampler's own)."""
@@ -208,8 +219,12 @@ class PromptDataModule(RLHFDataModule):
         else:
             consumed = self._epoch * max(self._batches_per_epoch(), 0) + self._manual_consumed
         size = len(self.train_dataset) if self.train_dataset is not None else -1
-        return {"batches_consumed_total": int(consumed), "seed": self.seed, "batch_size": self.batch_size,
-                "num_train_prompts": size}
+        return {
+            "batches_consumed_total": int(consumed),
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_train_prompts": size,
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume: the next training pass continues the order after the saved number of batches.
@@ -223,8 +238,11 @@ class PromptDataModule(RLHFDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is not None and trainer.state.fn not in (None, "fit"):
             return  # validate / test / predict from a checkpoint: there is no training order to resume
-        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size),
-                          ("num_train_prompts", len(self.train_dataset) if self.train_dataset is not None else -1)):
+        for key, mine in (
+            ("seed", self.seed),
+            ("batch_size", self.batch_size),
+            ("num_train_prompts", len(self.train_dataset) if self.train_dataset is not None else -1),
+        ):
             saved = state_dict.get(key)
             if saved is not None and mine != -1 and saved != -1 and saved != mine:
                 raise ConfigError(

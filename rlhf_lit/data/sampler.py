@@ -41,9 +41,13 @@ class ResumableSampler(DistributedSampler):
         rank: int | None = None,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
-        num_replicas = num_replicas if num_replicas is not None else dist.get_world_size() if distributed else 1
+        num_replicas = (
+            num_replicas if num_replicas is not None else dist.get_world_size() if distributed else 1
+        )
         rank = rank if rank is not None else dist.get_rank() if distributed else 0
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
         self.batch_size = batch_size
         self.batches_per_epoch = len(dataset) // (num_replicas * batch_size)
         if self.batches_per_epoch == 0:

@@ -100,9 +100,16 @@ class SFTDataModule(RLHFDataModule):
         pad_to_multiple_of: int | None = None,
         tokenizer: Any = None,
     ) -> None:
-        fields = Fields(prompt=prompt_field, response=response_field, completion=completion_field,
-                        messages=messages_field, conversations=conversations_field, label=label_field,
-                        prompt_template=prompt_template, separator=separator)
+        fields = Fields(
+            prompt=prompt_field,
+            response=response_field,
+            completion=completion_field,
+            messages=messages_field,
+            conversations=conversations_field,
+            label=label_field,
+            prompt_template=prompt_template,
+            separator=separator,
+        )
         self.keep_label = keep_label
         super().__init__(
             LoaderArgs.pick(locals()),
@@ -131,15 +138,22 @@ class SFTDataModule(RLHFDataModule):
                 "label_field: null to ignore the column"
             )
         if self.keep_label is not None and label and label.split(".")[0] not in columns:
-            raise DataFormatError(f"{display_name(path)}: keep_label is set but the file has no {label!r} column")
-        if fmt == "explicit" and not {self.fields.response.split(".")[0], self.fields.completion.split(".")[0]} & columns:
+            raise DataFormatError(
+                f"{display_name(path)}: keep_label is set but the file has no {label!r} column"
+            )
+        if (
+            fmt == "explicit"
+            and not {self.fields.response.split(".")[0], self.fields.completion.split(".")[0]} & columns
+        ):
             raise DataFormatError(
                 f"{display_name(path)}: format 'explicit' needs a {self.fields.response!r} (or "
                 f"{self.fields.completion!r}) field, but the file's columns are {sorted(columns)}; set "
                 "response_field"
             )
 
-    def _tokenize(self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
+    def _tokenize(
+        self, tok: Tokenization, records: list[dict], counter: SkipCounter, split: str
+    ) -> list[dict]:
         return tok.sft(records, counter, split)
 
     def _collator(self) -> SFTCollator:

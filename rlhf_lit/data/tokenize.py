@@ -102,11 +102,15 @@ class Tokenization:
         if tokenizer is None:
             raise ValueError("no tokenizer: pass `tokenizer=` to the DataModule (the CLI links the model's)")
         if tokenizer.pad_token_id is None:
-            raise ConfigError("the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
+            raise ConfigError(
+                "the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)"
+            )
         if append_eos and tokenizer.eos_token_id is None:
             raise ConfigError("append_eos=True but the tokenizer has no EOS token")
         if min_prompt_tokens < 0 or max_length <= min_prompt_tokens:
-            raise ConfigError(f"need 0 <= min_prompt_tokens ({min_prompt_tokens}) < max_length ({max_length})")
+            raise ConfigError(
+                f"need 0 <= min_prompt_tokens ({min_prompt_tokens}) < max_length ({max_length})"
+            )
         if max_prompt_length is not None and max_prompt_length < max(min_prompt_tokens, 1):
             raise ConfigError(
                 f"max_prompt_length ({max_prompt_length}) must be >= max(min_prompt_tokens, 1) ({min_prompt_tokens})"
@@ -117,19 +121,27 @@ class Tokenization:
         self.eos_id, self.bos_id = tokenizer.eos_token_id, tokenizer.bos_token_id
         probe = tokenizer("a")["input_ids"]
         self.adds_bos = (
-            self.bos_id is not None and len(probe) > 0 and probe[0] == self.bos_id
+            self.bos_id is not None
+            and len(probe) > 0
+            and probe[0] == self.bos_id
             and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [self.bos_id]
         )
 
     # ---------------------------------------------------------------------------------- rendering
-    def render(self, prompt: str | list[dict], response: str | dict | None = None) -> tuple[str, str | None, bool]:
+    def render(
+        self, prompt: str | list[dict], response: str | dict | None = None
+    ) -> tuple[str, str | None, bool]:
         """Texts for a record: ``(prompt_text, response_text, rendered)``.
 
         Chat records go through the chat template; ``response_text`` is None when the template's
         prompt rendering is not a prefix of the full rendering (``no_response_boundary``).
         """
         if isinstance(prompt, str):
-            return prompt, response if isinstance(response, str) or response is None else response["content"], False
+            return (
+                prompt,
+                response if isinstance(response, str) or response is None else response["content"],
+                False,
+            )
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
                 "chat data (message lists, or chat_template=True) needs a tokenizer with a chat template; "
@@ -150,7 +162,9 @@ class Tokenization:
 
     # ---------------------------------------------------------------------------------- encoding
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        return list(self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]) if texts else []
+        return (
+            list(self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]) if texts else []
+        )
 
     def encode_prompts(self, texts: list[str], rendered: list[bool]) -> list[list[int]]:
         """Encode prompts; BOS is added to plain-text prompts as the tokenizer would (rule 1)."""
@@ -171,7 +185,9 @@ class Tokenization:
 
     def _fit(self, prompt_ids: list[int], lengths: Sequence[int]) -> list[int] | None:
         keep_first = bool(prompt_ids) and self.bos_id is not None and prompt_ids[0] == self.bos_id
-        return fit_prompt(prompt_ids, lengths, self.max_length, self.max_prompt_length, self.min_prompt_tokens, keep_first)
+        return fit_prompt(
+            prompt_ids, lengths, self.max_length, self.max_prompt_length, self.min_prompt_tokens, keep_first
+        )
 
     # ---------------------------------------------------------------------------------- stages
     def preference(self, records: list[dict], counter: SkipCounter, split: str) -> list[dict]:
@@ -196,8 +212,14 @@ class Tokenization:
                 counter.count_skip(split, "identical_pair")
             else:
                 counter.count_truncated(split, int(len(cut) < len(p)))
-                example = {"prompt_ids": cut, "chosen_ids": c, "rejected_ids": r, "margin": rec["margin"],
-                           "source": rec["source"], "row": rec["row"]}
+                example = {
+                    "prompt_ids": cut,
+                    "chosen_ids": c,
+                    "rejected_ids": r,
+                    "margin": rec["margin"],
+                    "source": rec["source"],
+                    "row": rec["row"],
+                }
                 if "weight" in rec:
                     example["weight"] = rec["weight"]
                 out.append(example)
@@ -238,6 +260,14 @@ class Tokenization:
             keep_first = bool(p) and self.bos_id is not None and p[0] == self.bos_id
             cut = left_truncate(p, limit, keep_first)
             counter.count_truncated(split, int(len(cut) < len(p)))
-            out.append({"prompt_ids": cut, "prompt_text": text, "prompt": rec["prompt"], "reference": rec["reference"],
-                        "source": rec["source"], "row": rec["row"]})
+            out.append(
+                {
+                    "prompt_ids": cut,
+                    "prompt_text": text,
+                    "prompt": rec["prompt"],
+                    "reference": rec["reference"],
+                    "source": rec["source"],
+                    "row": rec["row"],
+                }
+            )
         return out
