@@ -2,7 +2,7 @@
 
 :func:`collect_rollout` runs, for one batch of prompts (``rlhf_lit.modules.ppo`` numbers the steps):
 
-1. sampling: the actor adapter samples one response per prompt (merged into the base for speed when
+1. sampling: the actor adapter samples ``sampling.num_samples_per_prompt`` responses per prompt (merged into the base for speed when
    ``sampling.merge_adapter`` allows);
 2. reference log-probs, every adapter off;
 3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off, and the
@@ -168,16 +168,34 @@ def experience_forwards(
     in no-grad forwards of ``ppo.rollout_forward_batch_size`` rows (each piece without the prompt columns that
     are padding in all its rows)."""
     ref, old, values = [], [], []
+    want_values = module.policy.has_critic
     chunk, size = module.ppo.logprob_chunk_size, module.ppo.rollout_forward_batch_size or input_ids.shape[0]
     T = module.sampling.temperature
     for start in range(0, input_ids.shape[0], size):
         rows = slice(start, min(start + size, input_ids.shape[0]))
         ids, mask, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
         ref.append(module.policy.reference_logprobs(ids, mask, p, T, chunk))
-        out = module.policy(ids, mask, p, T, chunk_size=chunk)
+        out = module.policy(ids, mask, p, T, want_values=want_values, chunk_size=chunk)
         old.append(out.logprobs)
         values.append(out.values)
-    return torch.cat(ref), torch.cat(old), torch.cat(values)
+    return torch.cat(ref), torch.cat(old), torch.cat(values) if want_values else None
+
+
+def repeat_prompts(batch: dict, n: int) -> dict:
+    """The batch with each prompt repeated ``n`` times in consecutive rows (every tensor's dim 0 and every
+    list), so a prompt's n responses (its group) are sampled on the rank that holds the prompt, next to each
+    other: group ``g`` is rows ``g * n .. g * n + n - 1``. ``n = 1`` returns the batch itself."""
+    if n == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            out[key] = value.repeat_interleave(n, dim=0)
+        elif isinstance(value, list):
+            out[key] = [item for item in value for _ in range(n)]
+        else:
+            out[key] = value
+    return out
 
 
 def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_responses) -> Rollout:
@@ -193,6 +211,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         NonFiniteError: a score is inf or nan and ``reward.skip_non_finite`` is off, or every score of the
             global batch is (see :func:`finite_scores`).
     """
+    batch = repeat_prompts(batch, module.sampling.num_samples_per_prompt)
     prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
     # columns that are padding in every prompt do no work anywhere below (exact: B11)
     prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])

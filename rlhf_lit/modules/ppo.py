@@ -40,7 +40,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms import GAEEstimator, PPOObjective
+from rlhf_lit.algorithms import PPOObjective, build_estimator
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.errors import NonFiniteError
@@ -67,6 +67,7 @@ from rlhf_lit.modules.ppo_config import (
     PPOConfig,
     PTXConfig,
     RewardShapingConfig,
+    check_advantage_estimator,
     check_batch_sizes,
     check_stop_tokens,
     refuse_impossible_settings,
@@ -178,11 +179,12 @@ class PPOModule(L.LightningModule):
         self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
 
         refuse_impossible_settings(self.backbone_cfg, self.sampling)
+        check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         self._build_models(backbone)
         self.kl_ctl = build_kl_controller(
             self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
         )
-        self.estimator = GAEEstimator.from_settings(self.ppo)  # step 5
+        self.estimator = build_estimator(self.ppo, self.sampling.num_samples_per_prompt)  # step 5
         self.objective = PPOObjective.from_settings(self.ppo)  # the loss of step 6
         self.score_stats = RunningMeanStd(distributed=True)
         self.iteration = 0
@@ -203,10 +205,11 @@ class PPOModule(L.LightningModule):
         check_stop_tokens(self.shaping, self.stop_ids)
         base = load_backbone(backbone, self.tokenizer)
         backbone.lora.dropout = 0.0  # log-probs must be exact (B12)
-        critic_lora = None if self.critic_cfg.shared_trunk else self.critic_cfg.lora
+        with_critic = self.ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
+        critic_lora = None if self.critic_cfg.shared_trunk or not with_critic else self.critic_cfg.lora
         if critic_lora is not None:
             critic_lora.dropout = 0.0
-        self.policy = ActorCritic(base, backbone.lora, critic_lora)
+        self.policy = ActorCritic(base, backbone.lora, critic_lora, with_critic)
         self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
         if (
             self.critic_cfg.init_from_reward
@@ -227,7 +230,8 @@ class PPOModule(L.LightningModule):
         if mesh is None:
             return
         shard_lm(self.policy.lm, mesh)
-        shard_head(self.policy.value_head, mesh)
+        if self.policy.value_head is not None:
+            shard_head(self.policy.value_head, mesh)
         if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
             shard_lm(self.reward_source.scorer.lm, mesh)
 
@@ -247,14 +251,17 @@ class PPOModule(L.LightningModule):
 
     def optimizer_steps_per_iteration(self) -> int:
         """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""
-        rollout = self._rollout_batch_size() or self.ppo.ppo_minibatch_size
+        prompts = self._rollout_batch_size()
+        n = self.sampling.num_samples_per_prompt
+        rollout = prompts * n if prompts else self.ppo.ppo_minibatch_size
         return self.ppo.ppo_epochs * max(1, rollout // self.ppo.ppo_minibatch_size)
 
     def configure_optimizers(self):
         groups = [{"params": self.policy.actor_parameters(), "lr": self.optim_cfg.lr}]
-        groups.append(
-            {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
-        )
+        if self.policy.has_critic:
+            groups.append(
+                {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
+            )
         optimizer = build_optimizer(groups, self.optim_cfg, attached_trainer(self))
         rollout = self._rollout_batch_size()
         if rollout is None:  # plain dataloaders: their batch size is not known yet when this runs
@@ -285,7 +292,7 @@ class PPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         log_data_report(self)
         if self._rollout_batch_size():
-            check_batch_sizes(self.ppo, self._rollout_batch_size())
+            check_batch_sizes(self.ppo, self._rollout_batch_size(), self.sampling.num_samples_per_prompt)
         if self.ptx_cfg.coef > 0:
             self._ptx = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
             if self._ptx_consumed:
@@ -299,13 +306,13 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------------ the PPO iteration
     def training_step(self, batch: dict, batch_idx: int) -> None:
         t0 = time.perf_counter()
-        check_batch_sizes(self.ppo, batch["input_ids"].shape[0])
+        check_batch_sizes(self.ppo, batch["input_ids"].shape[0], self.sampling.num_samples_per_prompt)
         # 1-4. sampling, reference / old log-probs and values, reward scores (rlhf_lit.rollout)
         rollout = collect_rollout(self, batch, sample=sample_responses)
         t1 = t0 + rollout.generation_s
         # 5. token rewards, advantages, returns (the estimator; rlhf_lit.algorithms)
-        kl_coef = self.kl_ctl.value
-        adv = self.estimator(rollout, kl_coef, is_distributed(self.trainer))
+        kl_coef, kl_in_loss = self.kl_ctl.value, self.ppo.kl_in_loss()
+        adv = self.estimator(rollout, 0.0 if kl_in_loss else kl_coef, is_distributed(self.trainer))
         t2 = time.perf_counter()
         # 6. PPO epochs over shuffled minibatches (rlhf_lit.modules.ppo_update)
         update_stats = self._update(
@@ -317,6 +324,7 @@ class PPOModule(L.LightningModule):
             rollout.old_values,
             adv.advantages,
             adv.returns,
+            **({"ref_logprobs": rollout.ref_logprobs, "kl_coef": kl_coef} if kl_in_loss else {}),
         )
         t3 = time.perf_counter()
         # 7. KL controller and metrics
@@ -346,11 +354,23 @@ class PPOModule(L.LightningModule):
         old_values,
         advantages,
         returns,
+        ref_logprobs=None,
+        kl_coef: float = 0.0,
     ) -> dict[str, float]:
         """Step 6 on the fields of ``UpdateBatch`` (in its order; tests record them here): see
-        ``rlhf_lit.modules.ppo_update.ppo_update``."""
+        ``rlhf_lit.modules.ppo_update.ppo_update``. ``ref_logprobs`` and ``kl_coef`` are given only with the
+        KL in the loss (``ppo.kl_placement: loss``)."""
         batch = UpdateBatch(
-            input_ids, attention_mask, prompt_len, update_mask, old_logprobs, old_values, advantages, returns
+            input_ids,
+            attention_mask,
+            prompt_len,
+            update_mask,
+            old_logprobs,
+            old_values,
+            advantages,
+            returns,
+            ref_logprobs=ref_logprobs,
+            kl_coef=kl_coef,
         )
         return ppo_update(self, batch, schedule=epoch_schedule)
 
@@ -375,7 +395,7 @@ class PPOModule(L.LightningModule):
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
         # the iteration's samples as text, for callbacks (RolloutSamples, an evaluation-only gold scorer)
-        self.last_rollout = rollout.as_text(self.tokenizer, batch["input_ids"])
+        self.last_rollout = rollout.as_text(self.tokenizer, rollout.prompt_ids)
         progress = {
             "iter": float(self.iteration),
             "score": values[M.ROLLOUT_SCORE_MEAN],

@@ -49,6 +49,8 @@ class RunSettings:
     entropy_coef: float = 0.0
     shared_critic: bool = False
     critic_lora: dict | None = None
+    critic_free: bool = False  # a critic-free advantage estimator (PPO): no critic adapter, no value head
+    samples_per_prompt: int = 1  # responses per prompt (PPO): the rollout holds batch_size x this
     reward_mode: str | None = None  # separate | adapter (PPO)
     reward_backbone: BackboneConfig | None = None
     reward_load_in_4bit: bool | None = None
@@ -146,6 +148,8 @@ def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Pat
     settings.logprob_chunk = ppo.logprob_chunk_size
     settings.entropy_coef = ppo.entropy_coef
     settings.shared_critic = critic.shared_trunk
+    settings.critic_free = not ppo.needs_critic
+    settings.samples_per_prompt = sampling.num_samples_per_prompt
     settings.critic_lora = {"r": critic.lora.r, "target_modules": critic.lora.target_modules}
     settings.reward_mode = reward_model.mode
     settings.reward_dtype = reward_model.dtype
