@@ -156,10 +156,23 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
         )
     minibatch = get(init, "ppo.ppo_minibatch_size", PPOConfig.ppo_minibatch_size)
     micro = get(init, "ppo.micro_batch_size") or minibatch
-    rollout = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
-    if rollout % minibatch:
+    prompts = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
+    n = get(init, "sampling.num_samples_per_prompt", SamplingConfig.num_samples_per_prompt)
+    estimator = get(init, "ppo.advantage_estimator", PPOConfig.advantage_estimator)
+    if estimator in ("grpo", "rloo") and n < 2:
         raise ConfigError(
-            f"data.init_args.batch_size ({rollout} prompts per rollout) must be a multiple of "
+            f"{p}ppo.advantage_estimator={estimator} compares the responses to one prompt: set "
+            f"{p}sampling.num_samples_per_prompt >= 2 (it is {n})"
+        )
+    if estimator != "gae" and get(init, "critic.init_from_reward"):
+        raise ConfigError(
+            f"{p}critic.init_from_reward is set, but ppo.advantage_estimator={estimator} builds no critic"
+        )
+    rollout = prompts * n
+    if rollout % minibatch:
+        per = f" x sampling.num_samples_per_prompt ({n})" if n > 1 else ""
+        raise ConfigError(
+            f"data.init_args.batch_size ({prompts} prompts per rollout){per} must be a multiple of "
             f"{p}ppo.ppo_minibatch_size ({minibatch})"
         )
     if minibatch % micro:
