@@ -35,6 +35,7 @@ ROLLOUT_SCORE_MEAN = "rollout/score_mean"
 ROLLOUT_SCORE_STD = "rollout/score_std"
 ROLLOUT_KL_REF = "rollout/kl_ref"
 ROLLOUT_KL_ESTIMATOR = "rollout/kl_ref_{estimator}"
+ROLLOUT_SOURCE_SCORE = "rollout/score/{name}"
 ROLLOUT_NON_SCORE_REWARD = "rollout/non_score_reward"
 ROLLOUT_RESPONSE_LEN = "rollout/response_len"
 ROLLOUT_NO_EOS_FRAC = "rollout/no_eos_frac"
@@ -103,6 +104,7 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_SCORE_STD: "standard deviation of those scores",
     ROLLOUT_KL_REF: "KL(policy || reference) per response, summed over its tokens, with the configured estimator (nats)",
     ROLLOUT_KL_ESTIMATOR: "the same KL with a named estimator (k1, k3)",
+    ROLLOUT_SOURCE_SCORE: "mean unweighted score of one source of a reward_model list (its name)",
     ROLLOUT_NON_SCORE_REWARD: "mean over responses of the summed KL penalty -kl_coef * KL_t",
     ROLLOUT_RESPONSE_LEN: "mean number of real response tokens (up to and including the stop token)",
     ROLLOUT_NO_EOS_FRAC: "fraction of responses that reached max_new_tokens without a stop token",
@@ -149,7 +151,9 @@ def is_known(name: str) -> bool:
     """True if ``name`` is one of the names above, or a per-file / per-reason / per-estimator variant."""
     if name in GLOSSARY:
         return True
-    if name.startswith(("reward/accuracy/", "reward/length_rule_accuracy/", "data/", "rollout/kl_ref_")):
+    if name.startswith(
+        ("reward/accuracy/", "reward/length_rule_accuracy/", "data/", "rollout/kl_ref_", "rollout/score/")
+    ):
         return True
     return False
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -93,6 +93,8 @@ class Rollout:
         num_non_finite: non-finite scores in the GLOBAL batch (every rank).
         prompt_text: the prompts as text when the data module gives them, else None.
         generation_s: wall seconds of step 1.
+        reward_components: ``{name: (B,)}`` each source's unweighted scores when ``reward_model`` is a list
+            (``rlhf_lit.rewards.MixedReward``), else empty.
     """
 
     prompt_ids: torch.Tensor
@@ -112,6 +114,7 @@ class Rollout:
     num_non_finite: int
     prompt_text: list[str] | None
     generation_s: float
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -231,7 +234,13 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
     )
 
     raw_scores = module.reward_source.score(
-        prompt_ids, prompt_mask, response_ids, response_mask, has_stop, batch.get("prompt")
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        has_stop,
+        batch.get("prompt"),
+        batch.get("fields"),
     )
     finite, num_non_finite = finite_scores(module, raw_scores, batch, response_ids, response_mask)
     return Rollout(
@@ -252,6 +261,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         num_non_finite=num_non_finite,
         prompt_text=batch.get("prompt_text"),
         generation_s=generation_s,
+        reward_components=dict(getattr(module.reward_source, "last_components", None) or {}),
     )
 
 
@@ -272,7 +282,9 @@ def validation_rollout(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     ref_logprobs, logprobs, _ = module._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
-    scores = module.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+    scores = module.reward_source.score(
+        prompt_ids, prompt_mask, response_ids, response_mask, None, batch.get("prompt"), batch.get("fields")
+    )
     kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
     return scores, kl, response_mask.sum(-1)
 
@@ -321,6 +333,8 @@ def finite_scores(
 
 def describe_reward_source(cfg) -> str:
     """The reward model as the config (``RewardModelConfig``) names it, for error messages."""
+    if isinstance(cfg, list):
+        return "reward_model (a list of " + ", ".join(e.function or "model" for e in cfg) + ")"
     if cfg.path is not None:
         return f"reward_model.path={cfg.path!r} (mode {cfg.mode})"
     return "reward_model.backbone (an untrained reward model built from config)"

@@ -127,6 +127,25 @@ def _check_data_settings(kind: str, data: dict) -> None:
             raise ConfigError(f"data.init_args.max_prompt_length ({limit}) must be <= pad_to_length ({pad})")
 
 
+def _check_reward_entry(where: str, entry: dict) -> None:
+    """One reward source: a reward model (exactly one of path / backbone) or an importable function."""
+    from rlhf_lit.rewards import load_function
+
+    if (entry.get("function") is None) == (entry.get("model") is None):
+        raise ConfigError(f"{where[:-1]}: give exactly one of 'function' (module:function) and 'model'")
+    if entry.get("function") is not None:
+        try:
+            load_function(entry["function"])
+        except ValueError as err:
+            raise ConfigError(f"{where}function: {err}") from None
+        return
+    model = entry["model"]
+    if (model.get("path") is None) == (model.get("backbone") is None):
+        raise ConfigError(f"{where[:-1]}: give exactly one of 'path' (a trained reward model) and 'backbone'")
+    if model.get("backbone") is not None and model.get("mode", "separate") != "separate":
+        raise ConfigError(f"{where}backbone builds a separate model; set reward_model.mode: separate")
+
+
 def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
     """PPO's consistency rules; a setting the config leaves unset takes the module's default (its dataclass's)."""
     import inspect
@@ -142,14 +161,10 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
             "off); add e.g. lora: {r: 8, alpha: 16, target_modules: all-linear}"
         )
     reward_model = init.get("reward_model") or {}
-    if (reward_model.get("path") is None) == (reward_model.get("backbone") is None):
-        raise ConfigError(
-            f"{p}reward_model: give exactly one of 'path' (a trained reward model) and 'backbone'"
-        )
-    if reward_model.get("backbone") is not None and reward_model.get("mode", "separate") != "separate":
-        raise ConfigError(
-            f"{p}reward_model.backbone builds a separate model; set reward_model.mode: separate"
-        )
+    entries = reward_model if isinstance(reward_model, list) else [{"model": reward_model}]
+    for i, entry in enumerate(entries):
+        where = f"{p}reward_model[{i}]." if isinstance(reward_model, list) else f"{p}reward_model."
+        _check_reward_entry(where, entry)
     if get(init, "kl.adaptive") and get(init, "kl.target_kl") is None:
         raise ConfigError(
             f"{p}kl.adaptive is true but kl.target_kl is not set; give the KL per response to aim at"

@@ -238,6 +238,7 @@ class Tokenization:
             keep_first = bool(p) and self.bos_id is not None and p[0] == self.bos_id
             cut = left_truncate(p, limit, keep_first)
             counter.count_truncated(split, int(len(cut) < len(p)))
+            fields = {**rec.get("fields", {}), "reference": rec["reference"]}
             out.append({"prompt_ids": cut, "prompt_text": text, "prompt": rec["prompt"], "reference": rec["reference"],
-                        "source": rec["source"], "row": rec["row"]})
+                        "source": rec["source"], "row": rec["row"], "fields": fields})
         return out

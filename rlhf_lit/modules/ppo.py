@@ -82,6 +82,7 @@ from rlhf_lit.parallel import (
     shard_lm,
 )
 from rlhf_lit.reward_norm import RunningMeanStd
+from rlhf_lit.rewards import MixedReward, RewardSourceConfig
 from rlhf_lit.rng import get_rng_state, set_rng_state
 from rlhf_lit.rollout import Rollout, collect_rollout, experience_forwards, validation_rollout
 
@@ -92,6 +93,13 @@ log = logging.getLogger("rlhf_lit")
 __all__ = ["NonFiniteError", "PPOModule", "epoch_schedule", "sample_responses"]
 
 
+def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
+    """``reward_model`` as given (a config, its dict form, or a list of either) as config objects."""
+    if isinstance(value, (list, tuple)):
+        return [as_config(RewardSourceConfig, entry) for entry in value]
+    return as_config(RewardModelConfig, value)
+
+
 class PPOModule(L.LightningModule):
     """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
 
@@ -100,7 +108,10 @@ class PPOModule(L.LightningModule):
             actor adapter's LoRA settings (required: the reference is the base with adapters off). An SFT
             export that holds only an adapter (a QLoRA SFT) is loaded as its base plus that adapter, frozen
             and kept on beneath actor and critic and in the reference, so the reference is the SFT policy.
-        reward_model: the frozen reward model (a separate model or an adapter on this base).
+        reward_model: the frozen reward model (a separate model or an adapter on this base), or a list of
+            weighted reward sources: learned reward models and ``module:function`` reward functions
+            (``rlhf_lit.rewards``; e.g. ``rlhf_lit.rewards:instruction_constraints``), summed with their
+            weights; each source's scores are logged as ``rollout/score/<name>``.
         sampling: how responses are sampled.
         ppo: the PPO update and GAE settings.
         kl: the KL penalty and its controller.
@@ -123,7 +134,7 @@ class PPOModule(L.LightningModule):
     def __init__(
         self,
         backbone: BackboneConfig,
-        reward_model: RewardModelConfig,
+        reward_model: RewardModelConfig | list[RewardSourceConfig],
         sampling: SamplingConfig | None = None,
         ppo: PPOConfig | None = None,
         kl: KLConfig | None = None,
@@ -144,7 +155,7 @@ class PPOModule(L.LightningModule):
                 "PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off"
             )
         self.backbone_cfg = backbone
-        self.reward_model_cfg = as_config(RewardModelConfig, reward_model)
+        self.reward_model_cfg = reward_config(reward_model)
         self.sampling = as_config(SamplingConfig, sampling) or SamplingConfig()
         self.ppo = as_config(PPOConfig, ppo) or PPOConfig()
         self.kl_cfg = as_config(KLConfig, kl) or KLConfig()
@@ -158,7 +169,11 @@ class PPOModule(L.LightningModule):
             plain_hparams(
                 type(self),
                 backbone=backbone,
-                reward_model=self.reward_model_cfg,
+                reward_model=(
+                    [asdict(e) for e in self.reward_model_cfg]
+                    if isinstance(self.reward_model_cfg, list)
+                    else self.reward_model_cfg
+                ),
                 sampling=self.sampling,
                 ppo=self.ppo,
                 kl=self.kl_cfg,
@@ -210,10 +225,21 @@ class PPOModule(L.LightningModule):
         if critic_lora is not None:
             critic_lora.dropout = 0.0
         self.policy = ActorCritic(base, backbone.lora, critic_lora, with_critic)
-        self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
+        if isinstance(self.reward_model_cfg, list):
+            self.reward_source = MixedReward(
+                self.reward_model_cfg,
+                self.tokenizer,
+                lambda cfg: RewardSource(
+                    as_config(RewardModelConfig, cfg), self.tokenizer, self.policy.lm, backbone
+                ),
+            )
+        else:
+            self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
         if (
             self.critic_cfg.init_from_reward
         ):  # PPO-Max; a reward adapter on this base starts the critic adapter
+            if isinstance(self.reward_source, MixedReward):
+                raise ValueError("critic.init_from_reward needs one reward model, not a reward_model list")
             src = self.reward_source
             in_base = src.scorer is None
             self.policy.start_critic_from(

@@ -138,7 +138,13 @@ def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Pat
     ppo = as_config(PPOConfig, init.get("ppo")) or PPOConfig()
     sampling = as_config(SamplingConfig, init.get("sampling")) or SamplingConfig()
     critic = as_config(CriticConfig, init.get("critic")) or CriticConfig()
-    reward_model = as_config(RewardModelConfig, init["reward_model"])
+    reward_model = init["reward_model"]
+    if isinstance(reward_model, list):  # a list of reward sources: the planner counts its first model, if any
+        models = [e.get("model") for e in reward_model if isinstance(e, dict) and e.get("model")]
+        reward_model = models[0] if models else None
+    if reward_model is None:
+        return
+    reward_model = as_config(RewardModelConfig, reward_model)
     settings.prompt_len = int(
         data.get("max_prompt_length") or data.get("pad_to_length") or UNLIMITED_PROMPT_GUESS
     )
