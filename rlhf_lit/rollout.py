@@ -7,9 +7,10 @@
 2. reference log-probs, every adapter off;
 3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off, and the
    per-token KL to the reference (``kl.estimator``);
-4. the reward function's scores (``RewardSource.score``: the calibrated reward model; a later rule-based
-   reward implements the same :class:`RewardFunction` call), the non-finite guard, the missing-EOS penalty,
-   normalisation and clipping.
+4. the reward function's scores (``RewardSource.score``: the calibrated reward model; or
+   ``rlhf_lit.rewards.MixedReward.score``: a weighted sum of reward models and Python reward functions, the
+   same :class:`RewardFunction` call), the non-finite guard, the missing-EOS penalty, normalisation and
+   clipping.
 
 Step 5 (token rewards, advantages, returns) belongs to an advantage estimator (``rlhf_lit.algorithms``):
 it reads a :class:`Rollout` and nothing else, so estimators that need no critic (``old_values is None``)
@@ -45,6 +46,7 @@ __all__ = [
     "RewardFunction",
     "Rollout",
     "collect_rollout",
+    "repeat_prompts",
     "experience_forwards",
     "sample_from_actor",
     "validation_rollout",
@@ -55,8 +57,9 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 class RewardFunction(Protocol):
     """What step 4 calls: ``(B,)`` float scores of ``(B, P)`` left-padded prompts and ``(B, R)`` responses
-    (``RewardSource.score`` is one). ``has_stop`` is ``(B,)`` bool; ``prompts`` the data's prompts (strings
-    or message lists) or None. A score may be inf or nan; the guard of :func:`collect_rollout` handles it."""
+    (``RewardSource.score`` and ``rlhf_lit.rewards.MixedReward.score`` are two). ``has_stop`` is ``(B,)`` bool;
+    ``prompts`` the data's prompts (strings or message lists) or None; ``fields`` the prompt rows' fields
+    (``batch["fields"]``) or None. A score may be inf or nan; the guard of :func:`collect_rollout` handles it."""
 
     def __call__(
         self,
@@ -66,6 +69,7 @@ class RewardFunction(Protocol):
         response_mask: torch.Tensor,
         has_stop: torch.Tensor | None = None,
         prompts: list[Any] | None = None,
+        fields: list[dict] | None = None,
     ) -> torch.Tensor: ...
 
 
