@@ -163,3 +163,17 @@ def test_epoch_schedule_keeps_the_one_rank_numbering_with_groups():
     # group_size 1 is the old numbering: row g of rank g % W is local g // W
     old = epoch_schedule(torch.tensor([3, 0, 2, 1]), 2, 0, 2, 2)
     assert old[0][0].tolist() == [0, 1]
+
+
+def test_repeat_prompts_keeps_a_prompts_copies_together():
+    from rlhf_lit.rollout import repeat_prompts
+
+    batch = {
+        "input_ids": torch.tensor([[1, 2], [3, 4]]),
+        "prompt": ["a", "b"],
+        "fields": [{"x": 1}, {"x": 2}],
+    }
+    out = repeat_prompts(batch, 3)
+    assert out["input_ids"].tolist() == [[1, 2]] * 3 + [[3, 4]] * 3
+    assert out["prompt"] == ["a", "a", "a", "b", "b", "b"] and out["fields"][3] == {"x": 2}
+    assert repeat_prompts(batch, 1) is batch
