@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlhf_lit")
 
+LOSS_KEYS = (
+    M.PPO_POLICY_LOSS,
+    M.PPO_VALUE_LOSS,
+)  # logged as aggregated (ppo.loss_aggregation); the rest token means
+
 __all__ = [
     "UpdateBatch",
     "aggregation_weights",
@@ -219,11 +224,13 @@ def ppo_update(
                 mass = tokens if mb.token_weights is None else mb.token_weights[mb.mask].sum()
                 weight = world_size * mass / denominator
                 stats = micro_batch_backward(module, mb, weight, passes)
-                # the logged statistics are weighted by tokens whatever the aggregation: their mean over ranks is
-                # then the token mean over the global minibatch, as on one rank
-                stat_weight = world_size * tokens / global_tokens
+                # the losses are logged with the loss's weights (their sum is the minibatch's loss, aggregated
+                # as configured), every other statistic with token weights: their mean over ranks is then the
+                # token mean over the global minibatch, as on one rank (the same weights under token_mean)
+                token_weight = world_size * tokens / global_tokens
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(stat_weight) * float(value)
+                    w = weight if key in LOSS_KEYS else token_weight
+                    sums[key] = sums.get(key, 0.0) + float(w) * float(value)
             if module._ptx is not None:
                 sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + ptx_backward(module)
             n_steps += 1
