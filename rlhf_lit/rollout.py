@@ -244,7 +244,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         response_mask,
         has_stop,
         batch.get("prompt"),
-        batch.get("fields"),
+        **_fields(module, batch),
     )
     finite, num_non_finite = finite_scores(module, raw_scores, batch, response_ids, response_mask)
     return Rollout(
@@ -286,11 +286,26 @@ def validation_rollout(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     ref_logprobs, logprobs, _ = module._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
-    scores = module.reward_source.score(
-        prompt_ids, prompt_mask, response_ids, response_mask, None, batch.get("prompt"), batch.get("fields")
-    )
+    if getattr(module.reward_source, "reads_fields", False):  # reward functions read prompts and row fields
+        scores = module.reward_source.score(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            None,
+            batch.get("prompt"),
+            **_fields(module, batch),
+        )
+    else:
+        scores = module.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
     kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
     return scores, kl, response_mask.sum(-1)
+
+
+def _fields(module: PPOModule, batch: dict) -> dict:
+    """``{"fields": the prompt rows' fields}`` for a reward source that reads them (``reads_fields``, e.g.
+    ``rlhf_lit.rewards.MixedReward``), else nothing: a reward model is called as before."""
+    return {"fields": batch.get("fields")} if getattr(module.reward_source, "reads_fields", False) else {}
 
 
 def shaped_scores(

@@ -52,8 +52,8 @@ def test_fields_reach_the_function_and_each_source_is_logged(tmp_path):
     scores = {}
     real = module.reward_source.score
 
-    def spy(*args):
-        scores["total"] = real(*args).clone()
+    def spy(*args, **kwargs):
+        scores["total"] = real(*args, **kwargs).clone()
         scores["parts"] = dict(module.reward_source.last_components)
         return scores["total"]
 
