@@ -40,6 +40,10 @@ class SamplingConfig:
             ignored for a 4-bit base and under several processes. The log-probs PPO keeps are computed
             afterwards with the adapter unmerged, as always, so the sampled distribution differs from the
             trained one only by float rounding.
+        num_samples_per_prompt: n responses sampled for each prompt of a rollout (a group; >= 2 for the
+            group estimators ``grpo`` / ``rloo``). The rollout then holds prompts x n responses, the n of a
+            prompt in consecutive rows on the rank that holds the prompt; ``ppo.ppo_minibatch_size`` counts
+            responses. Validation samples one response per prompt.
     """
 
     max_new_tokens: int = 48
@@ -52,8 +56,13 @@ class SamplingConfig:
     stop_strings: list[str] = field(default_factory=list)
     do_sample: bool = True
     merge_adapter: bool = False
+    num_samples_per_prompt: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_samples_per_prompt < 1:
+            raise ValueError(
+                f"sampling.num_samples_per_prompt must be >= 1, got {self.num_samples_per_prompt}"
+            )
         if self.temperature <= 0:
             raise ValueError(f"sampling.temperature must be > 0, got {self.temperature}")
         if self.max_new_tokens < 1:

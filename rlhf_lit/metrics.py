@@ -43,6 +43,7 @@ ROLLOUT_SCORE_MEAN = "rollout/score_mean"
 ROLLOUT_SCORE_STD = "rollout/score_std"
 ROLLOUT_KL_REF = "rollout/kl_ref"
 ROLLOUT_KL_ESTIMATOR = "rollout/kl_ref_{estimator}"
+ROLLOUT_SOURCE_SCORE = "rollout/score/{name}"
 ROLLOUT_NON_SCORE_REWARD = "rollout/non_score_reward"
 ROLLOUT_RESPONSE_LEN = "rollout/response_len"
 ROLLOUT_NO_EOS_FRAC = "rollout/no_eos_frac"
@@ -56,6 +57,7 @@ PPO_CLIPFRAC = "ppo/clipfrac"
 PPO_VALUE_CLIPFRAC = "ppo/value_clipfrac"
 PPO_APPROX_KL = "ppo/approx_kl"
 PPO_ENTROPY = "ppo/entropy"
+PPO_KL_LOSS = "ppo/kl_loss"
 PPO_RATIO_MEAN = "ppo/ratio_mean"
 PPO_KL_COEF = "ppo/kl_coef"
 PPO_GRAD_NORM = "ppo/grad_norm"
@@ -124,18 +126,20 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_SCORE_STD: "standard deviation of those scores",
     ROLLOUT_KL_REF: "KL(policy || reference) per response, summed over its tokens, with the configured estimator (nats)",
     ROLLOUT_KL_ESTIMATOR: "the same KL with a named estimator (k1, k3)",
+    ROLLOUT_SOURCE_SCORE: "mean unweighted score of one source of a reward_model list (its name)",
     ROLLOUT_NON_SCORE_REWARD: "mean over responses of the summed KL penalty -kl_coef * KL_t",
     ROLLOUT_RESPONSE_LEN: "mean number of real response tokens (up to and including the stop token)",
     ROLLOUT_NO_EOS_FRAC: "fraction of responses that reached max_new_tokens without a stop token",
     ROLLOUT_NON_FINITE_SCORES: "responses of the iteration (all ranks) whose reward-model score was inf or nan, "
     "dropped from the update (reward.skip_non_finite; without it such a score stops the run)",
-    PPO_POLICY_LOSS: "clipped surrogate loss (token-level mean)",
+    PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",
     PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2) (token-level mean)",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",
     PPO_CLIPFRAC: "fraction of response tokens whose ratio fell outside [1-clip_range, 1+clip_range]",
     PPO_VALUE_CLIPFRAC: "fraction of tokens whose new value left old value +- value_clip_range",
     PPO_APPROX_KL: "mean (ratio - 1) - log(ratio) between the updated and the rollout policy (nats per token)",
     PPO_ENTROPY: "mean policy entropy per response token (nats)",
+    PPO_KL_LOSS: "k3 KL(policy || reference) term of the loss (nats per token; ppo.kl_placement: loss only)",
     PPO_RATIO_MEAN: "mean probability ratio pi_new / pi_old over response tokens",
     PPO_KL_COEF: "the KL penalty coefficient in force for this iteration",
     PPO_GRAD_NORM: "global gradient norm before clipping (mean over the optimizer steps applied)",
@@ -178,6 +182,7 @@ def is_known(name: str) -> bool:
         "reward/length_rule_accuracy_by_length_diff/",
         "data/",
         "rollout/kl_ref_",
+        "rollout/score/",
     )
     if name.startswith(prefixes):
         return True

@@ -2,14 +2,15 @@
 
 :func:`collect_rollout` runs, for one batch of prompts (``rlhf_lit.modules.ppo`` numbers the steps):
 
-1. sampling: the actor adapter samples one response per prompt (merged into the base for speed when
+1. sampling: the actor adapter samples ``sampling.num_samples_per_prompt`` responses per prompt (merged into the base for speed when
    ``sampling.merge_adapter`` allows);
 2. reference log-probs, every adapter off;
 3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off, and the
    per-token KL to the reference (``kl.estimator``);
-4. the reward function's scores (``RewardSource.score``: the calibrated reward model; a later rule-based
-   reward implements the same :class:`RewardFunction` call), the non-finite guard, the missing-EOS penalty,
-   normalisation and clipping.
+4. the reward function's scores (``RewardSource.score``: the calibrated reward model; or
+   ``rlhf_lit.rewards.MixedReward.score``: a weighted sum of reward models and Python reward functions, the
+   same :class:`RewardFunction` call), the non-finite guard, the missing-EOS penalty, normalisation and
+   clipping.
 
 Step 5 (token rewards, advantages, returns) belongs to an advantage estimator (``rlhf_lit.algorithms``):
 it reads a :class:`Rollout` and nothing else, so estimators that need no critic (``old_values is None``)
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "RewardFunction",
     "Rollout",
     "collect_rollout",
+    "repeat_prompts",
     "experience_forwards",
     "sample_from_actor",
     "validation_rollout",
@@ -55,8 +57,9 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 class RewardFunction(Protocol):
     """What step 4 calls: ``(B,)`` float scores of ``(B, P)`` left-padded prompts and ``(B, R)`` responses
-    (``RewardSource.score`` is one). ``has_stop`` is ``(B,)`` bool; ``prompts`` the data's prompts (strings
-    or message lists) or None. A score may be inf or nan; the guard of :func:`collect_rollout` handles it."""
+    (``RewardSource.score`` and ``rlhf_lit.rewards.MixedReward.score`` are two). ``has_stop`` is ``(B,)`` bool;
+    ``prompts`` the data's prompts (strings or message lists) or None; ``fields`` the prompt rows' fields
+    (``batch["fields"]``) or None. A score may be inf or nan; the guard of :func:`collect_rollout` handles it."""
 
     def __call__(
         self,
@@ -66,6 +69,7 @@ class RewardFunction(Protocol):
         response_mask: torch.Tensor,
         has_stop: torch.Tensor | None = None,
         prompts: list[Any] | None = None,
+        fields: list[dict] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -93,6 +97,8 @@ class Rollout:
         num_non_finite: non-finite scores in the GLOBAL batch (every rank).
         prompt_text: the prompts as text when the data module gives them, else None.
         generation_s: wall seconds of step 1.
+        reward_components: ``{name: (B,)}`` each source's unweighted scores when ``reward_model`` is a list
+            (``rlhf_lit.rewards.MixedReward``), else empty.
     """
 
     prompt_ids: torch.Tensor
@@ -112,6 +118,7 @@ class Rollout:
     num_non_finite: int
     prompt_text: list[str] | None
     generation_s: float
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -168,16 +175,34 @@ def experience_forwards(
     in no-grad forwards of ``ppo.rollout_forward_batch_size`` rows (each piece without the prompt columns that
     are padding in all its rows)."""
     ref, old, values = [], [], []
+    want_values = module.policy.has_critic
     chunk, size = module.ppo.logprob_chunk_size, module.ppo.rollout_forward_batch_size or input_ids.shape[0]
     T = module.sampling.temperature
     for start in range(0, input_ids.shape[0], size):
         rows = slice(start, min(start + size, input_ids.shape[0]))
         ids, mask, p = trim_left_padding(input_ids[rows], attention_mask[rows], prompt_len)
         ref.append(module.policy.reference_logprobs(ids, mask, p, T, chunk))
-        out = module.policy(ids, mask, p, T, chunk_size=chunk)
+        out = module.policy(ids, mask, p, T, want_values=want_values, chunk_size=chunk)
         old.append(out.logprobs)
         values.append(out.values)
-    return torch.cat(ref), torch.cat(old), torch.cat(values)
+    return torch.cat(ref), torch.cat(old), torch.cat(values) if want_values else None
+
+
+def repeat_prompts(batch: dict, n: int) -> dict:
+    """The batch with each prompt repeated ``n`` times in consecutive rows (every tensor's dim 0 and every
+    list), so a prompt's n responses (its group) are sampled on the rank that holds the prompt, next to each
+    other: group ``g`` is rows ``g * n .. g * n + n - 1``. ``n = 1`` returns the batch itself."""
+    if n == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            out[key] = value.repeat_interleave(n, dim=0)
+        elif isinstance(value, list):
+            out[key] = [item for item in value for _ in range(n)]
+        else:
+            out[key] = value
+    return out
 
 
 def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_responses) -> Rollout:
@@ -193,6 +218,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         NonFiniteError: a score is inf or nan and ``reward.skip_non_finite`` is off, or every score of the
             global batch is (see :func:`finite_scores`).
     """
+    batch = repeat_prompts(batch, module.sampling.num_samples_per_prompt)
     prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
     # columns that are padding in every prompt do no work anywhere below (exact: B11)
     prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
@@ -212,7 +238,13 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
     )
 
     raw_scores = module.reward_source.score(
-        prompt_ids, prompt_mask, response_ids, response_mask, has_stop, batch.get("prompt")
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        has_stop,
+        batch.get("prompt"),
+        **_fields(module, batch),
     )
     finite, num_non_finite = finite_scores(module, raw_scores, batch, response_ids, response_mask)
     return Rollout(
@@ -233,6 +265,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         num_non_finite=num_non_finite,
         prompt_text=batch.get("prompt_text"),
         generation_s=generation_s,
+        reward_components=dict(getattr(module.reward_source, "last_components", None) or {}),
     )
 
 
@@ -253,9 +286,26 @@ def validation_rollout(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     ref_logprobs, logprobs, _ = module._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
-    scores = module.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
+    if getattr(module.reward_source, "reads_fields", False):  # reward functions read prompts and row fields
+        scores = module.reward_source.score(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            None,
+            batch.get("prompt"),
+            **_fields(module, batch),
+        )
+    else:
+        scores = module.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
     kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
     return scores, kl, response_mask.sum(-1)
+
+
+def _fields(module: PPOModule, batch: dict) -> dict:
+    """``{"fields": the prompt rows' fields}`` for a reward source that reads them (``reads_fields``, e.g.
+    ``rlhf_lit.rewards.MixedReward``), else nothing: a reward model is called as before."""
+    return {"fields": batch.get("fields")} if getattr(module.reward_source, "reads_fields", False) else {}
 
 
 def shaped_scores(
@@ -302,6 +352,8 @@ def finite_scores(
 
 def describe_reward_source(cfg) -> str:
     """The reward model as the config (``RewardModelConfig``) names it, for error messages."""
+    if isinstance(cfg, list):
+        return "reward_model (a list of " + ", ".join(e.function or "model" for e in cfg) + ")"
     if cfg.path is not None:
         return f"reward_model.path={cfg.path!r} (mode {cfg.mode})"
     return "reward_model.backbone (an untrained reward model built from config)"

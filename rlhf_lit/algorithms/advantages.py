@@ -15,13 +15,26 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from rlhf_lit.functional.advantages import gae
+from rlhf_lit.functional.group_advantages import (
+    discounted_returns,
+    group_relative_advantages,
+    leave_one_out_advantages,
+    token_advantages,
+)
 from rlhf_lit.functional.kl import shaped_rewards
 from rlhf_lit.functional.masked import masked_mean, masked_whiten
 
 if TYPE_CHECKING:
     from rlhf_lit.rollout import Rollout
 
-__all__ = ["AdvantageEstimator", "Advantages", "GAEEstimator"]
+__all__ = [
+    "AdvantageEstimator",
+    "Advantages",
+    "GAEEstimator",
+    "GroupEstimator",
+    "ReinforcePPEstimator",
+    "build_estimator",
+]
 
 
 @dataclass
@@ -89,3 +102,88 @@ class GAEEstimator:
         if self.whiten:
             advantages = masked_whiten(advantages, update_mask, distributed=distributed)
         return Advantages(advantages, returns, rewards, non_score, raw_mean)
+
+
+@dataclass
+class GroupEstimator:
+    """Critic-free, one advantage per response from the rewards of the n responses to the same prompt.
+
+    ``kind="grpo"``: ``(r_i - mean) / (std + eps)`` over the group (Shao et al. 2024, DeepSeekMath, section
+    4.1.2); with ``scale_by_std=False`` only ``r_i - mean`` (Dr.GRPO: Liu et al. 2025, section 3.1).
+    ``kind="rloo"``: ``r_i`` minus the mean of the other responses' rewards (Ahmadian et al. 2024, eq. 7).
+    The response's advantage is put on each of its tokens; no whitening.
+
+    The sequence reward ``r_i`` is the (shaped) score plus the KL penalty summed over the response,
+    ``-kl_coef * sum_t KL_t`` (RLOO's sequence-level ``r - beta * KL``). GRPO puts the KL in the loss
+    instead (``ppo.kl_placement: loss``, the objective's k3 term): the module then passes ``kl_coef = 0``
+    and ``r_i`` is the score.
+
+    Groups are consecutive rows of THIS rank's rollout: a prompt's n responses are sampled on the rank
+    that holds the prompt (``rollout.collect_rollout`` repeats each prompt n times), so the statistics need
+    no collective and are the same under any number of ranks. Responses with a non-finite score leave their
+    group's statistics (``functional.group_advantages``).
+
+    Args:
+        kind: ``grpo`` or ``rloo``.
+        group_size: n, ``sampling.num_samples_per_prompt`` (>= 2).
+        scale_by_std: GRPO's division by the group std (False = Dr.GRPO); ignored by RLOO.
+    """
+
+    kind: str
+    group_size: int
+    scale_by_std: bool = True
+    needs_critic: bool = False
+
+    def __call__(self, rollout: Rollout, kl_coef: float, distributed: bool) -> Advantages:
+        mask, update_mask = rollout.response_mask, rollout.update_mask
+        rewards, non_score = shaped_rewards(rollout.scores, rollout.kl, mask, kl_coef)
+        seq_rewards = rewards.sum(-1)  # the score plus the summed KL penalty
+        if self.kind == "grpo":
+            seq_adv = group_relative_advantages(
+                seq_rewards, self.group_size, self.scale_by_std, valid=rollout.finite
+            )
+        else:
+            seq_adv = leave_one_out_advantages(seq_rewards, self.group_size, valid=rollout.finite)
+        advantages = token_advantages(seq_adv, update_mask)
+        raw_mean = masked_mean(advantages, update_mask, distributed=distributed)
+        return Advantages(advantages, None, rewards, non_score, raw_mean)
+
+
+@dataclass
+class ReinforcePPEstimator:
+    """REINFORCE++ (Hu 2025, section 3): critic-free token returns of the KL-shaped rewards, normalised over
+    the global batch.
+
+    1. ``r_t = -kl_coef * KL_t`` on every real token, plus the score on the last one (as for GAE);
+    2. ``G_t = sum_{s >= t} gamma^(s - t) r_s`` (``functional.group_advantages.discounted_returns``);
+    3. whitening over the update tokens of every rank (``masked_whiten``): the "global batch
+       normalisation" that stands in for a critic's baseline. Needs no groups (any n).
+
+    Args:
+        gamma: discount (``ppo.gamma``).
+    """
+
+    gamma: float = 1.0
+    needs_critic: bool = False
+
+    def __call__(self, rollout: Rollout, kl_coef: float, distributed: bool) -> Advantages:
+        mask, update_mask = rollout.response_mask, rollout.update_mask
+        rewards, non_score = shaped_rewards(rollout.scores, rollout.kl, mask, kl_coef)
+        returns = discounted_returns(rewards, mask, self.gamma)
+        raw_mean = masked_mean(returns, update_mask, distributed=distributed)
+        advantages = masked_whiten(returns, update_mask, distributed=distributed)
+        return Advantages(advantages, None, rewards, non_score, raw_mean)
+
+
+def build_estimator(ppo, group_size: int) -> AdvantageEstimator:
+    """The estimator ``ppo.advantage_estimator`` names (``PPOConfig``), with its settings.
+
+    Every estimator adds the KL penalty of the ``kl_coef`` it is called with to the rewards; with the KL in
+    the loss (``PPOConfig.kl_in_loss``) the module calls it with 0.
+    """
+    name = ppo.advantage_estimator
+    if name == "gae":
+        return GAEEstimator.from_settings(ppo)
+    if name == "reinforce_pp":
+        return ReinforcePPEstimator(ppo.gamma)
+    return GroupEstimator(name, group_size, ppo.scale_by_std)

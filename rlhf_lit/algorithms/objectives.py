@@ -16,8 +16,9 @@ from typing import Protocol
 import torch
 
 from rlhf_lit import metrics as M
+from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss
-from rlhf_lit.functional.masked import masked_mean
+from rlhf_lit.functional.masked import masked_mean, masked_weighted_mean
 
 __all__ = ["TERMS", "MicroBatch", "Objective", "PPOObjective"]
 
@@ -36,6 +37,10 @@ class MicroBatch:
         advantages: ``(b, R)``.
         old_values: ``(b, R)`` the rollout's critic values, or None without a critic.
         returns: ``(b, R)`` the critic's targets, or None without a critic.
+        ref_logprobs: ``(b, R)`` the reference's log-probs, given when the KL is a loss term, else None.
+        kl_coef: the weight of that KL term (this iteration's ``kl_coef``).
+        token_weights: ``(b, R)`` the loss aggregation's token weights (``ppo_update.aggregation_weights``),
+            or None for the plain token mean.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +51,9 @@ class MicroBatch:
     advantages: torch.Tensor
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    kl_coef: float = 0.0
+    token_weights: torch.Tensor | None = None
 
 
 class Objective(Protocol):
@@ -65,11 +73,14 @@ class Objective(Protocol):
 @dataclass
 class PPOObjective:
     """``policy_loss + vf_coef * value_loss - entropy_coef * entropy`` (Schulman et al. 2017, eq. 9), token
-    means over the micro-batch's update tokens.
+    means over the micro-batch's update tokens (weighted by ``mb.token_weights`` for another loss
+    aggregation: ``ppo.loss_aggregation``).
 
     Terms: ``policy`` = the clipped surrogate (``functional.losses.ppo_policy_loss``, dual clip optional)
-    minus the entropy bonus; ``value`` = ``vf_coef`` times the (optionally clipped) value loss
-    (``ppo_value_loss``). Without a critic there is no ``value`` term.
+    minus the entropy bonus, plus, with the KL in the loss (``mb.ref_logprobs`` given), ``kl_coef`` times the
+    k3 estimate of KL(policy || reference) per token, ``exp(ref - logp) - (ref - logp) - 1`` (GRPO: Shao et
+    al. 2024, eq. 4), aggregated the same way; ``value`` = ``vf_coef`` times the (optionally clipped) value
+    loss (``ppo_value_loss``). Without a critic there is no ``value`` term.
 
     Args:
         clip_range: epsilon of the clipped surrogate.
@@ -108,21 +119,31 @@ class PPOObjective:
         loss = None
         if "policy" in terms:
             loss, pg_stats = ppo_policy_loss(
-                out.logprobs, mb.old_logprobs, mb.advantages, mb.mask, self.clip_range, self.dual_clip
+                out.logprobs,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.mask,
+                self.clip_range,
+                self.dual_clip,
+                weights=mb.token_weights,
             )
             stats[M.PPO_POLICY_LOSS] = loss
             stats[M.PPO_CLIPFRAC] = pg_stats["clipfrac"]
             stats[M.PPO_APPROX_KL] = pg_stats["approx_kl"]
             stats[M.PPO_RATIO_MEAN] = pg_stats["ratio_mean"]
+            if mb.ref_logprobs is not None:
+                k3 = kl_per_token(out.logprobs, mb.ref_logprobs, "k3")
+                stats[M.PPO_KL_LOSS] = masked_mean(k3, mb.mask)  # logged as a token mean
+                loss = loss + mb.kl_coef * masked_weighted_mean(k3, mb.mask, mb.token_weights)
         if "value" in terms:
             vf_loss, vf_stats = ppo_value_loss(
-                out.values, mb.old_values, mb.returns, mb.mask, self.value_clip_range
+                out.values, mb.old_values, mb.returns, mb.mask, self.value_clip_range, mb.token_weights
             )
             stats[M.PPO_VALUE_LOSS] = vf_loss
             stats[M.PPO_VALUE_CLIPFRAC] = vf_stats["value_clipfrac"]
             loss = self.vf_coef * vf_loss if loss is None else loss + self.vf_coef * vf_loss
         if "policy" in terms:
-            entropy = masked_mean(out.entropy, mb.mask)
-            stats[M.PPO_ENTROPY] = entropy
+            entropy = masked_weighted_mean(out.entropy, mb.mask, mb.token_weights)
+            stats[M.PPO_ENTROPY] = masked_mean(out.entropy, mb.mask)  # logged as a token mean
             loss = loss - self.entropy_coef * entropy
         return loss, {k: v.detach() for k, v in stats.items()}

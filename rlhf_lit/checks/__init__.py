@@ -127,6 +127,25 @@ def _check_data_settings(kind: str, data: dict) -> None:
             raise ConfigError(f"data.init_args.max_prompt_length ({limit}) must be <= pad_to_length ({pad})")
 
 
+def _check_reward_entry(where: str, entry: dict) -> None:
+    """One reward source: a reward model (exactly one of path / backbone) or an importable function."""
+    from rlhf_lit.rewards import load_function
+
+    if (entry.get("function") is None) == (entry.get("model") is None):
+        raise ConfigError(f"{where[:-1]}: give exactly one of 'function' (module:function) and 'model'")
+    if entry.get("function") is not None:
+        try:
+            load_function(entry["function"])
+        except ValueError as err:
+            raise ConfigError(f"{where}function: {err}") from None
+        return
+    model = entry["model"]
+    if (model.get("path") is None) == (model.get("backbone") is None):
+        raise ConfigError(f"{where[:-1]}: give exactly one of 'path' (a trained reward model) and 'backbone'")
+    if model.get("backbone") is not None and model.get("mode", "separate") != "separate":
+        raise ConfigError(f"{where}backbone builds a separate model; set reward_model.mode: separate")
+
+
 def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
     """PPO's consistency rules; a setting the config leaves unset takes the module's default (its dataclass's)."""
     import inspect
@@ -142,24 +161,33 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
             "off); add e.g. lora: {r: 8, alpha: 16, target_modules: all-linear}"
         )
     reward_model = init.get("reward_model") or {}
-    if (reward_model.get("path") is None) == (reward_model.get("backbone") is None):
-        raise ConfigError(
-            f"{p}reward_model: give exactly one of 'path' (a trained reward model) and 'backbone'"
-        )
-    if reward_model.get("backbone") is not None and reward_model.get("mode", "separate") != "separate":
-        raise ConfigError(
-            f"{p}reward_model.backbone builds a separate model; set reward_model.mode: separate"
-        )
+    entries = reward_model if isinstance(reward_model, list) else [{"model": reward_model}]
+    for i, entry in enumerate(entries):
+        where = f"{p}reward_model[{i}]." if isinstance(reward_model, list) else f"{p}reward_model."
+        _check_reward_entry(where, entry)
     if get(init, "kl.adaptive") and get(init, "kl.target_kl") is None:
         raise ConfigError(
             f"{p}kl.adaptive is true but kl.target_kl is not set; give the KL per response to aim at"
         )
     minibatch = get(init, "ppo.ppo_minibatch_size", PPOConfig.ppo_minibatch_size)
     micro = get(init, "ppo.micro_batch_size") or minibatch
-    rollout = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
-    if rollout % minibatch:
+    prompts = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
+    n = get(init, "sampling.num_samples_per_prompt", SamplingConfig.num_samples_per_prompt)
+    estimator = get(init, "ppo.advantage_estimator", PPOConfig.advantage_estimator)
+    if estimator in ("grpo", "rloo") and n < 2:
         raise ConfigError(
-            f"data.init_args.batch_size ({rollout} prompts per rollout) must be a multiple of "
+            f"{p}ppo.advantage_estimator={estimator} compares the responses to one prompt: set "
+            f"{p}sampling.num_samples_per_prompt >= 2 (it is {n})"
+        )
+    if estimator != "gae" and get(init, "critic.init_from_reward"):
+        raise ConfigError(
+            f"{p}critic.init_from_reward is set, but ppo.advantage_estimator={estimator} builds no critic"
+        )
+    rollout = prompts * n
+    if rollout % minibatch:
+        per = f" x sampling.num_samples_per_prompt ({n})" if n > 1 else ""
+        raise ConfigError(
+            f"data.init_args.batch_size ({prompts} prompts per rollout){per} must be a multiple of "
             f"{p}ppo.ppo_minibatch_size ({minibatch})"
         )
     if minibatch % micro:

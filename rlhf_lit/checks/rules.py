@@ -129,6 +129,8 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
         "kl.target_kl": _gt0(optional=True),
         "kl.horizon": _count(1),
         "sampling.max_new_tokens": _count(1),
+        "sampling.num_samples_per_prompt": _count(1),
+        "ppo.loss_norm_constant": _gt0(optional=True),
         "sampling.min_new_tokens": _count(0),
         "sampling.temperature": _gt0(),
         "sampling.top_k": _count(0),

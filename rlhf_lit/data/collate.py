@@ -170,7 +170,8 @@ class PromptCollator:
     index in its split), ``reference`` (list of str or None), ``prompt_text`` (list of str: the
     rendered prompt before any left cut), ``prompt`` (list: the record's prompt before any rendering, a
     string or a list of ``{"role", "content"}`` messages, or None; a reward model with another tokenizer or
-    chat template is fed from it).
+    chat template is fed from it), ``fields`` (list of dict: the prompt row's fields as read, plus
+    ``reference``; what reward functions get, ``rlhf_lit.rewards``).
 
     Args:
         pad_token_id: the id written into padding positions.
@@ -193,4 +194,5 @@ class PromptCollator:
             "reference": [e.get("reference") for e in examples],
             "prompt_text": [e.get("prompt_text", "") for e in examples],
             "prompt": [e.get("prompt") for e in examples],
+            "fields": [e.get("fields") or {"reference": e.get("reference")} for e in examples],
         }

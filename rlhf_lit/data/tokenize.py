@@ -268,6 +268,7 @@ class Tokenization:
                     "reference": rec["reference"],
                     "source": rec["source"],
                     "row": rec["row"],
+                    "fields": {**rec.get("fields", {}), "reference": rec["reference"]},
                 }
             )
         return out

@@ -12,6 +12,12 @@ from rlhf_lit.functional.calibration import (
     pairwise_calibration_inputs,
     reliability_bins,
 )
+from rlhf_lit.functional.group_advantages import (
+    discounted_returns,
+    group_relative_advantages,
+    leave_one_out_advantages,
+    token_advantages,
+)
 from rlhf_lit.functional.kl import KL_ESTIMATORS, kl_per_token, shaped_rewards
 from rlhf_lit.functional.losses import (
     bt_pairwise_loss,
@@ -32,6 +38,10 @@ from rlhf_lit.functional.sequence import (
 )
 
 __all__ = [
+    "token_advantages",
+    "leave_one_out_advantages",
+    "group_relative_advantages",
+    "discounted_returns",
     "KL_ESTIMATORS",
     "binary_nll",
     "bt_pairwise_loss",

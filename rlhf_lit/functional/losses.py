@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lit.functional.masked import masked_mean
+from rlhf_lit.functional.masked import masked_mean, masked_weighted_mean
 from rlhf_lit.functional.sequence import chunk_views, gather_logprobs, scaled_piece
 
 __all__ = ["bt_pairwise_loss", "sft_nll", "ppo_policy_loss", "ppo_value_loss", "entropy_from_logits"]
@@ -106,6 +106,7 @@ def ppo_policy_loss(
     mask: Tensor,
     clip_range: float,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss, optionally dual-clipped.
 
@@ -122,9 +123,11 @@ def ppo_policy_loss(
         mask: (B, R) bool or 0/1, True = real response token.
         clip_range: eps > 0.
         dual_clip: c > 1, or None to disable.
+        weights: (B, R) token weights of the loss (``masked_weighted_mean``; the loss aggregation); None =
+            the token mean. The statistics are token means either way.
 
     Returns:
-        ``(loss, stats)``: 0-dim loss, the token-level masked mean. ``stats`` holds detached 0-dim
+        ``(loss, stats)``: 0-dim loss, the token-level masked mean (weighted by ``weights``). ``stats`` holds detached 0-dim
         tensors: ``clipfrac`` = fraction of real tokens where the clipped term binds (it is strictly
         larger than the unclipped one, so the token's gradient is zero; TRL's definition);
         ``dual_clipfrac`` = fraction where the dual clip binds (0 without it); ``approx_kl`` =
@@ -149,7 +152,7 @@ def ppo_policy_loss(
         cap = -dual_clip * advantages
         dual_bound = (advantages < 0) & (per_token > cap)
         per_token = torch.where(dual_bound, cap, per_token)
-    loss = masked_mean(per_token, mask)
+    loss = masked_weighted_mean(per_token, mask, weights)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).float(), mask),
@@ -166,6 +169,7 @@ def ppo_value_loss(
     returns: Tensor,
     mask: Tensor,
     value_clip_range: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Critic regression loss with optional PPO2-style value clipping.
 
@@ -180,6 +184,7 @@ def ppo_value_loss(
         returns: (B, R) GAE returns.
         mask: (B, R) bool or 0/1, True = real response token.
         value_clip_range: c > 0, or None to disable.
+        weights: (B, R) token weights (``masked_weighted_mean``); None = the token mean.
 
     Returns:
         ``(loss, stats)``: 0-dim loss (squared return units); ``stats["value_clipfrac"]`` is the
@@ -199,7 +204,7 @@ def ppo_value_loss(
         clipped_values = old_values + torch.clamp(change, -value_clip_range, value_clip_range)
         per_token = torch.maximum(per_token, (clipped_values - returns).square())
         clipfrac = masked_mean((change.abs() > value_clip_range).to(values.dtype), mask)
-    loss = 0.5 * masked_mean(per_token, mask)
+    loss = 0.5 * masked_weighted_mean(per_token, mask, weights)
     return loss, {"value_clipfrac": clipfrac.detach()}
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_weighted_mean", "masked_whiten"]
 
 
 def _dist_active(distributed: bool) -> bool:
@@ -113,6 +113,28 @@ def masked_mean(
     total = _global_sum(total, distributed)
     count = _global_sum(count, distributed)
     return (total / count.clamp(min=1.0)).to(values.dtype)
+
+
+def masked_weighted_mean(values: Tensor, mask: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``sum(w * x) / sum(w)`` over real tokens: a loss aggregation other than the plain token mean.
+
+    Args:
+        values: Float tensor, e.g. per-token losses (B, R).
+        mask: Bool or 0/1, broadcastable to ``values``; True = real token.
+        weights: Non-negative weights shaped like ``values`` (e.g. ``1 / length`` of each token's response
+            for a mean of per-response means); None = :func:`masked_mean`.
+
+    Returns:
+        0-dim tensor in the dtype of ``values``; 0 when no real token has weight. E.g. values
+        ``[[1, 3], [5, pad]]``, weights ``[[0.5, 0.5], [1, 0]]`` -> (0.5 + 1.5 + 5) / 2 = 3.5 (the token mean
+        is 3).
+    """
+    if weights is None:
+        return masked_mean(values, mask)
+    mask = _check_mask(values, mask)
+    w = torch.where(mask, weights.to(torch.float64), 0.0)
+    total = (w * torch.where(mask, values.to(torch.float64), 0.0)).sum()
+    return (total / w.sum().clamp(min=torch.finfo(torch.float64).tiny)).to(values.dtype)
 
 
 def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True, distributed: bool = False) -> Tensor:

@@ -43,21 +43,33 @@ class ActorCritic(nn.Module):
         actor_lora: LoRA settings of the actor adapter.
         critic_lora: LoRA settings of the critic adapter; ``None`` makes the critic share the actor's
             trunk (one forward gives logits and values; the value loss then also trains the actor adapter).
+        with_critic: False for a critic-free estimator (GRPO, RLOO, REINFORCE++): no critic adapter and no
+            value head are built (``critic_lora`` is ignored) and ``values`` are never returned.
     """
 
-    def __init__(self, model: nn.Module, actor_lora: LoraSettings, critic_lora: LoraSettings | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        actor_lora: LoraSettings,
+        critic_lora: LoraSettings | None,
+        with_critic: bool = True,
+    ) -> None:
         super().__init__()
         adapters = {"actor": actor_lora}
-        if critic_lora is not None:
+        if critic_lora is not None and with_critic:
             adapters["critic"] = critic_lora
         self.lm = AdaptedLM(model, adapters)
-        self.shared_critic = critic_lora is None
-        self.value_head = ScalarHead(hidden_size(model), init_std=0.0)
+        self.has_critic = with_critic
+        self.shared_critic = with_critic and critic_lora is None
+        self.value_head = ScalarHead(hidden_size(model), init_std=0.0) if with_critic else None
 
     def actor_parameters(self) -> list[nn.Parameter]:
         return self.lm.adapter_parameters("actor")
 
     def critic_parameters(self) -> list[nn.Parameter]:
+        """The critic adapter's and the value head's parameters (none without a critic)."""
+        if not self.has_critic:
+            return []
         params = [] if self.shared_critic else self.lm.adapter_parameters("critic")
         return params + list(self.value_head.parameters())
 
@@ -66,8 +78,11 @@ class ActorCritic(nn.Module):
         reward model is adapter ``adapter`` on this base, the critic adapter gets its LoRA weights.
 
         Raises:
-            ValueError: if the head's hidden size differs from the policy's (or the adapters' shapes do).
+            ValueError: if the head's hidden size differs from the policy's (or the adapters' shapes do), or
+                the policy has no critic.
         """
+        if not self.has_critic:
+            raise ValueError("critic.init_from_reward: this policy has no critic (a critic-free estimator)")
         if head.linear.in_features != self.value_head.linear.in_features:
             raise ValueError(
                 "critic.init_from_reward: the reward model's hidden size differs from the policy's"
@@ -119,6 +134,7 @@ class ActorCritic(nn.Module):
         """
         response_ids = input_ids[:, prompt_len:]
         out = PolicyOutput()
+        want_values = want_values and self.has_critic
         if self.shared_critic or not want_values:
             with self.lm.adapter("actor"):
                 hidden = self._response_hidden(input_ids, attention_mask, prompt_len)

@@ -364,6 +364,7 @@ class RewardSource(torch.nn.Module):
         response_mask: torch.Tensor,
         has_stop: torch.Tensor | None = None,
         prompts: list[Any] | None = None,
+        fields: list[dict] | None = None,
     ) -> torch.Tensor:
         """Reward-model scores of ``(B, P)`` left-padded prompts and ``(B, R)`` right-padded responses.
 
@@ -377,6 +378,7 @@ class RewardSource(torch.nn.Module):
             prompts: the B prompts as the data gave them (strings or message lists; ``batch["prompt"]``),
                 needed when the input is rebuilt; default: the prompt ids decoded with special tokens kept,
                 scored as text.
+            fields: the prompt rows' fields (``rollout.RewardFunction``); a reward model does not read them.
 
         Returns:
             ``(B,)`` float32 scores (divided by the calibration temperature when ``calibrated``).

@@ -7,7 +7,11 @@ One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al
    every adapter switched off; old log-probs (actor) and values (critic) at the sampling temperature with
    dropout off; reward-model scores (calibrated; an inf / nan one raises ``NonFiniteError``, or with
    ``reward.skip_non_finite`` leaves the update), missing-EOS penalty, normalisation and clipping;
-5. the advantage estimator (``rlhf_lit.algorithms.GAEEstimator``): shaped token rewards, GAE, whitening;
+5. the advantage estimator ``ppo.advantage_estimator`` (``rlhf_lit.algorithms.build_estimator``): GAE with a
+   critic (shaped token rewards, GAE, whitening), or a critic-free one, which builds no critic adapter and no
+   value head: GRPO / Dr.GRPO and RLOO over the ``sampling.num_samples_per_prompt`` responses to each prompt,
+   REINFORCE++ (returns normalised over the global batch). With ``ppo.kl_placement: loss`` the KL leaves the
+   rewards and enters the objective as a k3 term;
 6. ``rlhf_lit.modules.ppo_update.ppo_update``: ``ppo_epochs`` x shuffled minibatches x micro-batches of the
    objective (``rlhf_lit.algorithms.PPOObjective``: clipped policy loss + value loss - entropy bonus), + PTX,
    one optimizer step per minibatch with global-norm gradient clipping (a step whose norm is inf or nan is
@@ -40,7 +44,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms import GAEEstimator, PPOObjective
+from rlhf_lit.algorithms import PPOObjective, build_estimator
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.errors import NonFiniteError
@@ -67,6 +71,7 @@ from rlhf_lit.modules.ppo_config import (
     PPOConfig,
     PTXConfig,
     RewardShapingConfig,
+    check_advantage_estimator,
     check_batch_sizes,
     check_stop_tokens,
     refuse_impossible_settings,
@@ -81,6 +86,7 @@ from rlhf_lit.parallel import (
     shard_lm,
 )
 from rlhf_lit.reward_norm import RunningMeanStd
+from rlhf_lit.rewards import MixedReward, RewardSourceConfig
 from rlhf_lit.rng import get_rng_state, set_rng_state
 from rlhf_lit.rollout import Rollout, collect_rollout, experience_forwards, validation_rollout
 
@@ -91,17 +97,29 @@ log = logging.getLogger("rlhf_lit")
 __all__ = ["NonFiniteError", "PPOModule", "epoch_schedule", "sample_responses"]
 
 
+def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
+    """``reward_model`` as given (a config, its dict form, or a list of either) as config objects."""
+    if isinstance(value, (list, tuple)):
+        return [as_config(RewardSourceConfig, entry) for entry in value]
+    return as_config(RewardModelConfig, value)
+
+
 class PPOModule(L.LightningModule):
-    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
+    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; with a
+    critic-free ``ppo.advantage_estimator`` (``grpo``, ``rloo``, ``reinforce_pp``) the same iteration without a
+    critic.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
             actor adapter's LoRA settings (required: the reference is the base with adapters off). An SFT
             export that holds only an adapter (a QLoRA SFT) is loaded as its base plus that adapter, frozen
             and kept on beneath actor and critic and in the reference, so the reference is the SFT policy.
-        reward_model: the frozen reward model (a separate model or an adapter on this base).
+        reward_model: the frozen reward model (a separate model or an adapter on this base), or a list of
+            weighted reward sources: learned reward models and ``module:function`` reward functions
+            (``rlhf_lit.rewards``; e.g. ``rlhf_lit.rewards:instruction_constraints``), summed with their
+            weights; each source's scores are logged as ``rollout/score/<name>``.
         sampling: how responses are sampled.
-        ppo: the PPO update and GAE settings.
+        ppo: the PPO update, the advantage estimator, the loss aggregation and the KL placement.
         kl: the KL penalty and its controller.
         reward: score normalisation, clipping and the missing-EOS penalty.
         critic: the critic adapter and value head.
@@ -122,7 +140,7 @@ class PPOModule(L.LightningModule):
     def __init__(
         self,
         backbone: BackboneConfig,
-        reward_model: RewardModelConfig,
+        reward_model: RewardModelConfig | list[RewardSourceConfig],
         sampling: SamplingConfig | None = None,
         ppo: PPOConfig | None = None,
         kl: KLConfig | None = None,
@@ -143,7 +161,7 @@ class PPOModule(L.LightningModule):
                 "PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off"
             )
         self.backbone_cfg = backbone
-        self.reward_model_cfg = as_config(RewardModelConfig, reward_model)
+        self.reward_model_cfg = reward_config(reward_model)
         self.sampling = as_config(SamplingConfig, sampling) or SamplingConfig()
         self.ppo = as_config(PPOConfig, ppo) or PPOConfig()
         self.kl_cfg = as_config(KLConfig, kl) or KLConfig()
@@ -157,7 +175,11 @@ class PPOModule(L.LightningModule):
             plain_hparams(
                 type(self),
                 backbone=backbone,
-                reward_model=self.reward_model_cfg,
+                reward_model=(
+                    [asdict(e) for e in self.reward_model_cfg]
+                    if isinstance(self.reward_model_cfg, list)
+                    else self.reward_model_cfg
+                ),
                 sampling=self.sampling,
                 ppo=self.ppo,
                 kl=self.kl_cfg,
@@ -178,11 +200,12 @@ class PPOModule(L.LightningModule):
         self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
 
         refuse_impossible_settings(self.backbone_cfg, self.sampling)
+        check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         self._build_models(backbone)
         self.kl_ctl = build_kl_controller(
             self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
         )
-        self.estimator = GAEEstimator.from_settings(self.ppo)  # step 5
+        self.estimator = build_estimator(self.ppo, self.sampling.num_samples_per_prompt)  # step 5
         self.objective = PPOObjective.from_settings(self.ppo)  # the loss of step 6
         self.score_stats = RunningMeanStd(distributed=True)
         self.iteration = 0
@@ -203,14 +226,26 @@ class PPOModule(L.LightningModule):
         check_stop_tokens(self.shaping, self.stop_ids)
         base = load_backbone(backbone, self.tokenizer)
         backbone.lora.dropout = 0.0  # log-probs must be exact (B12)
-        critic_lora = None if self.critic_cfg.shared_trunk else self.critic_cfg.lora
+        with_critic = self.ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
+        critic_lora = None if self.critic_cfg.shared_trunk or not with_critic else self.critic_cfg.lora
         if critic_lora is not None:
             critic_lora.dropout = 0.0
-        self.policy = ActorCritic(base, backbone.lora, critic_lora)
-        self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
+        self.policy = ActorCritic(base, backbone.lora, critic_lora, with_critic)
+        if isinstance(self.reward_model_cfg, list):
+            self.reward_source = MixedReward(
+                self.reward_model_cfg,
+                self.tokenizer,
+                lambda cfg: RewardSource(
+                    as_config(RewardModelConfig, cfg), self.tokenizer, self.policy.lm, backbone
+                ),
+            )
+        else:
+            self.reward_source = RewardSource(self.reward_model_cfg, self.tokenizer, self.policy.lm, backbone)
         if (
             self.critic_cfg.init_from_reward
         ):  # PPO-Max; a reward adapter on this base starts the critic adapter
+            if isinstance(self.reward_source, MixedReward):
+                raise ValueError("critic.init_from_reward needs one reward model, not a reward_model list")
             src = self.reward_source
             in_base = src.scorer is None
             self.policy.start_critic_from(
@@ -227,7 +262,8 @@ class PPOModule(L.LightningModule):
         if mesh is None:
             return
         shard_lm(self.policy.lm, mesh)
-        shard_head(self.policy.value_head, mesh)
+        if self.policy.value_head is not None:
+            shard_head(self.policy.value_head, mesh)
         if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
             shard_lm(self.reward_source.scorer.lm, mesh)
 
@@ -247,14 +283,17 @@ class PPOModule(L.LightningModule):
 
     def optimizer_steps_per_iteration(self) -> int:
         """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""
-        rollout = self._rollout_batch_size() or self.ppo.ppo_minibatch_size
+        prompts = self._rollout_batch_size()
+        n = self.sampling.num_samples_per_prompt
+        rollout = prompts * n if prompts else self.ppo.ppo_minibatch_size
         return self.ppo.ppo_epochs * max(1, rollout // self.ppo.ppo_minibatch_size)
 
     def configure_optimizers(self):
         groups = [{"params": self.policy.actor_parameters(), "lr": self.optim_cfg.lr}]
-        groups.append(
-            {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
-        )
+        if self.policy.has_critic:
+            groups.append(
+                {"params": self.policy.critic_parameters(), "lr": self.critic_cfg.lr or self.optim_cfg.lr}
+            )
         optimizer = build_optimizer(groups, self.optim_cfg, attached_trainer(self))
         rollout = self._rollout_batch_size()
         if rollout is None:  # plain dataloaders: their batch size is not known yet when this runs
@@ -285,7 +324,7 @@ class PPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         log_data_report(self)
         if self._rollout_batch_size():
-            check_batch_sizes(self.ppo, self._rollout_batch_size())
+            check_batch_sizes(self.ppo, self._rollout_batch_size(), self.sampling.num_samples_per_prompt)
         if self.ptx_cfg.coef > 0:
             self._ptx = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
             if self._ptx_consumed:
@@ -299,13 +338,13 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------------ the PPO iteration
     def training_step(self, batch: dict, batch_idx: int) -> None:
         t0 = time.perf_counter()
-        check_batch_sizes(self.ppo, batch["input_ids"].shape[0])
+        check_batch_sizes(self.ppo, batch["input_ids"].shape[0], self.sampling.num_samples_per_prompt)
         # 1-4. sampling, reference / old log-probs and values, reward scores (rlhf_lit.rollout)
         rollout = collect_rollout(self, batch, sample=sample_responses)
         t1 = t0 + rollout.generation_s
         # 5. token rewards, advantages, returns (the estimator; rlhf_lit.algorithms)
-        kl_coef = self.kl_ctl.value
-        adv = self.estimator(rollout, kl_coef, is_distributed(self.trainer))
+        kl_coef, kl_in_loss = self.kl_ctl.value, self.ppo.kl_in_loss()
+        adv = self.estimator(rollout, 0.0 if kl_in_loss else kl_coef, is_distributed(self.trainer))
         t2 = time.perf_counter()
         # 6. PPO epochs over shuffled minibatches (rlhf_lit.modules.ppo_update)
         update_stats = self._update(
@@ -317,6 +356,7 @@ class PPOModule(L.LightningModule):
             rollout.old_values,
             adv.advantages,
             adv.returns,
+            **({"ref_logprobs": rollout.ref_logprobs, "kl_coef": kl_coef} if kl_in_loss else {}),
         )
         t3 = time.perf_counter()
         # 7. KL controller and metrics
@@ -346,11 +386,23 @@ class PPOModule(L.LightningModule):
         old_values,
         advantages,
         returns,
+        ref_logprobs=None,
+        kl_coef: float = 0.0,
     ) -> dict[str, float]:
         """Step 6 on the fields of ``UpdateBatch`` (in its order; tests record them here): see
-        ``rlhf_lit.modules.ppo_update.ppo_update``."""
+        ``rlhf_lit.modules.ppo_update.ppo_update``. ``ref_logprobs`` and ``kl_coef`` are given only with the
+        KL in the loss (``ppo.kl_placement: loss``)."""
         batch = UpdateBatch(
-            input_ids, attention_mask, prompt_len, update_mask, old_logprobs, old_values, advantages, returns
+            input_ids,
+            attention_mask,
+            prompt_len,
+            update_mask,
+            old_logprobs,
+            old_values,
+            advantages,
+            returns,
+            ref_logprobs=ref_logprobs,
+            kl_coef=kl_coef,
         )
         return ppo_update(self, batch, schedule=epoch_schedule)
 
@@ -375,7 +427,7 @@ class PPOModule(L.LightningModule):
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
         # the iteration's samples as text, for callbacks (RolloutSamples, an evaluation-only gold scorer)
-        self.last_rollout = rollout.as_text(self.tokenizer, batch["input_ids"])
+        self.last_rollout = rollout.as_text(self.tokenizer, rollout.prompt_ids)
         progress = {
             "iter": float(self.iteration),
             "score": values[M.ROLLOUT_SCORE_MEAN],

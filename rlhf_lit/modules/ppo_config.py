@@ -33,7 +33,8 @@ class PPOConfig:
         value_clip_range: clip of the value update around the rollout value; null disables.
         vf_coef: weight of the value loss.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
-        whiten_advantages: normalise advantages to mean 0, variance 1 over the rollout's response tokens.
+        whiten_advantages: normalise advantages to mean 0, variance 1 over the rollout's response tokens
+            (``gae``; ``reinforce_pp`` always does, ``grpo`` / ``rloo`` never: their baselines are the group's).
         max_grad_norm: clip the global gradient norm (actor and critic together); null disables.
         max_consecutive_skips: an optimizer step whose global gradient norm is inf or nan is skipped (no
             parameter, optimizer-state or schedule change; counted in ``ppo/skipped_steps``); this many
@@ -47,6 +48,25 @@ class PPOConfig:
         seed: seed of the minibatch shuffles (mixed with the iteration number). Every rank draws the same
             permutation of the GLOBAL rollout batch per epoch and takes its own rows of each global
             minibatch, so several ranks see the minibatches one rank would.
+        advantage_estimator: ``gae`` (PPO with a critic; Schulman et al. 2016), or a critic-free one, which
+            builds no critic adapter and no value head: ``grpo`` (group-normalised rewards of
+            ``sampling.num_samples_per_prompt`` >= 2 responses per prompt; Shao et al. 2024), ``rloo``
+            (leave-one-out baseline over the group; Ahmadian et al. 2024), ``reinforce_pp`` (REINFORCE++:
+            KL-shaped token returns normalised over the global batch; Hu 2025). ``rlhf_lit.algorithms``.
+        scale_by_std: ``grpo`` only: divide by the group's std (GRPO); false = Dr.GRPO (Liu et al. 2025).
+        loss_aggregation: how the token losses of a global minibatch make its loss: ``token_mean`` (every
+            update token weighs the same), ``seq_mean_token_mean`` (mean over responses of each response's
+            token mean; GRPO, Shao et al. 2024 eq. 3), ``token_sum_norm`` (sum over tokens divided by
+            responses x ``loss_norm_constant``; Dr.GRPO, Liu et al. 2025 eq. 3). Default per estimator:
+            ``gae`` and ``reinforce_pp`` token_mean; ``grpo`` seq_mean_token_mean, or token_sum_norm with
+            ``scale_by_std: false``; ``rloo`` token_sum_norm (its REINFORCE gradient sums over a response's
+            tokens).
+        loss_norm_constant: the constant of ``token_sum_norm`` (tokens per response); default
+            ``sampling.max_new_tokens``.
+        kl_placement: ``reward`` (``-kl_coef * KL_t`` in the token rewards; Ziegler et al. 2019) or ``loss``
+            (``kl_coef`` times the k3 estimate of KL(policy || reference) per token, aggregated like the
+            policy loss, added to it; GRPO, Shao et al. 2024 eq. 3-4). Default: ``loss`` for ``grpo``,
+            ``reward`` otherwise. ``kl.kl_coef`` (and its controller) sets the weight either way.
     """
 
     ppo_epochs: int = 4
@@ -66,10 +86,38 @@ class PPOConfig:
     rollout_forward_batch_size: int | None = None
     logprob_chunk_size: int | None = None
     seed: int = 0
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    scale_by_std: bool = True
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"] | None = None
+    loss_norm_constant: float | None = None
+    kl_placement: Literal["reward", "loss"] | None = None
 
     def __post_init__(self) -> None:
         if self.max_consecutive_skips < 1:
             raise ValueError(f"ppo.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+
+    @property
+    def needs_critic(self) -> bool:
+        """Only GAE reads a critic's values; the other estimators build none."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def needs_groups(self) -> bool:
+        """GRPO and RLOO compare the responses to one prompt (n >= 2 of them)."""
+        return self.advantage_estimator in ("grpo", "rloo")
+
+    def aggregation(self) -> str:
+        """``loss_aggregation``, or the estimator's default (see the class docstring)."""
+        if self.loss_aggregation is not None:
+            return self.loss_aggregation
+        if self.advantage_estimator == "grpo":
+            return "seq_mean_token_mean" if self.scale_by_std else "token_sum_norm"
+        return "token_sum_norm" if self.advantage_estimator == "rloo" else "token_mean"
+
+    def kl_in_loss(self) -> bool:
+        """``kl_placement``, or the estimator's default (GRPO: in the loss)."""
+        placement = self.kl_placement or ("loss" if self.advantage_estimator == "grpo" else "reward")
+        return placement == "loss"
 
 
 @dataclass
@@ -117,7 +165,8 @@ class RewardShapingConfig:
 
 @dataclass
 class CriticConfig:
-    """The critic: a LoRA adapter on the shared base plus a value head.
+    """The critic: a LoRA adapter on the shared base plus a value head (none with a critic-free
+    ``ppo.advantage_estimator``: these settings are then unused, and ``init_from_reward`` is refused).
 
     Args:
         lora: the critic adapter's LoRA settings; ignored with ``shared_trunk``.
@@ -209,6 +258,26 @@ def refuse_impossible_settings(backbone, sampling) -> None:
         )
 
 
+def check_advantage_estimator(ppo: PPOConfig, sampling, critic: CriticConfig) -> None:
+    """Estimator settings that cannot work, refused before any model loads.
+
+    Raises:
+        ValueError: for ``grpo`` / ``rloo`` with ``sampling.num_samples_per_prompt < 2`` (a group of one has
+            no baseline), or ``critic.init_from_reward`` with a critic-free estimator (there is no critic).
+    """
+    n = getattr(sampling, "num_samples_per_prompt", 1)
+    if ppo.needs_groups and n < 2:
+        raise ValueError(
+            f"ppo.advantage_estimator={ppo.advantage_estimator} compares the responses to one prompt: set "
+            f"sampling.num_samples_per_prompt >= 2 (it is {n})"
+        )
+    if not ppo.needs_critic and critic.init_from_reward:
+        raise ValueError(
+            f"critic.init_from_reward is set, but ppo.advantage_estimator={ppo.advantage_estimator} builds no "
+            "critic; drop critic.init_from_reward"
+        )
+
+
 def check_stop_tokens(shaping: RewardShapingConfig, stop_ids: list[int]) -> None:
     """Raises ValueError for a missing-EOS penalty without any stop token (every response would pay it)."""
     if shaping.missing_eos_penalty is not None and not stop_ids:
@@ -219,14 +288,16 @@ def check_stop_tokens(shaping: RewardShapingConfig, stop_ids: list[int]) -> None
         )
 
 
-def check_batch_sizes(ppo: PPOConfig, rollout_batch_size: int) -> None:
-    """Raises ValueError unless ``ppo_minibatch_size`` divides the rollout and ``micro_batch_size`` the
-    minibatch (DESIGN.md: rollout_batch_size >= ppo_minibatch_size >= micro_batch_size)."""
+def check_batch_sizes(ppo: PPOConfig, rollout_batch_size: int, samples_per_prompt: int = 1) -> None:
+    """Raises ValueError unless ``ppo_minibatch_size`` divides the rollout's responses (prompts x
+    ``samples_per_prompt``) and ``micro_batch_size`` the minibatch (DESIGN.md: rollout_batch_size >=
+    ppo_minibatch_size >= micro_batch_size)."""
     mb = ppo.ppo_minibatch_size
     micro = ppo.micro_batch_size or mb
-    if rollout_batch_size % mb:
+    if (rollout_batch_size * samples_per_prompt) % mb:
+        per = f" x sampling.num_samples_per_prompt={samples_per_prompt}" if samples_per_prompt > 1 else ""
         raise ValueError(
-            f"rollout_batch_size={rollout_batch_size} (the prompt data module's batch_size) must be a "
+            f"rollout_batch_size={rollout_batch_size} (the prompt data module's batch_size){per} must be a "
             f"multiple of ppo.ppo_minibatch_size={mb}"
         )
     if mb % micro:

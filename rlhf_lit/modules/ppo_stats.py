@@ -47,6 +47,8 @@ def iteration_stats(rollout: Rollout, adv: Advantages, has_stop_token: bool, dis
         stats[M.CRITIC_VALUE_MEAN] = masked_mean(r.old_values, update_mask, distributed=distributed)
         if adv.returns is not None:
             stats[M.CRITIC_EXPLAINED_VARIANCE] = explained_variance(r.old_values, adv.returns, update_mask)
+    for name, scores in r.reward_components.items():
+        stats[M.ROLLOUT_SOURCE_SCORE.format(name=name)] = scores[finite].mean()
     stats[M.MONITOR_REF_PERPLEXITY] = torch.exp(
         -masked_mean(r.ref_logprobs, update_mask, distributed=distributed)
     )

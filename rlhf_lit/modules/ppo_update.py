@@ -10,7 +10,10 @@ The loss of a minibatch is the token mean over the GLOBAL minibatch (this rank's
 other rank's): DDP and FSDP average gradients over ranks, so a micro-batch's mean loss is weighted by
 ``world_size * its tokens / global tokens``; the average of the ranks' gradients is then
 ``sum(token losses) / global tokens`` however unevenly rows and tokens are spread (a per-rank mean,
-averaged, would not be). One rank: ``n / N``.
+averaged, would not be). One rank: ``n / N``. The other aggregations (``ppo.loss_aggregation``) weigh each
+token by ``w`` (:func:`aggregation_weights`): the micro-batch's ``w``-weighted mean times
+``world_size * sum(its w) / D``, with ``D`` the global minibatch's ``sum(w)`` (its number of responses for
+``seq_mean_token_mean``) or, for ``token_sum_norm``, its responses x ``ppo.loss_norm_constant``.
 
 Lightning's manual-optimization contract (DESIGN.md): ``manual_backward`` for every backward, our own
 clipping (Lightning's FSDP precision plugin refuses norm clipping), ``opt.step()`` and ``sched.step()``
@@ -39,11 +42,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["UpdateBatch", "clip_global_grad_norm", "epoch_schedule", "micro_batch_backward", "ppo_update"]
+LOSS_KEYS = (
+    M.PPO_POLICY_LOSS,
+    M.PPO_VALUE_LOSS,
+)  # logged as aggregated (ppo.loss_aggregation); the rest token means
+
+__all__ = [
+    "UpdateBatch",
+    "aggregation_weights",
+    "clip_global_grad_norm",
+    "epoch_schedule",
+    "micro_batch_backward",
+    "ppo_update",
+]
 
 
 def epoch_schedule(
-    order: torch.Tensor, world_size: int, rank: int, minibatch_size: int, micro_batch_size: int
+    order: torch.Tensor,
+    world_size: int,
+    rank: int,
+    minibatch_size: int,
+    micro_batch_size: int,
+    group_size: int = 1,
 ) -> list[tuple[torch.Tensor, int]]:
     """This rank's rows of each global minibatch of one PPO epoch, and the micro-batches every rank runs.
 
@@ -56,12 +76,17 @@ def epoch_schedule(
     DDP and FSDP need the same number of forwards and backwards on every rank, so the micro-batch count of a
     minibatch is the largest over the ranks (a rank with fewer runs empty, zero-weight micro-batches).
 
+    With n samples per prompt (``group_size``) a rank holds the n responses of each of its prompts in
+    consecutive rows, so global row ``g`` is sample ``g % n`` of global prompt ``q = g // n``, held by rank
+    ``q % W`` as its row ``(q // W) * n + g % n``: the same numbering as one rank holding every prompt.
+
     Args:
         order: ``(W * B,)`` a permutation of the global rows.
         world_size: W.
         rank: this rank.
         minibatch_size: ``ppo.ppo_minibatch_size``, rows per rank per minibatch on average.
         micro_batch_size: rows per forward / backward.
+        group_size: n, responses per prompt (``sampling.num_samples_per_prompt``).
 
     Returns:
         One ``(local_rows, num_micro_batches)`` per global minibatch; ``local_rows`` is a long tensor of this
@@ -72,10 +97,12 @@ def epoch_schedule(
     out = []
     for start in range(0, order.numel(), global_mb):
         rows = order[start : start + global_mb]
-        owners = rows % world_size
+        prompt, sample = rows // group_size, rows % group_size
+        owners = prompt % world_size
         counts = torch.bincount(owners, minlength=world_size)
         n_micro = int(-(-int(counts.max()) // micro_batch_size))
-        out.append((rows[owners == rank] // world_size, n_micro))
+        local = (prompt // world_size) * group_size + sample
+        out.append((local[owners == rank], n_micro))
     return out
 
 
@@ -91,6 +118,9 @@ class UpdateBatch:
         old_values: ``(B, R)`` or None without a critic.
         advantages: ``(B, R)``.
         returns: ``(B, R)`` or None without a critic.
+        ref_logprobs: ``(B, R)`` with the KL in the loss, else None; ``kl_coef`` its weight.
+        token_weights: ``(B, R)`` the loss aggregation's weights (:func:`aggregation_weights`), or None for
+            the plain token mean.
     """
 
     input_ids: torch.Tensor
@@ -101,6 +131,9 @@ class UpdateBatch:
     old_values: torch.Tensor | None
     advantages: torch.Tensor
     returns: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None = None
+    kl_coef: float = 0.0
+    token_weights: torch.Tensor | None = None
 
     def micro_batch(self, rows: torch.Tensor) -> MicroBatch:
         """Rows ``rows`` (long, on the batch's device), with the prompt columns that are padding in all of
@@ -120,7 +153,26 @@ class UpdateBatch:
             advantages=self.advantages[rows],
             old_values=None if self.old_values is None else self.old_values[rows],
             returns=None if self.returns is None else self.returns[rows],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
+            kl_coef=self.kl_coef,
+            token_weights=None if self.token_weights is None else self.token_weights[rows],
         )
+
+
+def aggregation_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor | None:
+    """``(B, R)`` float token weights of a loss aggregation (``ppo.loss_aggregation``), 0 off the update
+    tokens: None for ``token_mean`` (the objective's plain token mean), 1 for ``token_sum_norm``, and
+    ``1 / (the response's update tokens)`` for ``seq_mean_token_mean`` (Shao et al. 2024, eq. 3's
+    ``1 / |o_i|``), so that each response weighs the same. E.g. mask ``[[1, 1, 0], [1, 0, 0]]`` ->
+    ``[[0.5, 0.5, 0], [1, 0, 0]]``."""
+    if aggregation == "token_mean":
+        return None
+    weights = mask.float()
+    if aggregation == "seq_mean_token_mean":
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=1.0)
+    elif aggregation != "token_sum_norm":
+        raise ValueError(f"unknown ppo.loss_aggregation {aggregation!r}")
+    return weights
 
 
 def ppo_update(
@@ -135,6 +187,9 @@ def ppo_update(
         NonFiniteError: after ``ppo.max_consecutive_skips`` optimizer steps in a row with a non-finite norm.
     """
     cfg, trainer = module.ppo, module.trainer
+    aggregation = cfg.aggregation()
+    batch.token_weights = aggregation_weights(batch.mask, aggregation)
+    group_size = module.sampling.num_samples_per_prompt
     opt, sched = module.optimizers(), module.lr_schedulers()
     micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
     world_size, rank = trainer.world_size, trainer.global_rank
@@ -154,18 +209,28 @@ def ppo_update(
         # one permutation of the GLOBAL batch, the same on every rank (same generator): each rank takes its
         # own rows of each global minibatch, so the minibatches are those of one rank holding every row
         order = torch.randperm(batch.input_ids.shape[0] * world_size, generator=generator)
-        for mb_rows, n_micro in schedule(order, world_size, rank, cfg.ppo_minibatch_size, micro):
+        for mb_rows, n_micro in schedule(order, world_size, rank, cfg.ppo_minibatch_size, micro, group_size):
             mb_rows = mb_rows.to(batch.input_ids.device)
             global_tokens = global_sum(trainer, batch.mask[mb_rows].sum().float()).clamp(min=1.0)
+            denominator = (
+                global_tokens
+                if aggregation == "token_mean"
+                else minibatch_denominator(module, batch, mb_rows, aggregation)
+            )
             opt.zero_grad()
             for m in range(n_micro):
                 mb = batch.micro_batch(mb_rows[m * micro : (m + 1) * micro])
-                weight = world_size * mb.mask.sum().float() / global_tokens
+                tokens = mb.mask.sum().float()
+                mass = tokens if mb.token_weights is None else mb.token_weights[mb.mask].sum()
+                weight = world_size * mass / denominator
                 stats = micro_batch_backward(module, mb, weight, passes)
-                # the same weights for the logged statistics: their mean over ranks is then the token mean
-                # over the global minibatch, as on one rank
+                # the losses are logged with the loss's weights (their sum is the minibatch's loss, aggregated
+                # as configured), every other statistic with token weights: their mean over ranks is then the
+                # token mean over the global minibatch, as on one rank (the same weights under token_mean)
+                token_weight = world_size * tokens / global_tokens
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(weight) * float(value)
+                    w = weight if key in LOSS_KEYS else token_weight
+                    sums[key] = sums.get(key, 0.0) + float(w) * float(value)
             if module._ptx is not None:
                 sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + ptx_backward(module)
             n_steps += 1
@@ -177,6 +242,19 @@ def ppo_update(
     out[M.PPO_GRAD_NORM] = grad_norms / n_applied if n_applied else float("nan")
     out[M.PPO_SKIPPED_STEPS] = float(n_steps - n_applied)
     return out
+
+
+def minibatch_denominator(module: PPOModule, batch: UpdateBatch, rows: torch.Tensor, aggregation: str):
+    """``D`` of the module docstring for this rank's ``rows`` of a global minibatch (a collective), for the
+    aggregations other than ``token_mean`` (whose ``D`` is the global minibatch's update tokens): its responses
+    with an update token (``seq_mean_token_mean``) or its responses x ``ppo.loss_norm_constant`` (default
+    ``sampling.max_new_tokens``; ``token_sum_norm``). At least 1."""
+    trainer, mask = module.trainer, batch.mask[rows]
+    if aggregation == "seq_mean_token_mean":
+        return global_sum(trainer, batch.token_weights[rows].sum()).clamp(min=1.0)
+    constant = module.ppo.loss_norm_constant or module.sampling.max_new_tokens
+    rows_total = global_sum(trainer, torch.tensor(float(rows.numel()), device=mask.device))
+    return (rows_total * constant).clamp(min=1.0)
 
 
 def micro_batch_backward(

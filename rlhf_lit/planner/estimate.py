@@ -115,7 +115,7 @@ def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
     critic_lora = s.critic_lora or {}
     critic_params = (
         0
-        if s.shared_critic
+        if s.shared_critic or s.critic_free
         else shape.lora_params(critic_lora.get("r", 8), critic_lora.get("target_modules", "all-linear"))
     )
     reward_adapter = lora_params if s.reward_mode == "adapter" else 0
@@ -123,12 +123,13 @@ def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
         "LoRA adapters (fp32)",
         (lora_params + critic_params + reward_adapter) * 4 / z.W,
         f"actor {lora_params / 1e6:.2f} M"
-        + ("" if s.shared_critic else f", critic {critic_params / 1e6:.2f} M")
+        + ("" if s.shared_critic or s.critic_free else f", critic {critic_params / 1e6:.2f} M")
         + (f", reward {reward_adapter / 1e6:.2f} M (frozen)" if reward_adapter else ""),
     )
-    est.static += est.add(
-        "value head (+ reward head)", (H + 1) * 4 * (2 if s.reward_mode == "adapter" else 1), "fp32"
-    )
+    heads = (0 if s.critic_free else 1) + (1 if s.reward_mode == "adapter" else 0)
+    if heads:
+        name = "reward head" if s.critic_free else "value head (+ reward head)"
+        est.static += est.add(name, (H + 1) * 4 * heads, "fp32")
     if s.reward_mode == "separate" and reward_shape is not None:
         rcfg = s.reward_backbone
         rbytes = weights_bytes(
@@ -142,7 +143,7 @@ def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
             rbytes / z.W + (reward_shape.hidden + 1) * 4,
             f"{reward_shape.num_params / 1e6:,.1f} M params",
         )
-    return lora_params + critic_params + H + 1
+    return lora_params + critic_params + (0 if s.critic_free else H + 1)
 
 
 def _activations(est: Estimate, z: _Sizes, tokens: int, forwards: int = 1) -> tuple[float, float, float]:
@@ -199,7 +200,7 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     """PPO's rollout (KV cache + prefill), experience (no-grad forwards) and update (one micro-batch)."""
     s, shape = est.settings, est.shape
     L, H, V = shape.num_layers, shape.hidden, shape.vocab
-    B, P, R, m = s.batch_size, s.prompt_len, s.response_len, s.ppo_micro_batch
+    B, P, R, m = s.batch_size * s.samples_per_prompt, s.prompt_len, s.response_len, s.ppo_micro_batch
     T = P + R
     kv_cache = est.add(
         "KV cache (rollout)", 2 * L * B * T * shape.kv * z.s_a, f"2 x L x {B} x {T} tokens x kv {shape.kv}"
@@ -214,7 +215,7 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     est.phases["experience"] = experience
     # one process: the actor's backward runs before the critic's forward (the two-pass update), so only one
     # forward's activations are alive; several processes keep both (DDP needs one backward)
-    forwards = 1 if s.shared_critic or s.world_size == 1 else 2
+    forwards = 1 if s.shared_critic or s.critic_free or s.world_size == 1 else 2
     act, full, with_ckpt = _activations(est, z, m * T, forwards)
     est.add(
         "activations (PPO micro-batch)",

@@ -431,3 +431,58 @@ def test_all_shipped_configs_pass_the_value_checks():
                 check_config(captured["c"], "fit")
         finally:
             patch.undo()
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (
+            {"model.init_args.ppo.advantage_estimator": "grpo"},
+            r"advantage_estimator=grpo compares the responses to one prompt: set .*num_samples_per_prompt >= 2 \(it is 1\)",
+        ),
+        (
+            {
+                "model.init_args.ppo.advantage_estimator": "rloo",
+                "model.init_args.sampling.num_samples_per_prompt": 1,
+            },
+            r"num_samples_per_prompt >= 2",
+        ),
+        (
+            {
+                "model.init_args.ppo.advantage_estimator": "grpo",
+                "model.init_args.sampling.num_samples_per_prompt": 3,
+                "model.init_args.ppo.ppo_minibatch_size": 16,
+            },
+            r"batch_size \(8 prompts per rollout\) x sampling.num_samples_per_prompt \(3\) must be a multiple of "
+            r".*ppo_minibatch_size \(16\)",
+        ),
+        (
+            {
+                "model.init_args.ppo.advantage_estimator": "reinforce_pp",
+                "model.init_args.critic.init_from_reward": True,
+            },
+            r"critic.init_from_reward is set, but ppo.advantage_estimator=reinforce_pp builds no critic",
+        ),
+        ({"model.init_args.sampling.num_samples_per_prompt": 0}, r"num_samples_per_prompt"),
+    ],
+    ids=[
+        "grpo_one_sample",
+        "rloo_one_sample",
+        "group_rollout",
+        "critic_free_init_from_reward",
+        "zero_samples",
+    ],
+)
+def test_group_estimator_checks(changes, expected):
+    config = parsed("PPOModule")
+    for key, value in changes.items():
+        _set(config, key, value)
+    with pytest.raises(ConfigError, match=expected):
+        check(config)
+
+
+def test_group_estimator_with_enough_samples_passes_the_checks():
+    config = parsed("PPOModule")
+    _set(config, "model.init_args.ppo.advantage_estimator", "grpo")
+    _set(config, "model.init_args.sampling.num_samples_per_prompt", 2)
+    check(config)
