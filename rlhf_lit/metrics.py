@@ -110,7 +110,7 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_NO_EOS_FRAC: "fraction of responses that reached max_new_tokens without a stop token",
     ROLLOUT_NON_FINITE_SCORES: "responses of the iteration (all ranks) whose reward-model score was inf or nan, "
     "dropped from the update (reward.skip_non_finite; without it such a score stops the run)",
-    PPO_POLICY_LOSS: "clipped surrogate loss (token-level mean)",
+    PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",
     PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2) (token-level mean)",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",
     PPO_CLIPFRAC: "fraction of response tokens whose ratio fell outside [1-clip_range, 1+clip_range]",

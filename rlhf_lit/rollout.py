@@ -7,9 +7,10 @@
 2. reference log-probs, every adapter off;
 3. old log-probs (actor) and values (critic), at the sampling temperature with dropout off, and the
    per-token KL to the reference (``kl.estimator``);
-4. the reward function's scores (``RewardSource.score``: the calibrated reward model; a later rule-based
-   reward implements the same :class:`RewardFunction` call), the non-finite guard, the missing-EOS penalty,
-   normalisation and clipping.
+4. the reward function's scores (``RewardSource.score``: the calibrated reward model; or
+   ``rlhf_lit.rewards.MixedReward.score``: a weighted sum of reward models and Python reward functions, the
+   same :class:`RewardFunction` call), the non-finite guard, the missing-EOS penalty, normalisation and
+   clipping.
 
 Step 5 (token rewards, advantages, returns) belongs to an advantage estimator (``rlhf_lit.algorithms``):
 it reads a :class:`Rollout` and nothing else, so estimators that need no critic (``old_values is None``)
@@ -45,6 +46,7 @@ __all__ = [
     "RewardFunction",
     "Rollout",
     "collect_rollout",
+    "repeat_prompts",
     "experience_forwards",
     "sample_from_actor",
     "validation_rollout",
@@ -55,8 +57,9 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 class RewardFunction(Protocol):
     """What step 4 calls: ``(B,)`` float scores of ``(B, P)`` left-padded prompts and ``(B, R)`` responses
-    (``RewardSource.score`` is one). ``has_stop`` is ``(B,)`` bool; ``prompts`` the data's prompts (strings
-    or message lists) or None. A score may be inf or nan; the guard of :func:`collect_rollout` handles it."""
+    (``RewardSource.score`` and ``rlhf_lit.rewards.MixedReward.score`` are two). ``has_stop`` is ``(B,)`` bool;
+    ``prompts`` the data's prompts (strings or message lists) or None; ``fields`` the prompt rows' fields
+    (``batch["fields"]``) or None. A score may be inf or nan; the guard of :func:`collect_rollout` handles it."""
 
     def __call__(
         self,
@@ -66,6 +69,7 @@ class RewardFunction(Protocol):
         response_mask: torch.Tensor,
         has_stop: torch.Tensor | None = None,
         prompts: list[Any] | None = None,
+        fields: list[dict] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -240,7 +244,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
         response_mask,
         has_stop,
         batch.get("prompt"),
-        batch.get("fields"),
+        **_fields(module, batch),
     )
     finite, num_non_finite = finite_scores(module, raw_scores, batch, response_ids, response_mask)
     return Rollout(
@@ -282,11 +286,26 @@ def validation_rollout(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     ref_logprobs, logprobs, _ = module._experience_forwards(input_ids, attention_mask, prompt_ids.shape[1])
-    scores = module.reward_source.score(
-        prompt_ids, prompt_mask, response_ids, response_mask, None, batch.get("prompt"), batch.get("fields")
-    )
+    if getattr(module.reward_source, "reads_fields", False):  # reward functions read prompts and row fields
+        scores = module.reward_source.score(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            None,
+            batch.get("prompt"),
+            **_fields(module, batch),
+        )
+    else:
+        scores = module.reward_source.score(prompt_ids, prompt_mask, response_ids, response_mask)
     kl = ((logprobs - ref_logprobs) * response_mask).sum(-1)
     return scores, kl, response_mask.sum(-1)
+
+
+def _fields(module: PPOModule, batch: dict) -> dict:
+    """``{"fields": the prompt rows' fields}`` for a reward source that reads them (``reads_fields``, e.g.
+    ``rlhf_lit.rewards.MixedReward``), else nothing: a reward model is called as before."""
+    return {"fields": batch.get("fields")} if getattr(module.reward_source, "reads_fields", False) else {}
 
 
 def shaped_scores(

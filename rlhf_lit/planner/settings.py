@@ -138,13 +138,6 @@ def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Pat
     ppo = as_config(PPOConfig, init.get("ppo")) or PPOConfig()
     sampling = as_config(SamplingConfig, init.get("sampling")) or SamplingConfig()
     critic = as_config(CriticConfig, init.get("critic")) or CriticConfig()
-    reward_model = init["reward_model"]
-    if isinstance(reward_model, list):  # a list of reward sources: the planner counts its first model, if any
-        models = [e.get("model") for e in reward_model if isinstance(e, dict) and e.get("model")]
-        reward_model = models[0] if models else None
-    if reward_model is None:
-        return
-    reward_model = as_config(RewardModelConfig, reward_model)
     settings.prompt_len = int(
         data.get("max_prompt_length") or data.get("pad_to_length") or UNLIMITED_PROMPT_GUESS
     )
@@ -157,6 +150,13 @@ def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Pat
     settings.critic_free = not ppo.needs_critic
     settings.samples_per_prompt = sampling.num_samples_per_prompt
     settings.critic_lora = {"r": critic.lora.r, "target_modules": critic.lora.target_modules}
+    reward_model = init["reward_model"]
+    if isinstance(reward_model, list):  # a list of reward sources: the planner counts its first model, if any
+        models = [e.get("model") for e in reward_model if isinstance(e, dict) and e.get("model")]
+        reward_model = models[0] if models else None
+    if reward_model is None:  # reward functions only: no reward model to hold
+        return
+    reward_model = as_config(RewardModelConfig, reward_model)
     settings.reward_mode = reward_model.mode
     settings.reward_dtype = reward_model.dtype
     settings.reward_load_in_4bit = reward_model.load_in_4bit

@@ -85,18 +85,42 @@ def fixed_rollout(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, s
     return response.to(prompt_ids.device), mask.to(prompt_ids.device), torch.tensor(stops)
 
 
-def equality_module(batch_per_rank: int):
+GROUP_SIZE = 2  # the group scenario: GRPO, 2 responses per prompt
+GROUP_ROWS: list[bool] = []  # per rollout on this rank: every prompt's n rows were consecutive and distinct
+
+
+def fixed_group_rollout(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, synced_gpus=False):
+    """``fixed_rollout`` for groups: the j-th consecutive copy of a prompt answers as prompt sum + 13 j, so
+    the n responses of a prompt differ (the group has a spread) and are the same on any number of ranks as
+    long as the copies of a prompt stay together. Records whether they did (``GROUP_ROWS``)."""
+    copies, shifted = [], prompt_ids.clone()
+    for i, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask.bool())):
+        same = i > 0 and torch.equal(ids, prompt_ids[i - 1]) and torch.equal(mask, prompt_mask[i - 1].bool())
+        copies.append(copies[-1] + 1 if same else 0)
+        shifted[i][mask.nonzero()[-1]] += (
+            13 * copies[-1]
+        )  # the last prompt token stands in for the copy index
+    GROUP_ROWS.append(all(c == i % GROUP_SIZE for i, c in enumerate(copies)))
+    return fixed_rollout(model, shifted, prompt_mask, cfg, stop_ids, pad_token_id, synced_gpus)
+
+
+def equality_module(batch_per_rank: int, group: bool = False):
+    from rlhf_lit.generation import SamplingConfig
     from tests.ppo.helpers import make_module
 
+    n = GROUP_SIZE if group else 1
+    extra = {"sampling": SamplingConfig(max_new_tokens=8, temperature=0.7, num_samples_per_prompt=n)}
     torch.manual_seed(0)  # the LoRA init: identical on every rank (FSDP2 keeps each rank's own slice)
     return make_module(
+        **(extra if group else {}),
         ppo=PPOConfig(
             ppo_epochs=EQUALITY_EPOCHS,
             # per rank: the global minibatch is world_size x this, so 2 global minibatches per epoch
-            ppo_minibatch_size=batch_per_rank // MINIBATCHES_PER_EPOCH,
+            ppo_minibatch_size=batch_per_rank * n // MINIBATCHES_PER_EPOCH,
             micro_batch_size=2,
             total_iterations=EQUALITY_ITERATIONS,
             max_grad_norm=EQUALITY_MAX_GRAD_NORM,
+            **({"advantage_estimator": "grpo"} if group else {}),
         ),
         kl=KLConfig(kl_coef=0.05, adaptive=True, target_kl=0.01, horizon=100),
         reward=RewardShapingConfig(normalize=True, clip=5.0, missing_eos_penalty=0.5),
@@ -110,13 +134,14 @@ def trainable_state(module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().cpu() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
-    """PPO iterations on fixed responses; returns (and, on rank 0, saves) the update and the statistics."""
+def run_equality(out: Path, strategy: str | None, world_size: int, group: bool = False) -> dict:
+    """PPO iterations on fixed responses; returns (and, on rank 0, saves) the update and the statistics.
+    ``group``: GRPO with ``GROUP_SIZE`` responses per prompt (``fixed_group_rollout``)."""
     import rlhf_lit.modules.ppo as ppo_mod
     from tests.ppo.helpers import make_data, make_trainer
 
     batch = GLOBAL_BATCH // world_size
-    module = equality_module(batch)
+    module = equality_module(batch, group)
     before = trainable_state(module)
     original, original_schedule = ppo_mod.sample_responses, ppo_mod.epoch_schedule
     rows_per_minibatch: list[int] = []  # this rank's rows in each global minibatch, in order
@@ -126,8 +151,10 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
         rows_per_minibatch.extend(int(rows.numel()) for rows, _ in out)
         return out
 
-    ppo_mod.sample_responses, ppo_mod.epoch_schedule = fixed_rollout, schedule
+    ppo_mod.sample_responses = fixed_group_rollout if group else fixed_rollout
+    ppo_mod.epoch_schedule = schedule
     ROLLOUT_TOKENS.clear()
+    GROUP_ROWS.clear()
     try:
         if strategy is None:
             kwargs = {}
@@ -156,6 +183,7 @@ def run_equality(out: Path, strategy: str | None, world_size: int) -> dict:
             {
                 "tokens": list(ROLLOUT_TOKENS),
                 "rows_per_minibatch": rows_per_minibatch,
+                "groups_together": list(GROUP_ROWS),
                 "kl_coef": module.kl_ctl.value,
                 "score_stats": module.score_stats.state_dict(),
             },

@@ -38,8 +38,8 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("worker.py")
 SCENARIOS = {
-    "ddp": ["equality", "reward_tiny", "ppo_tiny"],
-    "fsdp2": ["equality", "resume", "reward_tiny", "ppo_tiny"],
+    "ddp": ["equality", "equality_grpo", "reward_tiny", "ppo_tiny"],
+    "fsdp2": ["equality", "equality_grpo", "resume", "reward_tiny", "ppo_tiny"],
 }
 # Statistics that must agree between 1 and 2 ranks (global by construction); the rest are timings.
 GLOBAL_STATS = (
@@ -258,3 +258,38 @@ def test_fsdp2_checkpoints_sharded_and_full_resume_exactly(run):
     assert keys and all("lora_" in k or "value_head" in k for k in keys)
     full = torch.load(out / "fsdp2_full.ckpt", weights_only=False)
     assert full["state_dict"] and all("lora_" in k or "value_head" in k for k in full["state_dict"])
+
+
+@pytest.fixture(scope="module")
+def one_rank_grpo(tmp_path_factory) -> dict:
+    """The 1-rank GRPO reference: 1 process x 8 prompts x 2 responses."""
+    return S.run_equality(tmp_path_factory.mktemp("one_rank_grpo"), None, world_size=1, group=True)
+
+
+def test_two_ranks_keep_groups_together_and_make_the_same_grpo_update_as_one_rank(run, one_rank_grpo):
+    """GRPO, 2 responses per prompt: each rank samples the 2 responses of its prompts in consecutive rows
+    (the group statistics are local), and 2 ranks x 4 prompts update as 1 rank x 8 prompts (DDP, and FSDP2:
+    no value head to shard)."""
+    strategy, out = run
+    two = torch.load(out / "equality_grpo" / "equality.pt", weights_only=False)
+    ranks = [_read(out / "equality_grpo" / f"tokens_rank{r}.json") for r in (0, 1)]
+    assert all(r["groups_together"] == [True] * S.EQUALITY_ITERATIONS for r in ranks)
+    assert two["iteration"] == one_rank_grpo["iteration"] == S.EQUALITY_ITERATIONS
+    assert one_rank_grpo["global_step"] == two["global_step"] == 8
+    rows = [r["rows_per_minibatch"] for r in ranks]  # 8 responses per global minibatch, split unevenly once
+    assert all(a + b == S.GLOBAL_BATCH * S.GROUP_SIZE // S.MINIBATCHES_PER_EPOCH for a, b in zip(*rows)), rows
+    assert any(a != b for a, b in zip(*rows)), rows
+    assert not [n for n in one_rank_grpo["delta"] if "critic" in n or "value_head" in n]
+    assert set(two["delta"]) == set(one_rank_grpo["delta"])
+    for name, delta in one_rank_grpo["delta"].items():
+        torch.testing.assert_close(
+            two["delta"][name], delta, rtol=1e-4, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        if "lora_B" in name:
+            assert delta.abs().max() > 1e-5, name
+    keys = [k for k in GLOBAL_STATS if k in one_rank_grpo["history"][0]] + [M.PPO_KL_LOSS]
+    assert M.PPO_VALUE_LOSS not in keys and len(keys) > 8
+    for h1, h2 in zip(one_rank_grpo["history"], two["history"]):
+        for key in keys:
+            tol = 2e-6 if key in (M.ROLLOUT_KL_REF, M.PPO_APPROX_KL, M.PPO_KL_LOSS) else 1e-7
+            assert h2[key] == pytest.approx(h1[key], rel=1e-4, abs=tol), key

@@ -13,6 +13,7 @@ Scenarios:
     ppo_tiny     ``configs/ppo/tiny.yaml`` through the CLI, 2 iterations, with rank 0 forced to emit its
                  stop token first (PITFALLS B19: it must keep stepping until rank 1 finishes).
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
+    equality_grpo  the same with GRPO and 2 responses per prompt (``run_equality(group=True)``).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
 """
 
@@ -148,7 +149,17 @@ def resume(out: Path, strategy: str) -> None:
         torch.save(results, out / "resume.pt")
 
 
-SCENARIOS = {"reward_tiny": reward_tiny, "ppo_tiny": ppo_tiny, "equality": equality, "resume": resume}
+def equality_grpo(out: Path, strategy: str) -> None:
+    S.run_equality(out / "equality_grpo", strategy, world_size=2, group=True)
+
+
+SCENARIOS = {
+    "reward_tiny": reward_tiny,
+    "ppo_tiny": ppo_tiny,
+    "equality": equality,
+    "equality_grpo": equality_grpo,
+    "resume": resume,
+}
 
 
 def main(argv: list[str]) -> None:

@@ -59,3 +59,55 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert resumed[2] == straight[2] != 0.05  # the adaptive KL coefficient moved, and identically
     assert resumed[3] == straight[3]
+
+
+def test_resumed_critic_free_run_equals_uninterrupted_run(tmp_path):
+    """The same for GRPO with 2 samples per prompt (KL in the loss, sequence-mean aggregation): the
+    checkpoint holds only the actor adapter, and the resumed run equals the straight one."""
+    from rlhf_lit.generation import SamplingConfig
+
+    n, steps_per_iter = 2, EPOCHS * BATCH * 2 // (2 * MINIBATCH)
+
+    def module_():
+        torch.manual_seed(0)
+        return make_module(
+            sampling=SamplingConfig(max_new_tokens=8, temperature=0.7, num_samples_per_prompt=n),
+            ppo=PPOConfig(
+                ppo_epochs=EPOCHS,
+                ppo_minibatch_size=2 * MINIBATCH,
+                total_iterations=N_ITER,
+                advantage_estimator="grpo",
+            ),
+            kl=KLConfig(kl_coef=0.05, adaptive=True, target_kl=0.01, horizon=100),
+            reward=RewardShapingConfig(normalize=True, clip=3.0),
+        )
+
+    module = module_()
+    trainer = make_trainer(tmp_path / "straight")
+    trainer.fit(module, datamodule=make_data(module, batch_size=BATCH))
+    straight = _state(module, trainer)
+    assert straight[4] == N_ITER and module.trainer.global_step == N_ITER * steps_per_iter
+
+    module = module_()
+    trainer = make_trainer(tmp_path / "first", max_steps=K_ITER * steps_per_iter)
+    trainer.fit(module, datamodule=make_data(module, batch_size=BATCH))
+    assert module.iteration == K_ITER
+    ckpt = tmp_path / "k.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["state_dict"] and all("lora_" in k and ".actor." in k for k in saved["state_dict"])
+
+    module = module_()
+    trainer = make_trainer(tmp_path / "resumed")
+    trainer.fit(module, datamodule=make_data(module, batch_size=BATCH), ckpt_path=str(ckpt))
+    resumed = _state(module, trainer)
+    assert resumed[4] == N_ITER
+    moved = 0.0
+    for name, value in straight[0].items():
+        torch.testing.assert_close(resumed[0][name], value, atol=1e-6, rtol=0)
+        moved = max(moved, float(value.abs().max()) if "lora_B" in name else 0.0)
+    assert moved > 1e-6  # the actor learnt something (lora_B starts at 0)
+    for a, b in zip(resumed[1], straight[1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert resumed[2] == straight[2] != 0.05
+    assert resumed[3] == straight[3]

@@ -52,8 +52,8 @@ def test_fields_reach_the_function_and_each_source_is_logged(tmp_path):
     scores = {}
     real = module.reward_source.score
 
-    def spy(*args):
-        scores["total"] = real(*args).clone()
+    def spy(*args, **kwargs):
+        scores["total"] = real(*args, **kwargs).clone()
         scores["parts"] = dict(module.reward_source.last_components)
         return scores["total"]
 
@@ -88,3 +88,36 @@ def test_the_tiny_grpo_config_runs_critic_free(tmp_path_factory):
     names = set(run.scalars())
     assert {"rollout/score/constraints", "rollout/score/ends_with_period", M.PPO_KL_LOSS} <= names
     assert not any(name.startswith("critic/") or name == M.PPO_VALUE_LOSS for name in names)
+
+
+def test_the_smollm2_grpo_constraints_config_wiring_runs_on_a_tiny_model(tmp_path):
+    """``configs/ppo/smollm2_grpo_constraints.yaml`` as shipped (real prompts, the constraint reward, GRPO's
+    settings, held-out prompts), with only the model swapped for a tiny GPT-2 and the outputs sent to tmp."""
+    from rlhf_lit.cli import cli_main
+    from tests.tiny_runs import in_repo_root, one_thread
+
+    backbone = (
+        "{name_or_path: null, gguf_file: null, tokenizer: byte, lora: {r: 4, alpha: 8, target_modules: [c_attn]},"
+        " tiny: {model_type: gpt2, n_layer: 2, n_embd: 64, n_head: 2, n_positions: 512}}"
+    )
+    args = [
+        "fit",
+        "--config=configs/ppo/smollm2_grpo_constraints.yaml",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.callbacks=[]",
+        "--model.init_args.export_dir=null",
+        "--model.init_args.ppo.total_iterations=1",
+        f"--model.init_args.backbone={backbone}",
+        "--data.init_args.chat_template=false",  # the byte tokenizer has no chat template
+    ]
+    with in_repo_root(), one_thread():
+        cli = cli_main(args)
+    module = cli.model
+    assert module.iteration == 1 and module.policy.value_head is None
+    assert module.sampling.num_samples_per_prompt == 4 and module.estimator.kind == "grpo"
+    assert module.ppo.aggregation() == "seq_mean_token_mean" and module.ppo.kl_in_loss()
+    assert len(module.last_rollout["response_text"]) == 16  # 4 prompts x 4 responses
+    scores = module.history[-1]["rollout/score/constraints"]
+    assert 0.0 <= scores <= 1.0
+    assert "val/score_mean" in cli.trainer.callback_metrics  # the 50 held-out prompts were scored

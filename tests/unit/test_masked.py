@@ -158,3 +158,16 @@ def test_two_ranks_use_global_statistics(tmp_path):
     close(r0["local"], [-1 / math.sqrt(2), 1 / math.sqrt(2)])
     close(r0["empty_shard"], [-1.0, 0.0, 1.0])
     close(r1["empty_shard"], [0.0, 0.0, 0.0])
+
+
+def test_masked_weighted_mean_by_hand():
+    from rlhf_lit.functional.masked import masked_weighted_mean
+
+    values = torch.tensor([[1.0, 3.0], [5.0, 100.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    # weights 1 / length: (0.5 * 1 + 0.5 * 3 + 1 * 5) / (0.5 + 0.5 + 1) = 7 / 2 = 3.5; the token mean is 3
+    weights = torch.tensor([[0.5, 0.5], [1.0, 7.0]])
+    torch.testing.assert_close(masked_weighted_mean(values, mask, weights), torch.tensor(3.5))
+    torch.testing.assert_close(masked_weighted_mean(values, mask), torch.tensor(3.0))
+    # no real token with weight: 0, not nan
+    assert float(masked_weighted_mean(values, torch.zeros_like(mask), weights)) == 0.0
