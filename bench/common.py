@@ -165,7 +165,8 @@ def workload_config(workload: str, fingerprint: dict, args, details: dict, train
                    base_path=show_path(W.base_dir()), rm_path=show_path(W.rm_dir()),
                    base_init_seed=W.BASE_INIT_SEED, rm_head_seed=W.RM_HEAD_SEED),
         data=W.HH_SOURCE,
-        workload=W.RM if workload == "rm" else dict(W.PPO, iterations=args.ppo_iterations),
+        workload=details.get("workload")
+        or (W.RM if workload == "rm" else dict(W.PPO, iterations=args.ppo_iterations)),
         artifact_sha256_16=fingerprint,
         threads=args.threads,
         repeats=args.repeats,
@@ -214,6 +215,8 @@ def print_line(line: dict, out: Path | None) -> None:
 TRAINERS = {
     "rm": "rlhf_lit.modules.RewardModule under lightning.Trainer.fit",
     "ppo": "rlhf_lit.modules.PPOModule under lightning.Trainer.fit (manual optimization)",
+    "grpo": "rlhf_lit.modules.PPOModule(ppo.advantage_estimator=grpo) under lightning.Trainer.fit",
+    "grpo_trl": "trl.GRPOTrainer.train() (trl 1.16, transformers generation)",
 }
 
 

@@ -3,6 +3,7 @@
 
     python bench/profiling.py --workload rm --steps 8     # RM steps 2..9 (step 1 is warm-up)
     python bench/profiling.py --workload ppo              # PPO iteration 2 (iteration 1 is warm-up)
+    python bench/profiling.py --workload grpo             # GRPO iteration 2 (iteration 1 is warm-up)
 
 Prints the top operators by self CPU time (torch.profiler) and the top Python functions by internal and
 cumulative time (cProfile) for the profiled window only; ``--trace FILE`` also writes a Chrome trace.
@@ -103,9 +104,30 @@ def profile_ppo(args) -> None:
     window.report(args.rows)
 
 
+def profile_grpo(args) -> None:
+    import lightning as L
+    from transformers import AutoTokenizer
+
+    from bench.grpo import build_module
+    from bench.grpo_workload import GRPO
+    from bench.ppo import prompt_datamodule
+
+    L.seed_everything(GRPO["seed"], verbose=False)
+    tok = AutoTokenizer.from_pretrained(W.tokenizer_dir(), padding_side="left")
+    datamodule = prompt_datamodule(tok, W.load_ppo_prompts(tok), GRPO["prompts_per_rollout"], GRPO["seed"])
+    module = build_module(2)
+    window = Window(1, 1, args.trace)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=-1, limit_train_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[window.callback()])
+    trainer.fit(module, datamodule=datamodule)
+    print({k: round(v, 3) for k, v in module.history[-1].items() if k.startswith("perf/")})
+    window.report(args.rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=["rm", "ppo"], default="ppo")
+    p.add_argument("--workload", choices=["rm", "ppo", "grpo"], default="ppo")
     p.add_argument("--steps", type=int, default=8, help="RM steps in the profiled window")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--rows", type=int, default=25)
@@ -113,7 +135,7 @@ def main() -> None:
     args = p.parse_args()
     W.ensure_artifacts()
     setup_child(args.threads)
-    profile_rm(args) if args.workload == "rm" else profile_ppo(args)
+    {"rm": profile_rm, "ppo": profile_ppo, "grpo": profile_grpo}[args.workload](args)
 
 
 if __name__ == "__main__":

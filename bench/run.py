@@ -7,6 +7,7 @@ Run from the repository root (``../shared`` beside it); see bench/README.md:
     python bench/run.py --workload rm --repeats 1
     python bench/run.py --vs-trl                     # TRL, ours, TRL, ours, ... then the ratios
     python bench/run.py --workload memory            # SmolLM2-135M PPO peak RSS: ours vs TRL + peft
+    python bench/run.py --vs-trl --workload grpo     # GRPO: TRL's GRPOTrainer, ours, TRL, ours, ...
 
 Progress goes to stderr, one JSON line per workload (the TRL harness's format, ``system: "rlhf_lit"``) to
 stdout; ``--out FILE`` appends them to FILE too. Each repetition is a fresh process (``--_child``).
@@ -40,9 +41,10 @@ from bench.common import (  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory"], default="all")
+    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory", "grpo"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per workload and system")
-    p.add_argument("--ppo-iterations", type=int, default=W.PPO["iterations"], choices=[1, 2, 3, 4])
+    p.add_argument("--ppo-iterations", type=int, default=W.PPO["iterations"], choices=[1, 2, 3, 4],
+                   help="PPO and GRPO iterations per run")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads in each run")
     p.add_argument("--vs-trl", action="store_true",
                    help="alternate TRL and rlhf_lit runs (TRL, ours, TRL, ours, ...) and print the ratios")
@@ -65,6 +67,14 @@ def run_in_child(args) -> None:
         from bench.ppo import child_ppo
 
         emit_child_result(child_ppo(args.threads, args.ppo_iterations))
+    elif kind == "grpo":
+        from bench.grpo import child_grpo
+
+        emit_child_result(child_grpo(args.threads, args.ppo_iterations))
+    elif kind == "grpo_trl":
+        from bench.grpo_trl import child_grpo_trl
+
+        emit_child_result(child_grpo_trl(args.threads, args.ppo_iterations))
     elif kind == "matmul":
         from bench.flops import matmul_throughput
 
@@ -106,6 +116,10 @@ def main(argv=None) -> None:
         from bench import memory
 
         memory.main(args)
+    elif args.vs_trl and args.workload == "grpo":
+        from bench import compare_grpo
+
+        compare_grpo.main(args, fingerprint)
     elif args.vs_trl:
         from bench import compare
 

@@ -1,0 +1,222 @@
+"""TRL's side of the ``grpo`` workload: ``trl.GRPOTrainer`` (trl 1.16, transformers generation, no vLLM) in
+a fresh process, on the workload of ``bench/grpo_workload.py``. trl is imported here at run time only; no TRL
+code is part of the repository.
+
+GRPOConfig is TRL's documented default except where the workload fixes a value: the sizes (4 prompts x
+``num_generations`` 4 = 16 completions per generation: ``per_device_train_batch_size`` 4 x
+``steps_per_generation`` 4, ``gradient_accumulation_steps`` 1, ``num_iterations`` 4 -> 16 optimizer steps per
+generation), ``max_completion_length`` 48, temperature 0.7, lr 3e-6, ``beta`` 0.04, ``max_steps`` = iterations
+x 16, seed 42, the LoRA (``peft_config``), and, as the shared harness does for a CPU: ``bf16=False,
+use_cpu=True, gradient_checkpointing=False`` (fp32, no checkpointing), ``report_to="none"``,
+``save_strategy="no"``, ``disable_tqdm=True``.
+
+Instrumentation (TRL's code is not modified): a ``TrainerCallback`` marks iteration ends (every 16th
+``on_step_end``) and keeps the logs; the trainer instance's ``_generate`` and
+``_generate_and_score_completions`` are wrapped with timers (generation; experience = the rest of the latter:
+old and reference log-probs, rewards, advantages); and ``_get_per_token_logps_and_entropies`` is wrapped to
+read the first training forward's log-probs, from which ``first_step_ratio_max_dev`` = max |ratio - 1| over
+the first minibatch's completion tokens is computed against the buffered ``old_per_token_logps``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+from bench.common import T_PROCESS_START, W, current_rss_mb, peak_rss_mb, setup_child
+from bench.grpo_workload import GRPO, LORA, steps_per_iteration, trl_reward
+
+
+def grpo_config(iterations: int):
+    from trl import GRPOConfig
+
+    g = GRPO
+    return GRPOConfig(
+        output_dir=str(W.ARTIFACTS / "trainer_output" / "grpo"),
+        per_device_train_batch_size=g["mini_batch_size"],
+        gradient_accumulation_steps=1,
+        steps_per_generation=g["prompts_per_rollout"] * g["group_size"] // g["mini_batch_size"],
+        num_generations=g["group_size"],
+        num_iterations=g["epochs"],
+        max_completion_length=g["max_new_tokens"],
+        temperature=g["temperature"],
+        top_k=g["top_k"],
+        top_p=g["top_p"],
+        learning_rate=g["learning_rate"],
+        beta=g["beta"],
+        max_steps=iterations * steps_per_iteration(),
+        seed=g["seed"],
+        data_seed=g["seed"],
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+class Probe:
+    """Timers around three methods of one trainer instance and the first training step's ratio."""
+
+    def __init__(self, trainer):
+        import torch
+
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.ratio: dict = {}
+        self.last_inputs = None
+        self._wrap(trainer, "_generate", "gen_s")
+        self._wrap(trainer, "_generate_and_score_completions", "generate_and_score_s")
+        compute_loss, logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
+
+        def first_compute_loss(model, inputs):
+            self.last_inputs = inputs
+            return compute_loss(model, inputs)
+
+        def logps_probe(*args, **kwargs):
+            out = logps(*args, **kwargs)
+            inputs = self.last_inputs
+            if not self.ratio and inputs is not None and torch.is_grad_enabled():
+                with torch.no_grad():
+                    old = inputs.get("old_per_token_logps")
+                    mask = inputs["completion_mask"].bool()
+                    ratio = torch.exp(out[0].detach() - (old if old is not None else out[0].detach()))
+                    self.ratio.update(
+                        max_dev=float((ratio - 1).abs()[mask].max()),
+                        tokens=int(mask.sum()),
+                        old_logps_given=old is not None,
+                    )
+            return out
+
+        trainer._compute_loss, trainer._get_per_token_logps_and_entropies = first_compute_loss, logps_probe
+
+    def _wrap(self, owner, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.times[name].append(time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
+
+
+def marks_callback(marks: dict):
+    from transformers import TrainerCallback
+
+    class Marks(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks["train_begin"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % steps_per_iteration() == 0:
+                marks["ends"].append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            marks["logs"].append(dict(logs or {}, step=state.global_step))
+
+    return Marks()
+
+
+def child_grpo_trl(threads: int, iterations: int) -> dict:
+    setup_child(threads)
+    import transformers
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    transformers.set_seed(GRPO["seed"])
+    tok = AutoTokenizer.from_pretrained(W.tokenizer_dir(), padding_side="left")
+    prompts = W.load_ppo_prompts(tok)
+    dataset = Dataset.from_dict({"prompt": [p["prompt"] for p in prompts]})
+    model = AutoModelForCausalLM.from_pretrained(W.base_dir(), dtype="float32")
+    lora = LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules=LORA["target_modules"],
+        task_type="CAUSAL_LM",
+    )
+    marks: dict = {"train_begin": None, "ends": [], "logs": []}
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward],
+        args=grpo_config(iterations),
+        train_dataset=dataset,
+        processing_class=tok,
+        peft_config=lora,
+        callbacks=[marks_callback(marks)],
+    )
+    probe = Probe(trainer)
+    rss_before = current_rss_mb()
+    setup_s = time.perf_counter() - T_PROCESS_START
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    return result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads)
+
+
+def result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads) -> dict:
+    import trl
+
+    from bench.common import cpu_model
+
+    assert len(marks["ends"]) == iterations, marks["ends"]
+    starts = [marks["train_begin"]] + marks["ends"][:-1]
+    it_wall = [e - s for s, e in zip(starts, marks["ends"])]
+    gen, gas = probe.times["gen_s"], probe.times["generate_and_score_s"]
+    assert len(gen) == len(gas) == iterations, (len(gen), len(gas))
+    update = [w - a for w, a in zip(it_wall, gas)]
+    logs = [e for e in marks["logs"] if "reward" in e]
+    sequences = GRPO["prompts_per_rollout"] * GRPO["group_size"]
+    mean = statistics.fmean
+    opt = trainer.optimizer
+    return dict(
+        wall_s=wall,
+        throughput=iterations * sequences / wall,
+        unit="episodes/s",
+        peak_rss_mb=peak_rss_mb(),
+        metrics=dict(
+            iter_wall_s=mean(it_wall),
+            iter2_wall_s=it_wall[-1],
+            gen_s_per_iter=mean(gen),
+            experience_s_per_iter=mean(a - g for a, g in zip(gas, gen)),
+            update_s_per_iter=mean(update),
+            setup_s=setup_s,
+            rss_before_train_mb=rss_before,
+            reward_mean=mean(e["reward"] for e in logs) if logs else None,
+            first_step_ratio_max_dev=probe.ratio.get("max_dev"),
+            kl_ref_iter1=logs[0].get("kl") if logs else None,
+        ),
+        details=dict(
+            per_iteration=[
+                dict(iter_wall_s=w, gen_s=g, generate_and_score_s=a) for w, g, a in zip(it_wall, gen, gas)
+            ],
+            driver="trl.GRPOTrainer.train() (report_to=none, save_strategy=no, disable_tqdm)",
+            optimizer_steps=trainer.state.global_step,
+            optimizer_steps_per_iteration=trainer.state.global_step // iterations,
+            optimizer=f"{type(opt).__name__}",
+            first_step_ratio=probe.ratio,
+            trl_logs=marks["logs"],
+            workload=dict(GRPO, iterations=iterations),
+            trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            effective=dict(
+                bf16=trainer.args.bf16,
+                gradient_checkpointing=trainer.args.gradient_checkpointing,
+                loss_type=trainer.args.loss_type,
+                scale_rewards=trainer.args.scale_rewards,
+                max_grad_norm=trainer.args.max_grad_norm,
+                optim=str(trainer.args.optim),
+                lr_scheduler_type=str(trainer.args.lr_scheduler_type),
+                use_bias_correction_kl=trainer.args.use_bias_correction_kl,
+                shuffle_dataset=trainer.args.shuffle_dataset,
+            ),
+            env=dict(trl=trl.__version__, cpu=cpu_model(), threads=threads),
+        ),
+    )
