@@ -182,5 +182,12 @@ class RewardHackingMonitor(Callback):
                 experiment.add_figure(
                     "monitor/score_kl_frontier", fig, global_step=pl_module.iteration, close=False
                 )
-        folder = getattr(pl_module, "export_dir", None) or trainer.default_root_dir
-        save_figure(fig, os.path.join(folder, "score_kl_frontier.png"))
+        # the export folder, else the logger's folder; with neither (a bench or a test run) no file, rather
+        # than one in the working directory
+        folder = getattr(pl_module, "export_dir", None) or (trainer.log_dir if trainer.loggers else None)
+        if folder:
+            save_figure(fig, os.path.join(folder, "score_kl_frontier.png"))
+        else:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)

@@ -40,3 +40,18 @@ def test_each_output_switches_off_and_a_configured_one_wins(tmp_path):
     trainer = make_trainer(tmp_path / "mine", callbacks=[mine])
     trainer.fit(module, datamodule=make_data(module))
     assert _types(trainer, RolloutSamples) == [mine]
+
+
+def test_the_monitor_writes_no_frontier_into_the_working_directory_without_an_output_folder(
+    tmp_path, monkeypatch
+):
+    """No export_dir and no logger (a bench or a quick run): the frontier PNG goes nowhere, not into the
+    current directory (trainer.default_root_dir's default)."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    module = make_module(export_dir=None, log_samples_every=0)
+    trainer = make_trainer(tmp_path / "run", logger=False, default_root_dir=None)
+    trainer.fit(module, datamodule=make_data(module))
+    assert _types(trainer, RewardHackingMonitor)
+    assert not os.listdir(work)
