@@ -1,9 +1,9 @@
 """Sampling responses with transformers ``generate``: left-padded prompts, KV cache, stop tokens.
 
 Positions come from the attention mask inside ``generate`` (transformers derives ``position_ids`` from it
-for left-padded batches), which matches ``position_ids_from_mask`` used by every scoring forward (B11).
+for left-padded batches), which matches ``position_ids_from_mask`` used by every scoring forward (pitfall: left padding).
 Finished rows are padded with ``pad_token_id``; the real response is everything up to and including the
-first stop token (``stop_mask``), never ``ids != pad`` (pad may equal EOS; B04).
+first stop token (``stop_mask``), never ``ids != pad`` (pad may equal EOS; pitfall: score token).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ class SamplingConfig:
         max_new_tokens: R, the most tokens a response may have.
         min_new_tokens: suppress the stop tokens until this many tokens were sampled.
         temperature: softmax temperature; the log-probs used by PPO are computed at the same temperature
-            (PITFALLS B10).
+            (docs/pitfalls.md: sampling temperature).
         top_k: keep the k most likely tokens (0 = off). PPO refuses it: its ratio and KL use the log-probs
             of the full softmax at ``temperature``, which are not those of a truncated distribution, so the
-            rollout would be off-policy (PITFALLS B10). For evaluation sampling only.
+            rollout would be off-policy (docs/pitfalls.md: sampling temperature). For evaluation sampling only.
         top_p: nucleus sampling threshold (1.0 = off); refused by PPO like ``top_k``.
         stop_at_eos: stop a response at the tokenizer's EOS token.
         stop_token_ids: further token ids that end a response (e.g. ``<|im_end|>``).
@@ -107,7 +107,7 @@ def sample_responses(
         cfg: sampling settings.
         stop_ids: token ids that end a response (``resolve_stop_ids``); may be empty.
         pad_token_id: id written after a response's stop token.
-        synced_gpus: keep stepping the forward until every rank has finished (FSDP; PITFALLS B19).
+        synced_gpus: keep stepping the forward until every rank has finished (FSDP; docs/pitfalls.md: FSDP generation).
 
     Returns:
         ``(response_ids (B, R), response_mask (B, R) bool, has_stop (B,) bool)`` with R <= max_new_tokens;

@@ -220,7 +220,7 @@ def collect_rollout(module: PPOModule, batch: dict, sample: Sampler = sample_res
     """
     batch = repeat_prompts(batch, module.sampling.num_samples_per_prompt)
     prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
-    # columns that are padding in every prompt do no work anywhere below (exact: B11)
+    # columns that are padding in every prompt do no work anywhere below (exact: pitfall: left padding)
     prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
     t0 = time.perf_counter()
     merge = (

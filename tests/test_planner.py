@@ -34,7 +34,7 @@ TOLERANCE = 0.25
 
 
 def test_lora_and_nf4_counts_by_hand():
-    """PITFALLS B15's model: GPT-2, 2 layers, 32 dims; LoRA r=4 on c_attn: 2 x 4 x (32 + 96) = 1024."""
+    """The model of pitfall: 4-bit with LoRA (GPT-2, 2 layers, 32 dims; LoRA r=4 on c_attn: 2 x 4 x (32 + 96) = 1024)."""
     shape = planner.model_shape(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
     assert shape.num_layers == 2 and shape.hidden == 32 and shape.vocab == 260
     assert shape.lora_params(4, ["c_attn"]) == 1024

@@ -1,7 +1,7 @@
 """Collators: tokenised examples -> batches of tensors.
 
 Attention masks come from the example LENGTHS, never from ``ids != pad_token_id``: with pad == EOS
-(GPT-2, Llama, SmolLM2) the response's EOS must keep mask 1 and label != -100 (PITFALLS B04, B16).
+(GPT-2, Llama, SmolLM2) the response's EOS must keep mask 1 and label != -100 (docs/pitfalls.md: score token, SFT labels).
 Masks are ``long`` 1 = real token, 0 = padding, as ``transformers`` models expect.
 """
 
@@ -59,7 +59,7 @@ def _response_labels(
     labels = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
     for i, (p, seq) in enumerate(zip(prompt_lens, sequences)):
         if len(seq) <= p:
-            raise ValueError(f"example {i} has no response tokens; it would train on nothing (PITFALLS B16)")
+            raise ValueError(f"example {i} has no response tokens; it would train on nothing")
         labels[i, p : len(seq)] = torch.as_tensor(list(seq[p:]), dtype=torch.long)
     return labels
 

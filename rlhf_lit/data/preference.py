@@ -47,7 +47,7 @@ class PreferenceDataModule(RLHFDataModule):
 
     Prompts are cut from the LEFT so the longer response fits ``max_length`` whole; pairs that are
     token-identical afterwards, empty sides and the other skip reasons are counted, logged to the
-    ``rlhf_lit.data`` logger, and available as :meth:`data_metrics` (PITFALLS B02).
+    ``rlhf_lit.data`` logger, and available as :meth:`data_metrics` (docs/pitfalls.md: degenerate pairs).
 
     Args:
         {LOADER_ARGS}

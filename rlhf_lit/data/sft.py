@@ -41,7 +41,7 @@ class SFTDataModule(RLHFDataModule):
 
     Each batch (see :class:`~rlhf_lit.data.collate.SFTCollator`) holds ``input_ids``,
     ``attention_mask`` (right-padded) and ``labels`` with -100 on prompt and padding and the response
-    EOS kept, even when pad == EOS (PITFALLS B16), plus ``prompt_len``.
+    EOS kept, even when pad == EOS (docs/pitfalls.md: SFT labels), plus ``prompt_len``.
 
     Args:
         {LOADER_ARGS}

@@ -2,8 +2,7 @@
 
 Rules, the same in every stage:
 
-1. Prompt and response are encoded SEPARATELY and concatenated, so the boundary is exact (PITFALLS
-   B16: a response template encoded alone can tokenize differently than in context). The response is
+1. Prompt and response are encoded SEPARATELY and concatenated, so the boundary is exact (docs/pitfalls.md: SFT labels: a response template encoded alone can tokenize differently than in context). The response is
    encoded with ``add_special_tokens=False``. A plain-text prompt gets the tokenizer's BOS only if the
    tokenizer adds one by itself and the text does not already start with it; a chat-template rendering
    is encoded with ``add_special_tokens=False`` (the template already wrote any BOS).
@@ -14,7 +13,7 @@ Rules, the same in every stage:
    BOS is kept): first to ``max_prompt_length``, then so that prompt + the longer response fits
    ``max_length``. If a response + EOS cannot fit with at least ``min_prompt_tokens`` prompt tokens
    the example is skipped as ``response_too_long``. This departs from right truncation, which can cut
-   away exactly the tokens that tell chosen from rejected (PITFALLS B02); a pair that is still
+   away exactly the tokens that tell chosen from rejected (docs/pitfalls.md: degenerate pairs); a pair that is still
    token-identical is skipped as ``identical_pair``.
 """
 
@@ -65,7 +64,7 @@ def fit_prompt(
     Returns:
         The (possibly cut) prompt ids, or None when the longest response leaves too little room.
 
-    Example (PITFALLS B02): prompt ``[11..16]``, responses of 3 tokens, ``max_length=8`` gives
+    Example (docs/pitfalls.md: degenerate pairs): prompt ``[11..16]``, responses of 3 tokens, ``max_length=8`` gives
     ``[12, 13, 14, 15, 16]``, so chosen ``[..., 21, 22, 23]`` and rejected ``[..., 21, 22, 24]`` differ.
     """
     budget = max_length - max(response_lengths, default=0)

@@ -15,7 +15,7 @@ Where this departs from the textbook recursion: padding positions are *skipped*,
 steps. A padded position contributes no reward and no value, and the recursion carries A and V
 across it to the previous real token (so an interior or left-padded mask works too). Whatever the
 critic outputs at a padded slot (9.9, 100, 1e6, nan) cannot change a real token's advantage
-(PITFALLS B07). ``gae`` does not whiten; ``masked_whiten`` does, as a separate step.
+(docs/pitfalls.md: GAE over padding). ``gae`` does not whiten; ``masked_whiten`` does, as a separate step.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def gae(
         ``(advantages, returns)``, both (B, R), 0 at padded positions; float32 (float64 if an
         input is float64), so bf16 critic outputs are accumulated in float32.
         E.g. rewards ``[-0.02, 0.01, 0.95, 0]``, values ``[0.5, 0.4, 0.6, pad]``, gamma 1,
-        lambda 0.95 -> advantages ``[0.395375, 0.5425, 0.35, 0]`` (PITFALLS B07).
+        lambda 0.95 -> advantages ``[0.395375, 0.5425, 0.35, 0]`` (docs/pitfalls.md: GAE over padding).
 
     Raises:
         ValueError: If the shapes differ or gamma / gae_lambda lie outside [0, 1].

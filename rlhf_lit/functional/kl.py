@@ -59,7 +59,7 @@ def kl_per_token(
     Returns:
         (B, R) KL estimate in nats per token. Padded positions are not masked here (the caller
         masks); e.g. policy ``[-1, -2]``, reference ``[-1.5, -1]``: k1 ``[0.5, -1]``,
-        k3 ``[0.106531, 0.718282]`` (PITFALLS B09); log-ratio -100: k1 -20, k3 e^20 - 21.
+        k3 ``[0.106531, 0.718282]`` (docs/pitfalls.md: KL estimators); log-ratio -100: k1 -20, k3 e^20 - 21.
 
     Raises:
         ValueError: If ``estimator`` is unknown, the shapes differ or ``log_ratio_clamp <= 0``.
@@ -102,7 +102,7 @@ def shaped_rewards(
         ``non_score_rewards = -kl_coef * kl`` on real tokens and 0 on padding (negative where the
         policy is more likely than the reference under k1); ``rewards`` adds ``scores`` at
         ``last_real_index(mask)``, e.g. KL ``[0.2, -0.1, 0.5, pad]``, beta 0.1, score 1 ->
-        ``[-0.02, 0.01, 0.95, 0]`` (PITFALLS B05/B07).
+        ``[-0.02, 0.01, 0.95, 0]`` (docs/pitfalls.md: score slot, GAE over padding).
 
     Raises:
         ValueError: If shapes disagree or a row has no real token.

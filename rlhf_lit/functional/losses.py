@@ -83,7 +83,7 @@ def sft_nll(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> tuple[T
         the batch, not a mean of row means) and the number of label tokens as an int.
 
     Raises:
-        ValueError: If shapes disagree or the batch has no label token (PITFALLS B16: a batch whose
+        ValueError: If shapes disagree or the batch has no label token (docs/pitfalls.md: SFT labels: a batch whose
             labels are all ``ignore_index`` means the prompt/response boundary was lost).
     """
     if logits.shape[:-1] != labels.shape:
@@ -114,7 +114,7 @@ def ppo_policy_loss(
     negated to a loss). With ``dual_clip = c > 1``, tokens with ``A < 0`` are further capped at
     ``-c * A`` so a huge ratio cannot produce an unbounded loss (Ye et al. 2020, "Mastering Complex
     Control in MOBA Games with Deep RL", AAAI 2020, dual-clip PPO). E.g. eps 0.2: (ratio 1.5, A +1) -> -1.2,
-    (0.5, -1) -> +0.8, (0.5, +1) -> -0.5 (PITFALLS B13).
+    (0.5, -1) -> +0.8, (0.5, +1) -> -0.5 (docs/pitfalls.md: value positions).
 
     Args:
         logprobs: (B, R) log-probs of the sampled tokens under the current policy (with grad).
@@ -176,7 +176,7 @@ def ppo_value_loss(
     ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))`` over real tokens, the
     OpenAI baselines PPO2 convention (max, not min). Value clipping is not in Schulman et al. 2017;
     it comes from the baselines code. Without ``value_clip_range``: ``0.5 * mean((V - R)^2)``.
-    E.g. R 10, V_old 5, V 1, c 0.2 -> 0.5 * max(81, 27.04) = 40.5 (PITFALLS B13).
+    E.g. R 10, V_old 5, V 1, c 0.2 -> 0.5 * max(81, 27.04) = 40.5 (docs/pitfalls.md: value positions).
 
     Args:
         values: (B, R) current critic values (with grad).

@@ -6,7 +6,7 @@ Notation:
     Log-probabilities are natural logs (nats).
 
 Masks are never derived from ``ids != pad_token_id``: many tokenizers (GPT-2, Llama, SmolLM2) set
-``pad == eos``, and that comparison would hide the real end-of-sequence token (PITFALLS B04, B16).
+``pad == eos``, and that comparison would hide the real end-of-sequence token (docs/pitfalls.md: score token, SFT labels).
 The response mask comes from the first stop token instead (``stop_mask``).
 """
 
@@ -34,7 +34,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Position ids that start at 0 on the first real token of each row.
 
     ``clamp(cumsum(mask) - 1, min=0)``: left padding gets position 0 (it is masked out anyway), so a
-    left-padded sequence sees the same positions as the unpadded one (PITFALLS B11).
+    left-padded sequence sees the same positions as the unpadded one (docs/pitfalls.md: left padding).
 
     Args:
         attention_mask: (B, T) bool or 0/1; True = real token.
@@ -65,7 +65,7 @@ def trim_left_padding(
     """Drop the leading columns that are padding in every row (left-padded prompts + responses).
 
     Exact for a causal LM fed ``position_ids_from_mask``: a masked column changes no real token's output
-    (PITFALLS B11). The prompt block keeps at least one column, so response positions stay at
+    (docs/pitfalls.md: left padding). The prompt block keeps at least one column, so response positions stay at
     ``prompt_len' - 1 + j`` for the logits.
 
     Args:
@@ -89,7 +89,7 @@ def last_real_index(mask: Tensor) -> Tensor:
     """Index of the last real token of each row, for left or right padding.
 
     Not ``sum(mask) - 1`` (wrong under left padding) and not "first pad - 1" (wrong when
-    ``pad == eos``); PITFALLS B04: ``[1,1,1,1,1,1,0,0]`` -> 5, ``[0,0,1,1,1,1,1,1]`` -> 7.
+    ``pad == eos``); docs/pitfalls.md: score token: ``[1,1,1,1,1,1,0,0]`` -> 5, ``[0,0,1,1,1,1,1,1]`` -> 7.
 
     Args:
         mask: (B, T) bool or 0/1; True = real token.
@@ -211,12 +211,12 @@ def gather_logprobs(
 
     Computes ``logits[token] / T - logsumexp(logits / T)`` instead of ``log_softmax`` followed by a
     gather, piece by piece over the positions (``chunk_views``), so no second (B, R, V) tensor is
-    materialised at any temperature (PITFALLS B21): one float32 temporary of one piece (``logits / T``,
+    materialised at any temperature (docs/pitfalls.md: vocabulary memory): one float32 temporary of one piece (``logits / T``,
     then its exponentials, in place) is all that is alive at once, and the backward recomputes the softmax
     piece by piece instead of keeping it (a custom autograd function; the one full-size tensor it makes is
     the logits' gradient). Work is done in float32 (float64 stays
     float64), so bf16 logits are upcast per piece only. The temperature must be the sampling temperature,
-    for rollout, training and reference passes alike, or the first PPO ratio is not 1 (PITFALLS B10).
+    for rollout, training and reference passes alike, or the first PPO ratio is not 1 (docs/pitfalls.md: sampling temperature).
 
     Args:
         logits: (B, R, V) logits already aligned with ``tokens``: ``logits[:, i]`` predicts

@@ -104,7 +104,7 @@ class AdaptedLM(nn.Module):
         was_training = self.model.training
         self.model.load_adapter(path, adapter_name=name, is_trainable=trainable)
         # peft puts the WHOLE model in eval mode after loading a frozen adapter; that would switch off
-        # gradient checkpointing for the policy's training forwards (PITFALLS B12). A frozen adapter is only
+        # gradient checkpointing for the policy's training forwards (docs/pitfalls.md: dropout). A frozen adapter is only
         # ever evaluated, so its own LoRA dropout (a reward model trained with lora.dropout > 0) is set to 0
         # instead: in train mode it would otherwise make identical calls score differently.
         self.model.train(was_training)
@@ -235,7 +235,7 @@ class AdaptedLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Last-layer hidden states ``(B, T, H)`` from the trunk, without vocabulary logits.
 
-        Position ids come from the attention mask, so left padding does not shift positions (B11); an
+        Position ids come from the attention mask, so left padding does not shift positions (pitfall: left padding); an
         encoder's rows must be right padded (``rlhf_lit.models.trunk.trunk_hidden_states``).
         """
         return trunk_hidden_states(self.model, input_ids, attention_mask)

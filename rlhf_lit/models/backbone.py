@@ -36,7 +36,7 @@ A backbone comes from one of five places (``BackboneConfig``):
 
 Shared options: dtype, 4-bit NF4 (bitsandbytes), gradient checkpointing, and dropout switched off by
 setting every dropout probability to 0 (not by ``eval()``, which would also switch off gradient
-checkpointing; PITFALLS B12). LoRA adapters are added by ``rlhf_lit.models.adapters``.
+checkpointing; docs/pitfalls.md: dropout). LoRA adapters are added by ``rlhf_lit.models.adapters``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class BackboneConfig:
         dtype: weight dtype, ``float32`` | ``bfloat16`` | ``float16`` (compute dtype under 4-bit).
         load_in_4bit: hold the base weights in 4-bit NF4 with double quantization (bitsandbytes).
         gradient_checkpointing: recompute activations in the backward pass (non-reentrant).
-        disable_dropout: set every dropout probability to 0 (required by PPO; B12).
+        disable_dropout: set every dropout probability to 0 (required by PPO; pitfall: dropout).
         fused_activations: run tanh-approximated GELUs written as Python arithmetic (GPT-2's ``gelu_new``,
             ``gelu_fast``) as the one fused kernel ``F.gelu(x, approximate="tanh")``: the same function
             (Hendrycks & Gimpel 2016, eq. for the tanh approximation), equal to ~1e-7, several times
@@ -269,7 +269,7 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         A ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``), or for an encoder the bare
         trunk (``AutoModel``), in train mode.
         Under 4-bit the base weights are frozen and prepared for k-bit training, before any adapter is
-        added (the order matters; PITFALLS B15). For an adapter-only export (see the module docstring) a
+        added (the order matters; docs/pitfalls.md: 4-bit with LoRA). For an adapter-only export (see the module docstring) a
         ``peft.PeftModel`` with that adapter frozen, unless it was merged into full-precision weights.
     """
     tokenizer = tokenizer if tokenizer is not None else load_backbone_tokenizer(cfg)

@@ -215,7 +215,7 @@ class RewardScorer(nn.Module):
         super().__init__()
         # A scorer is only ever evaluated: every dropout probability is 0 (the base's, and the LoRA dropout of
         # a reward model trained with lora.dropout > 0), so identical calls give identical scores in train
-        # mode too (PPO keeps its modules in train mode; PITFALLS B12).
+        # mode too (PPO keeps its modules in train mode; docs/pitfalls.md: dropout).
         disable_dropout(lm)
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")

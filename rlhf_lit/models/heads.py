@@ -2,12 +2,12 @@
 
 A ``ScalarHead`` maps a hidden state ``(..., H)`` to one float ``(...)``. Its weights are float32 and the
 hidden states are cast to float32 first, so a bf16 or 4-bit backbone never meets a dtype mismatch
-(PITFALLS B15).
+(docs/pitfalls.md: 4-bit with LoRA).
 
 Pooling (``POOLINGS``), over the real tokens of each row (attention mask 1):
 
 * ``last``: the state at the last real token; the causal-LM default (it has read the whole sequence) and the
-  only one that can sit on a causal LM's EOS (PITFALLS B04);
+  only one that can sit on a causal LM's EOS (docs/pitfalls.md: score token);
 * ``mean``: the mean of the states of every real token, special tokens included (as sentence-transformers
   pools all-MiniLM-L6-v2 and its kin); the encoder default;
 * ``first``: the state at the first real token, an encoder's ``[CLS]`` (the last-layer state itself, not
@@ -84,7 +84,7 @@ def score_pooled(
 
 
 def score_last_token(head: ScalarHead, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar read at the last real token of each row (PITFALLS B04).
+    """Scalar read at the last real token of each row (docs/pitfalls.md: score token).
 
     Args:
         head: the scalar head.

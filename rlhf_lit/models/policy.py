@@ -123,7 +123,7 @@ class ActorCritic(nn.Module):
             input_ids: ``(B, T)`` prompt (left padded, width P) followed by the response (right padded).
             attention_mask: ``(B, T)``, 1 = real token.
             prompt_len: P, the width of the prompt block.
-            temperature: the sampling temperature (log-probs are of ``softmax(logits / T)``; B10).
+            temperature: the sampling temperature (log-probs are of ``softmax(logits / T)``; pitfall: sampling temperature).
             want_logprobs / want_values / want_entropy: which outputs to compute.
             chunk_size: batch rows per chunk for log-softmax and entropy.
             entropy_grad: build the autograd graph of the entropy (only needed when it is in the loss; for

@@ -51,7 +51,7 @@ def disable_dropout(model: nn.Module) -> None:
     module (attention implementations read e.g. ``self.attention_dropout``, copied from the config when the
     layer was built) and ``*dropout*`` / ``*_pdrop`` config floats.
 
-    The module stays in train mode, so gradient checkpointing keeps working (PITFALLS B12).
+    The module stays in train mode, so gradient checkpointing keeps working (docs/pitfalls.md: dropout).
     """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -99,7 +99,7 @@ def trunk_hidden_states(
 ) -> torch.Tensor:
     """Last-layer hidden states ``(B, T, H)`` of a model's trunk (no vocabulary logits).
 
-    A causal LM gets position ids from the attention mask, so left padding does not shift positions (B11).
+    A causal LM gets position ids from the attention mask, so left padding does not shift positions (pitfall: left padding).
     An encoder gets none (module docstring): its rows must be right padded.
 
     Raises:

@@ -225,7 +225,7 @@ class PPOModule(L.LightningModule):
         self.stop_ids = resolve_stop_ids(self.sampling, self.tokenizer)
         check_stop_tokens(self.shaping, self.stop_ids)
         base = load_backbone(backbone, self.tokenizer)
-        backbone.lora.dropout = 0.0  # log-probs must be exact (B12)
+        backbone.lora.dropout = 0.0  # log-probs must be exact (pitfall: dropout)
         with_critic = self.ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
         critic_lora = None if self.critic_cfg.shared_trunk or not with_critic else self.critic_cfg.lora
         if critic_lora is not None:

@@ -241,20 +241,20 @@ def refuse_impossible_settings(backbone, sampling) -> None:
     """Settings under which PPO's ratio or KL would be wrong, refused before any model loads.
 
     Raises:
-        ValueError: for ``backbone.disable_dropout: false`` (PITFALLS B12) or ``top_k`` / ``top_p`` sampling
-            (B10).
+        ValueError: for ``backbone.disable_dropout: false`` (docs/pitfalls.md: dropout) or ``top_k`` / ``top_p`` sampling
+            (pitfall: sampling temperature).
     """
     if not backbone.disable_dropout:
         raise ValueError(
             "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
             "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
-            "not 0 (PITFALLS B12). Dropout is set to 0 in the configs, training mode is kept"
+            "not 0. Dropout is set to 0 in the configs, training mode is kept"
         )
     if sampling.top_k or sampling.top_p < 1.0:
         raise ValueError(
             f"PPO refuses sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: responses would "
             "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
-            "the sampling temperature (an off-policy mismatch, PITFALLS B10). Use top_k: 0 and top_p: 1.0"
+            "the sampling temperature (an off-policy mismatch). Use top_k: 0 and top_p: 1.0"
         )
 
 

@@ -1,7 +1,7 @@
 """Stage 1: supervised fine-tuning on demonstrations, with the loss on response tokens only.
 
 The loss is the mean negative log-likelihood of the response tokens (EOS included) given the prompt
-(Ouyang et al. 2022, section 3.5); prompt and padding tokens carry label -100 (PITFALLS B16). The mean is
+(Ouyang et al. 2022, section 3.5); prompt and padding tokens carry label -100 (docs/pitfalls.md: SFT labels). The mean is
 over every response token of an optimizer step: with ``accumulate_grad_batches`` and under several
 processes the gradient is that of one batch holding all their tokens (``AccumulatedMean``), not an
 average of per-micro-batch means.

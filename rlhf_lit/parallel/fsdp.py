@@ -19,7 +19,7 @@ share a unit (FSDP2 requires one dtype among the trainable ones only). FSDP2 ave
 the data-parallel ranks (reduce-scatter, then divide by the world size), exactly like DDP, so the loss
 scaling of the PPO update (``rlhf_lit.modules.ppo_update``) serves both.
 
-Generation under FSDP must keep every rank stepping (PITFALLS B19): ``sample_responses`` is called with
+Generation under FSDP must keep every rank stepping (docs/pitfalls.md: FSDP generation): ``sample_responses`` is called with
 ``synced_gpus=True`` whenever ``world_size > 1``.
 
 Not supported: 4-bit (bitsandbytes) bases under FSDP (``Params4bit`` cannot be sharded as DTensors);

@@ -39,7 +39,7 @@ Formulae (bytes; every figure per device):
   checkpointing); a 4-bit base dequantizes one layer at a time: ``2 * N_linear / L``.
 * logits (the LM head output; only the R response positions in PPO): ``B * T * V * 2 * s_a`` for the loss
   with its backward: the logits and their gradient, at the logits' dtype. The selective log-prob and the
-  entropy (``rlhf_lit.functional``, PITFALLS B21) work on pieces of a few positions in fp32 and recompute the
+  entropy (``rlhf_lit.functional``, docs/pitfalls.md: vocabulary memory) work on pieces of a few positions in fp32 and recompute the
   softmax in the backward, so they keep no full-size copy (a full log-softmax, ``B * T * V * 4``, is
   reported as the saving); PPO's entropy bonus, when ``ppo.entropy_coef`` is not 0, adds its own gradient
   and autograd's sum of the two: ``+ 2 * s_a``.

@@ -1,4 +1,4 @@
-"""Collation: B16 labels, masks from lengths with pad == eos (B04), left padding for prompts."""
+"""Collation: pitfall: SFT labels labels, masks from lengths with pad == eos (pitfall: score token), left padding for prompts."""
 
 from __future__ import annotations
 

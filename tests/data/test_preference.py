@@ -1,4 +1,4 @@
-"""PreferenceDataModule: every format, every skip reason with its count, B02 cases, masks, config parsing."""
+"""PreferenceDataModule: every format, every skip reason with its count, pitfall: degenerate pairs cases, masks, config parsing."""
 
 from __future__ import annotations
 

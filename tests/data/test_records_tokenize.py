@@ -1,4 +1,4 @@
-"""SkipCounter, the HH helpers, left truncation (PITFALLS B02) and the tokenisation rules."""
+"""SkipCounter, the HH helpers, left truncation (docs/pitfalls.md: degenerate pairs) and the tokenisation rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SFTDataModule: formats, skip reasons, and B16 labels through the whole module with pad == eos."""
+"""SFTDataModule: formats, skip reasons, and pitfall: SFT labels labels through the whole module with pad == eos."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ checks its scenario's results. What is checked:
 
 * the tiny reward and PPO configs run through the CLI on 2 processes, and export;
 * a rank whose responses all stop at the first token keeps stepping until the other rank finishes
-  (synchronised generation; PITFALLS B19) -- forced on rank 0 with a logits processor;
+  (synchronised generation; docs/pitfalls.md: FSDP generation) -- forced on rank 0 with a logits processor;
 * a 2-rank PPO run (2 x 4 prompts) makes the same updates as a 1-rank run on the same 8 prompts, with 2
   global minibatches per epoch and 2 epochs (one permutation of the global batch per epoch, shared by the
   ranks; fixed, prompt-determined responses of uneven lengths, so the ranks hold different row and token
@@ -164,7 +164,7 @@ def test_tiny_ppo_config_runs_and_generation_waits_for_the_slowest_rank(run):
     result = _read(out / "ppo_tiny.json")
     assert result["finished"] and result["world_size"] == 2 and result["iteration"] == 2
     assert {"adapter", "model.safetensors", "rlhf_lit.json"} <= set(result["export"])
-    # B19: rank 0 stops every response at its first token; rank 1 keeps sampling; both ranks then went on
+    # pitfall: FSDP generation: rank 0 stops every response at its first token; rank 1 keeps sampling; both ranks then went on
     # to the reference, update and next rollout (2 iterations, no hang).
     rank0 = _read(out / "ppo_tiny_rank0.json")["response_lengths"]
     rank1 = _read(out / "ppo_tiny_rank1.json")["response_lengths"]

@@ -11,7 +11,7 @@ reuse the process group. Each rank runs the scenarios in the same order; results
 Scenarios:
     reward_tiny  ``configs/reward/tiny.yaml`` through the CLI, 2 steps, outputs in ``<out_dir>``.
     ppo_tiny     ``configs/ppo/tiny.yaml`` through the CLI, 2 iterations, with rank 0 forced to emit its
-                 stop token first (PITFALLS B19: it must keep stepping until rank 1 finishes).
+                 stop token first (docs/pitfalls.md: FSDP generation: it must keep stepping until rank 1 finishes).
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
     equality_grpo  the same with GRPO and 2 responses per prompt (``run_equality(group=True)``).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
@@ -61,7 +61,7 @@ def reward_tiny(out: Path, strategy: str) -> None:
 
 
 def ppo_tiny(out: Path, strategy: str) -> None:
-    """The tiny PPO config; rank 0's policy is forced to emit its stop token first (B19)."""
+    """The tiny PPO config; rank 0's policy is forced to emit its stop token first (pitfall: FSDP generation)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     import rlhf_lit.modules.ppo as ppo_mod

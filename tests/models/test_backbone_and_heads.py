@@ -49,7 +49,7 @@ def test_same_seed_same_weights_other_seed_other_weights():
 
 
 def test_dropout_is_zero_without_eval_and_checkpointing_stays_on():
-    """PITFALLS B12: dropout p = 0 in every module, model still in train mode, checkpointing on."""
+    """docs/pitfalls.md: dropout: dropout p = 0 in every module, model still in train mode, checkpointing on."""
     tiny = {**TINY_GPT2, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
     model = load_backbone(BackboneConfig(tiny=tiny, gradient_checkpointing=True), build_byte_tokenizer())
     assert model.training
@@ -67,7 +67,7 @@ def test_pypi_path_names_a_missing_package_clearly():
 
 @pytest.mark.parametrize("tiny", [TINY_GPT2, TINY_LLAMA], ids=["gpt2", "llama"])
 def test_left_padding_gives_the_same_logprobs(tiny):
-    """PITFALLS B11: [5,6,7,8,9] alone vs left-padded [pad,pad,5,...] -> same log-probs of 6..9."""
+    """docs/pitfalls.md: left padding: [5,6,7,8,9] alone vs left-padded [pad,pad,5,...] -> same log-probs of 6..9."""
     lm = _lm(tiny)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     padded = torch.tensor([[1, 1, 5, 6, 7, 8, 9]])
@@ -78,7 +78,7 @@ def test_left_padding_gives_the_same_logprobs(tiny):
 
 
 def test_score_read_at_last_real_token_for_left_right_and_pad_equals_eos():
-    """PITFALLS B04: pad = eos = 0; EOS inside the prompt; same score alone, right- or left-padded."""
+    """docs/pitfalls.md: score token: pad = eos = 0; EOS inside the prompt; same score alone, right- or left-padded."""
     lm = _lm()
     head = ScalarHead(32)
     seq = [5, 6, 0, 7, 8, 0]  # index 2 is a separator equal to EOS, index 5 the response EOS
@@ -125,7 +125,7 @@ def test_reference_context_equals_the_base_and_adapters_switch():
 
 
 def test_4bit_base_with_lora_and_head_trains_only_adapter_and_head():
-    """PITFALLS B15 on CPU: NF4 base, LoRA r=4 on c_attn, fp32 head; one step changes lora_B and the
+    """docs/pitfalls.md: 4-bit with LoRA on CPU: NF4 base, LoRA r=4 on c_attn, fp32 head; one step changes lora_B and the
     head, leaves every 4-bit weight bit-identical, and the trainable count is LoRA + head."""
     bnb = pytest.importorskip("bitsandbytes")
     tok = build_byte_tokenizer()

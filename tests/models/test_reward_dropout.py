@@ -2,7 +2,7 @@
 
 The reward model here was trained with dropout on: LoRA dropout 0.3 and the tiny GPT-2's own dropout 0.1
 (``disable_dropout: false``). Before the fix, the adapter mode and a separate reward model exported as an
-adapter only kept that dropout, and identical calls scored differently (PITFALLS B12: dropout is switched
+adapter only kept that dropout, and identical calls scored differently (docs/pitfalls.md: dropout: dropout is switched
 off by setting p = 0, not by ``eval()``, so gradient checkpointing keeps working).
 """
 

@@ -337,7 +337,7 @@ def test_actor_critic_reads_log_probs_and_values_at_the_right_positions_with_lef
     """``ActorCritic`` on a left-padded batch (prompts of 1, 3 and 5 tokens; responses of 2-4, right padded)
     against the plain forward of each unpadded sequence: the log-prob of response token t comes from the
     logits at position P - 1 + t, its value from the hidden state there (DESIGN.md), for actor, critic and
-    reference alike, and no padding or position offset changes a number (PITFALLS B11)."""
+    reference alike, and no padding or position offset changes a number (docs/pitfalls.md: left padding)."""
     torch.manual_seed(0)
     module = make_module()
     with torch.no_grad():

@@ -25,7 +25,7 @@ def _fit(module, tmp_path, batch_size=4, **trainer_kwargs):
 
 
 def test_first_minibatch_is_on_policy_and_kl_is_zero_at_step_zero(tmp_path):
-    """B10/B12: rollout log-probs at the sampling temperature, dropout off -> ratio 1, KL 0 at step 0."""
+    """pitfall: sampling temperature, dropout: rollout log-probs at the sampling temperature, dropout off -> ratio 1, KL 0 at step 0."""
     module = make_module()  # temperature 0.7, one epoch, one minibatch = the whole rollout
     _fit(module, tmp_path)
     first = module.history[0]
@@ -100,7 +100,7 @@ def test_one_iteration_writes_the_metric_keys(tmp_path):
 
 
 def test_score_lands_on_the_last_real_token_with_pad_equal_eos(tmp_path, monkeypatch):
-    """B04/B05: pad = eos = 0; row 0 stops at its EOS (index 2), row 1 fills max_new_tokens (index 4)."""
+    """pitfall: score token, score slot: pad = eos = 0; row 0 stops at its EOS (index 2), row 1 fills max_new_tokens (index 4)."""
     module = make_module(
         tokenizer="byte:pad=eos",
         sampling=copy.deepcopy(make_module().sampling),

@@ -1,4 +1,4 @@
-"""GAE and explained variance (PITFALLS B05, B07, appendix reference loop)."""
+"""GAE and explained variance (docs/pitfalls.md: score slot, GAE over padding, a plain reference loop)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ def close(actual, expected, atol=1e-6):
 
 
 def reference_gae(rewards, values, mask, gamma, lam):
-    """The plain per-row loop of the PITFALLS appendix (padding: no reward, no value, no carry)."""
+    """A plain per-row loop (padding: no reward, no value, no carry)."""
     adv, last, next_v = [0.0] * len(rewards), 0.0, 0.0
     for t in reversed(range(len(rewards))):
         if not mask[t]:
@@ -23,7 +23,7 @@ def reference_gae(rewards, values, mask, gamma, lam):
     return adv, [a + v if m else 0.0 for a, v, m in zip(adv, values, mask)]
 
 
-# B07 (b): rewards from shaped_rewards, values with a padded slot
+# pitfall: GAE over padding (b): rewards from shaped_rewards, values with a padded slot
 REWARDS = torch.tensor([[-0.02, 0.01, 0.95, 0.0]])
 MASK = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
 

@@ -1,4 +1,4 @@
-"""KL estimators and shaped token rewards (PITFALLS B05, B07, B09)."""
+"""KL estimators and shaped token rewards (docs/pitfalls.md: score slot, GAE over padding, KL estimators)."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ def close(actual, expected, atol=1e-6):
     assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-6)
 
 
-# B09: sampled-token log-probs
+# pitfall: KL estimators: sampled-token log-probs
 LOGP = torch.tensor([[-1.0, -2.0]])
 REF = torch.tensor([[-1.5, -1.0]])
 

@@ -1,4 +1,4 @@
-"""Fixed and adaptive KL controllers (Ziegler et al. 2019, section 2.2; PITFALLS B20 formula)."""
+"""Fixed and adaptive KL controllers (Ziegler et al. 2019, section 2.2; the formula in docs/pitfalls.md: adaptive KL)."""
 
 import io
 

@@ -1,4 +1,4 @@
-"""Selective log-probs and entropies: exact gradients, and no second (B, R, V) tensor (PITFALLS B21).
+"""Selective log-probs and entropies: exact gradients, and no second (B, R, V) tensor (docs/pitfalls.md: vocabulary memory).
 
 The memory checks count every tensor storage created inside the call (``tests/memory_tracker.py``; on a GPU
 ``torch.cuda.max_memory_allocated`` counts the same allocations). The bound is the issue's: extra peak memory

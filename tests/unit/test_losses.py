@@ -1,4 +1,4 @@
-"""Bradley–Terry loss, SFT NLL, PPO policy/value losses, entropy (PITFALLS B02, B12, B13, B16)."""
+"""Bradley–Terry loss, SFT NLL, PPO policy/value losses, entropy (docs/pitfalls.md: degenerate pairs, dropout, value positions, SFT labels)."""
 
 import math
 
@@ -107,7 +107,7 @@ def test_sft_nll_no_label_tokens_raises():
 
 
 def policy_case():
-    # B13: (ratio 1.5, A +1), (0.5, -1), (0.5, +1), then a padded slot with garbage
+    # pitfall: value positions: (ratio 1.5, A +1), (0.5, -1), (0.5, +1), then a padded slot with garbage
     old = torch.zeros(1, 4)
     new = torch.tensor([[math.log(1.5), math.log(0.5), math.log(0.5), 30.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 1.0, 5.0]])

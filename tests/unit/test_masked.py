@@ -1,4 +1,4 @@
-"""masked_sum / masked_mean / masked_var / masked_whiten (PITFALLS B08)."""
+"""masked_sum / masked_mean / masked_var / masked_whiten (docs/pitfalls.md: whitening)."""
 
 import math
 
@@ -15,7 +15,7 @@ def close(actual, expected, atol=1e-6):
     assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-6)
 
 
-# B08: advantages of B07 with one padded slot
+# pitfall: whitening: advantages of pitfall: GAE over padding with one padded slot
 ADV = torch.tensor([0.395375, 0.5425, 0.35, 0.0])
 ADV_MASK = torch.tensor([True, True, True, False])
 
@@ -59,7 +59,7 @@ def test_masked_var_unbiased_and_population():
     # mean 2; squared deviations 1 + 0 + 1 = 2 -> 2/2 = 1 (unbiased), 2/3 (population)
     close(masked_var(values, mask), 1.0)
     close(masked_var(values, mask, unbiased=False), 2.0 / 3.0)
-    close(masked_var(ADV, ADV_MASK), 0.0101268)  # B08
+    close(masked_var(ADV, ADV_MASK), 0.0101268)  # pitfall: whitening
 
 
 def test_masked_var_one_or_zero_tokens_is_zero():
@@ -127,7 +127,7 @@ def test_distributed_flag_is_a_no_op_without_process_group():
 def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        # B08: rank 0 holds [1, 2], rank 1 holds [3] plus a padded slot
+        # pitfall: whitening: rank 0 holds [1, 2], rank 1 holds [3] plus a padded slot
         values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 99.0])][rank]
         mask = [torch.tensor([1, 1]), torch.tensor([1, 0])][rank]
         # empty shard: rank 1 has no real token at all

@@ -1,4 +1,4 @@
-"""position ids, last real index, selective log-probs, stop-token masks (PITFALLS B04, B10, B11, B21)."""
+"""position ids, last real index, selective log-probs, stop-token masks (docs/pitfalls.md: score token, sampling temperature, left padding, vocabulary memory)."""
 
 import math
 
@@ -20,7 +20,7 @@ def close(actual, expected, atol=1e-6):
     assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-6)
 
 
-# ---------------------------------------------------------------- position ids (B11)
+# ---------------------------------------------------------------- position ids (pitfall: left padding)
 
 
 def test_position_ids_left_and_right_padding():
@@ -45,7 +45,7 @@ def test_trim_left_padding_drops_only_columns_padded_in_every_row():
     assert p == 2  # columns 0 and 1 are padding in both rows; column 2 is real in row 0
     assert torch.equal(out_ids, torch.tensor([[7, 8, 5, 6], [0, 9, 4, 0]]))
     assert torch.equal(out_mask, torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0]]))
-    # the positions of the real tokens are unchanged by the cut (B11)
+    # the positions of the real tokens are unchanged by the cut (pitfall: left padding)
     kept = mask[:, 2:].bool()
     assert torch.equal(position_ids_from_mask(out_mask)[kept], position_ids_from_mask(mask)[:, 2:][kept])
     # nothing to drop: the same tensors back
@@ -55,7 +55,7 @@ def test_trim_left_padding_drops_only_columns_padded_in_every_row():
     assert trim_left_padding(ids, torch.tensor([[0, 0, 0, 0, 1, 1]]).expand(2, 6), 4)[2] == 1
 
 
-# ---------------------------------------------------------------- last real index (B04)
+# ---------------------------------------------------------------- last real index (pitfall: score token)
 
 
 def test_last_real_index_b04_left_and_right_padding():
@@ -74,7 +74,7 @@ def test_last_real_index_empty_row_raises_naming_row():
         last_real_index(torch.tensor([[1, 1], [0, 0]]))
 
 
-# ---------------------------------------------------------------- selective log-probs (B10, B21)
+# ---------------------------------------------------------------- selective log-probs (pitfall: sampling temperature, vocabulary memory)
 
 
 def test_gather_logprobs_temperature_b10():
