@@ -26,7 +26,11 @@ def test_no_file_cites_a_document_outside_the_repository():
     offenders = []
     for path in _files():
         text = path.read_text(errors="replace")
-        if OUTSIDE_DOCUMENT in text or re.search(OUTSIDE_NAME + r"\s+B\d\d", text) or "../shared/" + "DESIGN" in text:
+        if (
+            OUTSIDE_DOCUMENT in text
+            or re.search(OUTSIDE_NAME + r"\s+B\d\d", text)
+            or "../shared/" + "DESIGN" in text
+        ):
             offenders.append(str(path.relative_to(REPO_ROOT)))
     assert offenders == []
 
