@@ -67,7 +67,7 @@ _SCORE_POSITIONS = {
 def data_record(datamodule) -> dict | None:
     """Which pairs a reward model was trained and validated on (the preference data module's split settings;
     local files as absolute paths), so that a later step can rebuild the same split: e.g. the held-out-RM
-    experiment (``rlhf_lit.heldout_rm``) takes its evaluation prompts from the validation pairs and checks
+    experiment (``experiments/heldout_rm``) takes its evaluation prompts from the validation pairs and checks
     that two reward models were trained on disjoint parts. None for another kind of data module."""
     if datamodule is None or not all(hasattr(datamodule, k) for k in _DATA_RECORD):
         return None
