@@ -1,7 +1,7 @@
 """Every metric rlhf_lit logs: name, meaning and unit, in one place.
 
-Modules log only names defined here (a test checks it, and the README glossary is generated from
-``GLOSSARY``). Groups are TensorBoard sections: ``train/`` and ``val/`` hold losses, ``reward/`` the
+Modules log only names defined here (a test checks it, and the glossary of docs/metrics.md is generated
+from ``GLOSSARY``). Groups are TensorBoard sections: ``train/`` and ``val/`` hold losses, ``reward/`` the
 reward model's validation results, ``rollout/`` what PPO's sampling produced, ``ppo/`` the update,
 ``critic/`` the value head (never ``val/``, which means validation), ``perf/`` speed and memory, and
 ``data/`` what the data modules kept and skipped.
@@ -190,7 +190,7 @@ def is_known(name: str) -> bool:
 
 
 def glossary_markdown() -> str:
-    """The README's metric glossary (a test checks that the README holds exactly this table)."""
+    """The metric glossary of docs/metrics.md (tests/test_readme.py checks that the page holds exactly this table)."""
     rows = ["| metric | meaning |", "|---|---|"]
     rows += [f"| `{name}` | {text} |" for name, text in GLOSSARY.items()]
     return "\n".join(rows)

@@ -224,7 +224,7 @@ def report_calibration(trainer, results: dict, folder: str, step: int) -> None:
 
 
 def export_meta(is_encoder: bool, hidden: int, temperature: float, pooling: str, datamodule) -> dict:
-    """``rlhf_lit.json``'s reward-model record (README "Exports"): ``kind``, ``architecture``,
+    """``rlhf_lit.json``'s reward-model record (docs/exports.md): ``kind``, ``architecture``,
     ``hidden_size``, ``temperature``, ``pooling`` and ``score_position``; with a preference data module also
     ``input_format`` (how the training sequences were built, so that PPO can rebuild them for another
     tokenizer) and ``data`` (:func:`data_record`)."""
