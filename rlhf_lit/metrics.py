@@ -1,7 +1,7 @@
 """Every metric rlhf_lit logs: name, meaning and unit, in one place.
 
-Modules log only names defined here (a test checks it, and the README glossary is generated from
-``GLOSSARY``). Groups are TensorBoard sections: ``train/`` and ``val/`` hold losses, ``reward/`` the
+Modules log only names defined here (a test checks it, and the glossary of docs/metrics.md is generated
+from ``GLOSSARY``). Groups are TensorBoard sections: ``train/`` and ``val/`` hold losses, ``reward/`` the
 reward model's validation results, ``rollout/`` what PPO's sampling produced, ``ppo/`` the update,
 ``critic/`` the value head (never ``val/``, which means validation), ``perf/`` speed and memory, and
 ``data/`` what the data modules kept and skipped.
@@ -73,7 +73,7 @@ MONITOR_SCORE_LENGTH_CORR = "monitor/score_length_corr"
 MONITOR_REF_PERPLEXITY = "monitor/ref_perplexity"
 MONITOR_SCORE_TREND = "monitor/score_trend_se"
 MONITOR_OVEROPTIMIZATION = "monitor/overoptimization"
-# A held-out reward model that PPO never optimises (rlhf_lit.heldout_rm)
+# A held-out reward model that PPO never optimises (experiments/heldout_rm)
 HELDOUT_RM_SCORE = "heldout/rm_score"
 
 # Speed and memory
@@ -158,7 +158,7 @@ GLOSSARY: dict[str, str] = {
     MONITOR_OVEROPTIMIZATION: "1 when the monitor flags over-optimisation: the RM score rises (> num_se standard "
     "errors over the window) while a held-out signal falls, or reference perplexity exceeds its limit; else 0",
     HELDOUT_RM_SCORE: "mean calibrated score a held-out reward model (trained on other pairs, never optimised) "
-    "gives an iteration's rollout responses; a held-out signal for the monitor (`rlhf_lit.heldout_rm`)",
+    "gives an iteration's rollout responses; a held-out signal for the monitor (`experiments/heldout_rm`)",
     PERF_GENERATION_S: "seconds spent sampling responses, per iteration",
     PERF_EXPERIENCE_S: "seconds for the old-logprob, reference, value and reward passes plus GAE, per iteration",
     PERF_UPDATE_S: "seconds for the PPO epochs, per iteration",
@@ -190,7 +190,7 @@ def is_known(name: str) -> bool:
 
 
 def glossary_markdown() -> str:
-    """The README's metric glossary (a test checks that the README holds exactly this table)."""
+    """The metric glossary of docs/metrics.md (tests/test_readme.py checks that the page holds exactly this table)."""
     rows = ["| metric | meaning |", "|---|---|"]
     rows += [f"| `{name}` | {text} |" for name, text in GLOSSARY.items()]
     return "\n".join(rows)

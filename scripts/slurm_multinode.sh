@@ -10,7 +10,7 @@
 # that sets its own strategy) is stacked after the stage config, then --trainer.num_nodes / --trainer.devices
 # are set from the allocation, then any extra arguments. Under PPO the update equals the one-process update of
 # the global batch (one permutation of the global rollout per epoch, token-weighted losses, global
-# whitening/normalisation/KL: README "Scale"); `tests/distributed` checks it on CPU for 2 processes on one
+# whitening/normalisation/KL: docs/scale.md); `tests/distributed` checks it on CPU for 2 processes on one
 # machine and for 2 nodes x 1 process launched with `torchrun --nnodes 2` -- this script itself has NOT run on
 # a cluster (no SLURM here); its argument handling is tested with a stand-in srun (tests/distributed/test_slurm_script.py).
 #

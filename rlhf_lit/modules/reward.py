@@ -16,7 +16,7 @@ Calibration (Guo et al. 2017): at the end of fit a single temperature T > 0 is f
 pairs by minimising the NLL of sigmoid(d / T); T never changes the ranking. ECE before and after, and the
 reliability diagram, go to TensorBoard, to ``eval_results.json`` and to ``reliability.png``.
 
-Every evaluation also reports the length bias (``rlhf_lit.modules.reward_eval``, README "Reward model"):
+Every evaluation also reports the length bias (``rlhf_lit.modules.reward_eval``, docs/metrics.md):
 length-matched accuracy, accuracy by length difference, score-length Spearman and the length rule.
 
 Backbones: a causal LM (the score read at its last real token by default) or an encoder such as BERT,

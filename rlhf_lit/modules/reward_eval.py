@@ -67,7 +67,7 @@ _SCORE_POSITIONS = {
 def data_record(datamodule) -> dict | None:
     """Which pairs a reward model was trained and validated on (the preference data module's split settings;
     local files as absolute paths), so that a later step can rebuild the same split: e.g. the held-out-RM
-    experiment (``rlhf_lit.heldout_rm``) takes its evaluation prompts from the validation pairs and checks
+    experiment (``experiments/heldout_rm``) takes its evaluation prompts from the validation pairs and checks
     that two reward models were trained on disjoint parts. None for another kind of data module."""
     if datamodule is None or not all(hasattr(datamodule, k) for k in _DATA_RECORD):
         return None
@@ -224,7 +224,7 @@ def report_calibration(trainer, results: dict, folder: str, step: int) -> None:
 
 
 def export_meta(is_encoder: bool, hidden: int, temperature: float, pooling: str, datamodule) -> dict:
-    """``rlhf_lit.json``'s reward-model record (README "Exports"): ``kind``, ``architecture``,
+    """``rlhf_lit.json``'s reward-model record (docs/exports.md): ``kind``, ``architecture``,
     ``hidden_size``, ``temperature``, ``pooling`` and ``score_position``; with a preference data module also
     ``input_format`` (how the training sequences were built, so that PPO can rebuild them for another
     tokenizer) and ``data`` (:func:`data_record`)."""

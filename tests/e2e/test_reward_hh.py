@@ -158,7 +158,7 @@ def test_recipe_holds_out_1200_pairs_first_and_trains_on_the_rest(recipe_run):
     train = {(e["source"], e["row"]) for e in data.train_dataset.examples}
     assert len(val) == 1200 and not val & train
     assert [sum(1 for s, _ in val if s == i) for i in range(3)] == [400, 400, 400]
-    assert len(train) == 6168  # every other kept pair (the README's figure)
+    assert len(train) == 6168  # every other kept pair (docs/experiments/minilm_reward.md's figure)
     assert cli.trainer.global_step == 4
     # the input: [CLS] response [SEP] (max_prompt_length 1 keeps only the prompt's [CLS])
     tok = cli.model.tokenizer

@@ -245,7 +245,7 @@ def test_the_export_records_architecture_pooling_and_input(trained):
 
 
 def _plain_ids(tok, prompt: str, response: str, encoder: bool, response_only: bool) -> list[int]:
-    """What a user writes with transformers alone, from the README: an encoder gets ``[CLS] prompt response
+    """What a user writes with transformers alone, from docs/exports.md: an encoder gets ``[CLS] prompt response
     [SEP]`` (``tok(response)`` when it was trained on responses alone); a causal LM prompt + response + EOS."""
     words = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     if encoder and response_only:

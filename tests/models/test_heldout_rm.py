@@ -1,4 +1,4 @@
-"""The held-out-RM experiment (``rlhf_lit.heldout_rm``) end to end on tiny models, and its report's arithmetic.
+"""The held-out-RM experiment (``experiments.heldout_rm``) end to end on tiny models, and its report's arithmetic.
 
 Two tiny BERT-style reward models (a WordPiece tokenizer: a cross-tokenizer pairing with the byte-level
 policy) are trained by the reward stage on the two halves (``train_part``) of HH-style pairs; ``main`` then
@@ -15,9 +15,9 @@ import lightning as L
 import pytest
 import yaml
 
+from experiments.heldout_rm import check_disjoint, main, summarize, verdict
 from rlhf_lit import metrics as M
 from rlhf_lit.data import PreferenceDataModule
-from rlhf_lit.heldout_rm import check_disjoint, main, summarize, verdict
 from rlhf_lit.models import BackboneConfig
 from rlhf_lit.modules import RewardModule
 from rlhf_lit.modules.common import OptimizerConfig

@@ -1,4 +1,4 @@
-"""The reward export's contract, as README "Exports" states it, checked with plain transformers.
+"""The reward export's contract, as docs/exports.md states it, checked with plain transformers.
 
 A user without rlhf_lit scores (prompt, response) with an exported reward model like this:
 

@@ -1,4 +1,4 @@
-"""``scripts/constraint_proof.py`` (the real-prompt proof of GRPO / PPO with a verifiable constraint): its
+"""``experiments/constraint_proof.py`` (the real-prompt proof of GRPO / PPO with a verifiable constraint): its
 pieces by hand, and its whole wiring (prompt files, one fit, before / after evaluation, report) on a tiny
 model in seconds."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-SCRIPTS = REPO_ROOT / "scripts"
+SCRIPTS = REPO_ROOT / "experiments"
 
 
 def _load(name: str):

@@ -22,16 +22,16 @@ RM-A alone; if the gain is only in length (RM-B scores longer responses higher),
   after, the paired change with its SE, and for both reward models the change that length does not explain
   (``rlhf_lit.functional.length_bias.length_adjusted_change``), with a one-line verdict on RM-B.
 
-``main`` (``python -m rlhf_lit.heldout_rm`` or ``scripts/heldout_rm_ppo.py``) runs the whole experiment from
+``main`` (``python -m experiments.heldout_rm``, from the repository root) runs the whole experiment from
 two reward-model exports: it checks from their records that they share one validation split and were trained
 on disjoint parts, writes the PPO training prompts (the HH prompts of the training pairs) and the evaluation
 prompts (those of the validation pairs, which no reward model and no PPO iteration saw), and runs
 ``rlhf-lit fit`` on the PPO config with RM-A as the reward model and this callback attached.
 """
 
-from rlhf_lit.heldout_rm.callback import HeldOutRewardCallback
-from rlhf_lit.heldout_rm.experiment import check_disjoint, main, write_prompt_files
-from rlhf_lit.heldout_rm.report import report_markdown, summarize, verdict, write_report
+from experiments.heldout_rm.callback import HeldOutRewardCallback
+from experiments.heldout_rm.experiment import check_disjoint, main, write_prompt_files
+from experiments.heldout_rm.report import report_markdown, summarize, verdict, write_report
 
 __all__ = [
     "HeldOutRewardCallback",

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The hyper-parameter search behind configs/reward/minilm_hh.yaml (README "Real data"), one full run per
+# The hyper-parameter search behind configs/reward/minilm_hh.yaml (docs/experiments/minilm_reward.md), one full run per
 # variant on the recipe's data (6,168 training pairs, the fixed 1,200 validation pairs), one after another
 # (never two at once on the 2-core machine). Each run writes checkpoints/search/<name>/{hf/eval_results.json,
-# run.json (wall time, load average before and after), log.txt}; scripts/search_table.py prints the table.
-#   bash scripts/minilm_search.sh            # every variant not run yet
-#   bash scripts/minilm_search.sh lr2e-4     # just these
+# run.json (wall time, load average before and after), log.txt}; experiments/search_table.py prints the table.
+#   bash experiments/minilm_search.sh            # every variant not run yet
+#   bash experiments/minilm_search.sh lr2e-4     # just these
 # Overrides are relative to the recipe config (which holds the chosen values).
 set -u
 cd "$(dirname "$0")/.."

@@ -9,12 +9,12 @@ import time
 import lightning as L
 import torch
 
+from experiments.heldout_rm.report import FIELDS, summarize, write_report
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.length_bias import mean_and_se
 from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.generation import sample_responses
-from rlhf_lit.heldout_rm.report import FIELDS, summarize, write_report
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 
 log = logging.getLogger("rlhf_lit")

@@ -1,4 +1,4 @@
-"""Evaluation and report of ``scripts/constraint_proof.py``: held-out constraint pass rate (with standard
+"""Evaluation and report of ``experiments/constraint_proof.py``: held-out constraint pass rate (with standard
 errors) and KL to the reference of a policy (the start, or the start plus a trained LoRA adapter), the
 training curves from the runs' CSV logs, and ``report.json`` / ``report.md`` / ``curves.png``.
 """

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from rlhf_lit.heldout_rm.callback import HeldOutRewardCallback
-from rlhf_lit.heldout_rm.report import report_markdown, write_report
+from experiments.heldout_rm.callback import HeldOutRewardCallback
+from experiments.heldout_rm.report import report_markdown, write_report
 
 log = logging.getLogger("rlhf_lit")
 
@@ -104,7 +104,7 @@ def write_prompt_files(export_a: str, out: str, num_eval: int, seed: int = 0) ->
 def main(argv: list[str] | None = None) -> dict:
     """Run the experiment (see the module docstring); extra arguments after ``--`` go to ``rlhf-lit fit``."""
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_lit.heldout_rm",
+        prog="python -m experiments.heldout_rm",
         description="PPO against reward model A, judged before and after on held-out prompts by reward model B.",
     )
     parser.add_argument("--rm-a", required=True, help="export folder of the reward model PPO optimises")

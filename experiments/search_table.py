@@ -1,8 +1,8 @@
-"""Print the markdown table of reward-model runs (scripts/minilm_search.sh, or any folders holding
+"""Print the markdown table of reward-model runs (experiments/minilm_search.sh, or any folders holding
 ``hf/eval_results.json`` and ``run.json``): pooled and per-file accuracy against the length rule, the paired
 z, length-matched accuracy, the score-length Spearman correlation, ECE, wall time and load average.
 
-    python scripts/search_table.py [checkpoints/search/*]
+    python experiments/search_table.py [checkpoints/search/*]
 """
 
 from __future__ import annotations
