@@ -19,7 +19,7 @@ def config_roots(config: dict) -> list[Path]:
     return configs_root_of([str(f) for f in (files if isinstance(files, list) else [files]) if f])
 
 
-def check_inputs(init: dict, data: dict, stage: str | None, roots: list[Path]) -> None:
+def check_inputs(init: dict, data: dict, stage: object, roots: list[Path]) -> None:
     problems = []
     for key in ("backbone", "reward_model.backbone"):
         name = get(init, f"{key}.name_or_path")
