@@ -105,7 +105,11 @@ def parse_range(text: str) -> Range:
         )
     elif match := _BOUND.match(spec):
         op, value = match["op"], float(match["v"])
-        kw = dict(low=value, low_open=op == ">") if op.startswith(">") else dict(high=value, high_open=op == "<")
+        kw = (
+            dict(low=value, low_open=op == ">")
+            if op.startswith(">")
+            else dict(high=value, high_open=op == "<")
+        )
     elif spec not in ("", "any"):
         raise ValueError(f"not a range: {text!r}")
     return Range(integer=integer, optional=optional, also=tuple(also), **kw)

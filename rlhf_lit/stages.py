@@ -192,9 +192,15 @@ def stage_for(cls_or_path: type | str, key: str = "model.class_path") -> StageSp
     """
     spec = find_stage_by_path(cls_or_path) if isinstance(cls_or_path, str) else find_stage(cls_or_path)
     if spec is None:
-        name = cls_or_path if isinstance(cls_or_path, str) else f"{cls_or_path.__module__}.{cls_or_path.__qualname__}"
+        name = (
+            cls_or_path
+            if isinstance(cls_or_path, str)
+            else f"{cls_or_path.__module__}.{cls_or_path.__qualname__}"
+        )
         known = ", ".join(f"{s.name} ({s.module.rsplit('.', 1)[-1]})" for s in STAGES.values())
-        raise ConfigError(f"{key}: {name} is not an rlhf_lit stage module or a subclass of one; stages: {known}")
+        raise ConfigError(
+            f"{key}: {name} is not an rlhf_lit stage module or a subclass of one; stages: {known}"
+        )
     return spec
 
 

@@ -78,7 +78,7 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
     if stage and data_path and stage.data != data_path:
         wanted = stage.data.rsplit(".", 1)[-1]
         raise ConfigError(
-            f"data.class_path: the {stage.title} stage ({model_cls.__name__}) trains on {wanted} data, but the "
+            f"data.class_path: {model_cls.__name__} trains on {wanted} data (the {stage.title} stage), but the "
             f"config gives {data_name}; use {stage.data}"
         )
     for key in ("backbone", "reward_model.backbone"):
