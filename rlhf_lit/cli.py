@@ -87,10 +87,10 @@ def user_error_message(err: BaseException) -> str | None:
     """The message to print for a user mistake, or None for an internal error (which keeps its traceback).
 
     A user mistake is a :class:`UserError` anywhere in the exception's cause chain (jsonargparse wraps
-    errors raised while it instantiates a class, and a class may wrap one it caught), a parse error, or
-    Lightning's ``MisconfigurationException`` (raised for trainer settings that cannot work, e.g. an unknown
-    accelerator). Only ``__cause__`` is followed (and ``__context__`` where jsonargparse re-raised without a
-    cause): a bug raised while handling a user error is a bug.
+    errors raised while it instantiates a class: a ``ConfigError`` raised in a module's or data module's
+    constructor arrives here as the cause of jsonargparse's ``ValueError``), a parse error, or Lightning's
+    ``MisconfigurationException`` (raised for trainer settings that cannot work, e.g. an unknown accelerator).
+    Only ``__cause__`` is followed, not ``__context__``: a bug raised while handling a user error is a bug.
     """
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")  # loaded if Lightning raised it
     misconfiguration = getattr(exceptions, "MisconfigurationException", ())
@@ -104,17 +104,8 @@ def user_error_message(err: BaseException) -> str | None:
             return condense(str(current))
         if misconfiguration and isinstance(current, misconfiguration):
             return f"trainer: {str(current).strip().splitlines()[0]}"
-        current = current.__cause__ or _reraised_context(current)
+        current = current.__cause__
     return None
-
-
-def _reraised_context(err: BaseException) -> BaseException | None:
-    """The error jsonargparse caught while instantiating a class and re-raised as a ``ValueError`` without a
-    cause (``Problem with given class_path ...``): its ``__context__``, but only for that re-raise."""
-    context = err.__context__
-    if context is None or err.__suppress_context__ or type(err) is not ValueError:
-        return None
-    return context if isinstance(context, UserError) else None
 
 
 def main(args: list[str] | None = None) -> None:

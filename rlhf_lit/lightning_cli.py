@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from rlhf_lit.callbacks.progress import StageProgressBar
 from rlhf_lit.cli import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
-from rlhf_lit.cli_messages import condense, option_strings
+from rlhf_lit.cli_messages import condense, config_files, option_strings, yaml_syntax_error
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.quiet import quiet_third_party
 
@@ -56,6 +56,9 @@ class RLHFCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
+            for file in config_files(args):  # a YAML syntax error: name the file, line and column
+                if (syntax := yaml_syntax_error(file)) is not None:
+                    raise ConfigError(syntax) from err
             raise ConfigError(condense(str(err), option_strings(parser, args))) from err
         from rlhf_lit.checks import check_ckpt_path
 
