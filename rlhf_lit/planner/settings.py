@@ -111,8 +111,8 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
     from rlhf_lit.modules.common import OptimizerConfig, as_config
 
     roots = roots if roots is not None else configs_root_of(None)
+    stage = _stage(spec["model"]["class_path"])  # first: a class that is no stage has none of the keys below
     init = spec["model"]["init_args"]
-    stage = _stage(spec["model"]["class_path"])
     backbone = BackboneConfig(**init["backbone"])
     if backbone.name_or_path and not_written_yet(backbone.name_or_path):
         found = _export_backbone(backbone.name_or_path, roots)
