@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(seconds)
     lightning = statistics.median(times["python -c 'import lightning.pytorch'"])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"CPU: {cpu_model()}; load average at the end {load:.2f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(
+        f"CPU: {cpu_model()}; load average at the end {load:.2f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     print(f"medians of {args.repeats} fresh processes (seconds)\n")
     print("| command | median (s) | runs (s) | target |")
     print("|---|---|---|---|")
