@@ -38,31 +38,19 @@ def _count(low: int = 1, **kw) -> Range:
     return Range(low=low, integer=True, **kw)
 
 
+# lr, weight_decay, eps, warmup_steps: declared on OptimizerConfig; a tuple's items are checked here
 _OPTIMIZER = {
-    "optimizer.lr": _gt0(),
-    "optimizer.weight_decay": _ge0(),
-    "optimizer.eps": _gt0(),
     "optimizer.betas.0": Range(low=0, high=1, high_open=True),
     "optimizer.betas.1": Range(low=0, high=1, high_open=True),
-    "optimizer.warmup_steps": _count(0),
 }
-
-
-def _lora(prefix: str) -> dict[str, Range]:
-    return {
-        f"{prefix}.r": _count(1),
-        f"{prefix}.alpha": _gt0(),
-        f"{prefix}.dropout": Range(low=0, high=1, high_open=True),
-    }
 
 
 #: Ranges of the stage modules' settings that their dataclasses do not declare, by stage name (a subclass of a
 #: stage module gets its stage's rules).
 MODEL_RULES: dict[str, dict[str, Range]] = {
-    "sft": {**_OPTIMIZER, **_lora("backbone.lora")},
+    "sft": {**_OPTIMIZER},
     "reward": {
         **_OPTIMIZER,
-        **_lora("backbone.lora"),
         "label_smoothing": Range(low=0, high=0.5, high_open=True),
         "beta_rm": _ge0(),
         "center_rewards_coef": _ge0(),
@@ -72,8 +60,8 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
     },
     "ppo": {
         **_OPTIMIZER,
-        **_lora("backbone.lora"),
-        **_lora("critic.lora"),
+        # ppo.*, kl.*, reward.*, critic.*, ptx.*: to move onto their dataclasses (rlhf_lit.ranges.ranged) with the
+        # RL-core restructure of modules/ppo_config.py; sampling.*, optimizer.*, *.lora.* are declared there
         "ppo.ppo_epochs": _count(1),
         "ppo.ppo_minibatch_size": _count(1),
         "ppo.micro_batch_size": _count(1, optional=True),
@@ -91,13 +79,7 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
         "kl.kl_coef": _ge0(),
         "kl.target_kl": _gt0(optional=True),
         "kl.horizon": _count(1),
-        "sampling.max_new_tokens": _count(1),
-        "sampling.num_samples_per_prompt": _count(1),
         "ppo.loss_norm_constant": _gt0(optional=True),
-        "sampling.min_new_tokens": _count(0),
-        "sampling.temperature": _gt0(),
-        "sampling.top_k": _count(0),
-        "sampling.top_p": Range(low=0, high=1, low_open=True),
         "reward.clip": _gt0(optional=True),
         "reward.missing_eos_penalty": Range(optional=True),
         "critic.lr": _gt0(optional=True),

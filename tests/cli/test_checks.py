@@ -298,8 +298,10 @@ def test_missing_inputs_are_named(tmp_path):
     config["model"]["init_args"]["backbone"]["name_or_path"] = str(tmp_path / "empty_dir")
     with pytest.raises(ConfigError, match="is not a model folder"):
         check(config)
-    config["model"]["init_args"]["backbone"]["name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    check(config)  # a hub id is left to transformers (positions unknown offline: not checked)
+    config["model"]["init_args"]["backbone"]["name_or_path"] = "no-such-org/no-such-model"
+    # a hub id that is not cached, offline (the tests run with HF_HUB_OFFLINE=1): one line at once, no retries
+    with pytest.raises(ConfigError, match="no-such-org/no-such-model is not a local folder and not in the Hugging"):
+        check(config)
 
 
 def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(tmp_path, monkeypatch):
