@@ -37,6 +37,7 @@ from argparse import ArgumentError
 from typing import TYPE_CHECKING, Any
 
 from rlhf_lit.cli_messages import condense, did_you_mean
+from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError, UserError
 from rlhf_lit.quiet import quiet_third_party, verbose_requested
 
@@ -54,21 +55,6 @@ __all__ = [
     "user_error_message",
 ]
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's
-#: Subcommands that ``main`` runs itself: name -> ``"module:function"``; the function takes the arguments after
-#: the subcommand's name. Add an entry to add a subcommand.
-EXTRA_SUBCOMMANDS: dict[str, str] = {
-    "demo": "rlhf_lit.demo:main",
-    "plan": "rlhf_lit.planner.report:main",
-}
-DESCRIPTION = (
-    "RLHF (SFT -> calibrated reward model -> PPO) on PyTorch Lightning. Subcommands: fit, validate, test, "
-    "predict (LightningCLI: rlhf-lit fit --config configs/<stage>/<name>.yaml); demo (the whole pipeline on "
-    "the offline demo task: rlhf-lit demo [--fast]; rlhf-lit demo --help); plan (peak-memory estimate of a "
-    "config, loads no weights: rlhf-lit plan --config <file>; rlhf-lit plan --help). Add --debug (or set "
-    "RLHF_LIT_DEBUG=1) to see the traceback of an error, --verbose (or RLHF_LIT_VERBOSE=1) to see Lightning's "
-    "and the libraries' informational lines."
-)
 _LAZY = {
     "RLHFCLI": "rlhf_lit.lightning_cli",
     "cli_main": "rlhf_lit.lightning_cli",

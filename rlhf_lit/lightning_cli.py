@@ -23,8 +23,8 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 from rlhf_lit.callbacks.progress import StageProgressBar
-from rlhf_lit.cli import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.cli_messages import condense, config_files, option_strings, yaml_syntax_error
+from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.quiet import quiet_third_party
 
