@@ -7,9 +7,17 @@
     rlhf-lit plan --config ... [--device-memory-gb 24]      # peak-memory estimate (rlhf_lit.planner)
     rlhf-lit demo [--fast]                                  # the whole pipeline on the offline demo task
 
-``main`` dispatches: ``plan`` to :mod:`rlhf_lit.planner`, ``demo`` to :mod:`rlhf_lit.demo`, everything else to
-LightningCLI (:mod:`rlhf_lit.lightning_cli`, which the planner and the demo use to read configs). The console
-script, ``python -m rlhf_lit`` and ``python -m rlhf_lit.cli`` all run ``main``.
+``--verbose`` (any subcommand) shows what is silenced by default: Lightning's "Tip" lines for other products,
+its GPU/TPU/HPU availability lines, known-harmless warnings and third-party log lines below WARNING.
+
+``main`` dispatches the subcommands of :data:`EXTRA_SUBCOMMANDS` (``plan`` to :mod:`rlhf_lit.planner`, ``demo``
+to :mod:`rlhf_lit.demo`; one entry each, ``name -> "module:function"``), everything else to LightningCLI
+(:mod:`rlhf_lit.lightning_cli`, which the planner and the demo use to read configs). The console script,
+``python -m rlhf_lit`` and ``python -m rlhf_lit.cli`` all run ``main``.
+
+Start-up: this module imports nothing heavy. ``rlhf-lit --help`` is answered here, ``plan --help`` and
+``demo --help`` by their own argument parsers before they import models; Lightning, torch and transformers are
+imported only by the subcommands that use them.
 
 Errors: a user mistake (an unknown or misspelled key, an abbreviated option, a value out of range, a missing
 or unwritable path, a malformed data file) is printed as one line naming the key, file, row or field, and the
@@ -21,34 +29,57 @@ is read (so data errors come before the trainer starts), and only then the train
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
 from argparse import ArgumentError
+from typing import TYPE_CHECKING, Any
 
 from rlhf_lit.cli_messages import condense, did_you_mean
+from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError, UserError
-from rlhf_lit.lightning_cli import (
-    EXTRA_SUBCOMMANDS,
-    RLHFCLI,
-    SUBCOMMANDS,
-    _quiet_third_party,
-    cli_main,
-    parse_config,
-)
+from rlhf_lit.quiet import quiet_third_party, verbose_requested
 
-__all__ = ["RLHFCLI", "cli_main", "main", "parse_config", "user_error_message"]
+if TYPE_CHECKING:
+    from rlhf_lit.lightning_cli import RLHFCLI, cli_main, parse_config
+
+__all__ = [
+    "DESCRIPTION",
+    "EXTRA_SUBCOMMANDS",
+    "RLHFCLI",
+    "SUBCOMMANDS",
+    "cli_main",
+    "main",
+    "parse_config",
+    "user_error_message",
+]
+
+_LAZY = {
+    "RLHFCLI": "rlhf_lit.lightning_cli",
+    "cli_main": "rlhf_lit.lightning_cli",
+    "parse_config": "rlhf_lit.lightning_cli",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``RLHFCLI``, ``cli_main``, ``parse_config``: imported (with Lightning) on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def user_error_message(err: BaseException) -> str | None:
     """The message to print for a user mistake, or None for an internal error (which keeps its traceback).
 
     A user mistake is a :class:`UserError` anywhere in the exception's cause chain (jsonargparse wraps
-    errors raised while it instantiates a class), a parse error, or Lightning's ``MisconfigurationException``
-    (raised for trainer settings that cannot work, e.g. an unknown accelerator).
+    errors raised while it instantiates a class: a ``ConfigError`` raised in a module's or data module's
+    constructor arrives here as the cause of jsonargparse's ``ValueError``), a parse error, or Lightning's
+    ``MisconfigurationException`` (raised for trainer settings that cannot work, e.g. an unknown accelerator).
+    Only ``__cause__`` is followed, not ``__context__``: a bug raised while handling a user error is a bug.
     """
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
+    exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")  # loaded if Lightning raised it
+    misconfiguration = getattr(exceptions, "MisconfigurationException", ())
     seen = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
@@ -57,22 +88,20 @@ def user_error_message(err: BaseException) -> str | None:
             return str(current)
         if isinstance(current, ArgumentError):
             return condense(str(current))
-        if isinstance(current, MisconfigurationException):
+        if misconfiguration and isinstance(current, misconfiguration):
             return f"trainer: {str(current).strip().splitlines()[0]}"
-        current = current.__cause__  # not __context__: a bug raised while handling a user error is a bug
+        current = current.__cause__
     return None
-
-
-def _debug_requested(argv: list[str]) -> bool:
-    return "--debug" in argv or os.environ.get("RLHF_LIT_DEBUG", "").strip().lower() in ("1", "true", "yes")
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlhf-lit`` console script: ``fit``/``validate``/``test``/``predict``, ``demo``,
     ``plan``. A user mistake prints ``rlhf-lit: error: ...`` (one or two lines) and exits 2."""
     argv = list(sys.argv[1:] if args is None else args)
-    debug = _debug_requested(argv)
-    argv = [a for a in argv if a != "--debug"]
+    debug = "--debug" in argv or os.environ.get("RLHF_LIT_DEBUG", "").strip().lower() in ("1", "true", "yes")
+    verbose = verbose_requested(argv)
+    argv = [a for a in argv if a not in ("--debug", "--verbose")]
+    quiet_third_party(verbose)
     try:
         _dispatch(argv)
     except (KeyboardInterrupt, SystemExit):
@@ -85,35 +114,38 @@ def main(args: list[str] | None = None) -> None:
             traceback.print_exception(err)
         print(f"rlhf-lit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        quiet_third_party(False)  # the next command in this process (a test) starts quiet again
+
+
+def _usage() -> str:
+    import textwrap
+
+    names = ", ".join((*SUBCOMMANDS, *EXTRA_SUBCOMMANDS))
+    return (
+        f"usage: rlhf-lit [-h] [--debug] [--verbose] {{{names}}} ...\n\n"
+        + textwrap.fill(DESCRIPTION, width=100)
+        + "\n\nrlhf-lit <subcommand> --help lists a subcommand's options.\n"
+    )
 
 
 def _dispatch(argv: list[str]) -> None:
+    names = [*SUBCOMMANDS, *EXTRA_SUBCOMMANDS]
     if not argv:
+        raise ConfigError(f"give a subcommand: {', '.join(names)} (rlhf-lit --help)")
+    if argv[0] in ("-h", "--help"):
+        print(_usage())
+        raise SystemExit(0)
+    if not argv[0].startswith("-") and argv[0] not in names:
         raise ConfigError(
-            f"give a subcommand: {', '.join(SUBCOMMANDS + EXTRA_SUBCOMMANDS)} (rlhf-lit --help)"
+            f"unknown subcommand {argv[0]!r}{did_you_mean(argv[0], names)}; expected one of {', '.join(names)}"
         )
-    if not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS + EXTRA_SUBCOMMANDS:
-        raise ConfigError(
-            f"unknown subcommand {argv[0]!r}{did_you_mean(argv[0], list(SUBCOMMANDS + EXTRA_SUBCOMMANDS))}; "
-            f"expected one of {', '.join(SUBCOMMANDS + EXTRA_SUBCOMMANDS)}"
-        )
-    if argv and argv[0] == "plan":  # the memory planner: reads configs, loads no weights
-        from rlhf_lit.planner import main as plan_main
-
-        for flag, value in zip(argv, argv[1:]):
-            if flag == "--config" and not os.path.isfile(value):
-                raise ConfigError(
-                    f"plan: --config {value}: no such config file (resolved to {os.path.abspath(value)})"
-                )
-
-        plan_main(argv[1:])
+    if argv[0] in EXTRA_SUBCOMMANDS:
+        module, _, function = EXTRA_SUBCOMMANDS[argv[0]].partition(":")
+        getattr(importlib.import_module(module), function)(argv[1:])
         return
-    if argv and argv[0] == "demo":
-        _quiet_third_party()
-        from rlhf_lit.demo import main as demo_main
+    from rlhf_lit.lightning_cli import cli_main
 
-        demo_main(argv[1:])
-        return
     cli_main(argv)
 
 

@@ -21,7 +21,7 @@ import inspect
 import re
 from typing import Any
 
-__all__ = ["condense", "did_you_mean", "option_strings"]
+__all__ = ["condense", "config_files", "did_you_mean", "option_strings", "yaml_syntax_error"]
 
 _NOISE = (
     "Does not validate against any of the Union subtypes",
@@ -219,3 +219,31 @@ def option_strings(parser, args) -> list[str]:
         if isinstance(choices, dict) and argv and argv[0] in choices:
             names += [s for a in choices[argv[0]]._actions for s in a.option_strings]
     return names
+
+
+def config_files(args: list[str] | None) -> list[str]:
+    """The files given with ``--config FILE`` / ``--config=FILE`` on a command line."""
+    argv = list(args or [])
+    files = [value for flag, value in zip(argv, argv[1:]) if flag == "--config"]
+    return files + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+
+
+def yaml_syntax_error(path: str) -> str | None:
+    """``<file>: line L, column C: <what yaml found>`` for a config file that is not valid YAML; None if it
+    parses (or cannot be read: the parser says why). jsonargparse reports a YAML error without the file and
+    the position (``Problems parsing config: while parsing a flow mapping``)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as stream:
+            yaml.safe_load(stream)
+    except OSError:
+        return None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = "; ".join(str(p) for p in (err.context, err.problem) if p)
+        return f"{path}: {where}invalid YAML: {what}"
+    except yaml.YAMLError as err:
+        return f"{path}: invalid YAML: {str(err).splitlines()[0]}"
+    return None

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from rlhf_lit.functional.sequence import truncate_after_stop
+from rlhf_lit.ranges import check_field_ranges, ranged
 
 
 @dataclass
@@ -46,27 +47,20 @@ class SamplingConfig:
             responses. Validation samples one response per prompt.
     """
 
-    max_new_tokens: int = 48
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    max_new_tokens: int = ranged(48, "int >= 1")
+    min_new_tokens: int = ranged(0, "int >= 0")
+    temperature: float = ranged(1.0, "> 0")
+    top_k: int = ranged(0, "int >= 0")
+    top_p: float = ranged(1.0, "(0, 1]")
     stop_at_eos: bool = True
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
     do_sample: bool = True
     merge_adapter: bool = False
-    num_samples_per_prompt: int = 1
+    num_samples_per_prompt: int = ranged(1, "int >= 1")
 
     def __post_init__(self) -> None:
-        if self.num_samples_per_prompt < 1:
-            raise ValueError(
-                f"sampling.num_samples_per_prompt must be >= 1, got {self.num_samples_per_prompt}"
-            )
-        if self.temperature <= 0:
-            raise ValueError(f"sampling.temperature must be > 0, got {self.temperature}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_field_ranges(self, "sampling.")  # the ranges declared above (ConfigError)
 
 
 def resolve_stop_ids(cfg: SamplingConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -16,30 +16,21 @@ and a model setting of the config that differs is named in a warning.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from argparse import ArgumentError
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
-from rlhf_lit.callbacks import StageProgressBar
-from rlhf_lit.cli_messages import condense, option_strings
+from rlhf_lit.callbacks.progress import StageProgressBar
+from rlhf_lit.cli_messages import condense, config_files, option_strings, yaml_syntax_error
+from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError
+from rlhf_lit.quiet import quiet_third_party
 
 log = logging.getLogger("rlhf_lit")
 
 __all__ = ["DESCRIPTION", "EXTRA_SUBCOMMANDS", "SUBCOMMANDS", "RLHFCLI", "cli_main", "parse_config"]
-
-SUBCOMMANDS = ("fit", "validate", "test", "predict")  # LightningCLI's
-EXTRA_SUBCOMMANDS = ("demo", "plan")  # dispatched by main()
-DESCRIPTION = (
-    "RLHF (SFT -> calibrated reward model -> PPO) on PyTorch Lightning. Subcommands: fit, validate, test, "
-    "predict (LightningCLI: rlhf-lit fit --config configs/<stage>/<name>.yaml); demo (the whole pipeline on "
-    "the offline demo task: rlhf-lit demo [--fast]; rlhf-lit demo --help); plan (peak-memory estimate of a "
-    "config, loads no weights: rlhf-lit plan --config <file>; rlhf-lit plan --help). Add --debug (or set "
-    "RLHF_LIT_DEBUG=1) to see the traceback of an error."
-)
 # Unknown or abbreviated options are errors (argparse would otherwise accept --trainer.max_step for
 # --trainer.max_steps), and parse errors are raised, not printed with the whole usage text: main() prints
 # one line.
@@ -65,6 +56,9 @@ class RLHFCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
+            for file in config_files(args):  # a YAML syntax error: name the file, line and column
+                if (syntax := yaml_syntax_error(file)) is not None:
+                    raise ConfigError(syntax) from err
             raise ConfigError(condense(str(err), option_strings(parser, args))) from err
         from rlhf_lit.checks import check_ckpt_path
 
@@ -104,35 +98,6 @@ class RLHFCLI(LightningCLI):
             self.trainer_defaults = defaults
 
 
-def _quiet_third_party() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("transformers", "datasets", "peft", "httpx", "urllib3", "filelock"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # bitsandbytes warns on import that an optional CPU kernel package is missing; the fallback is fine.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*gemm_4bit_forward.*")
-    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated.*")
-    warnings.filterwarnings("ignore", message=".*val_dataloader.*but have no .validation_step.*")
-    # a data module with val_size 0 returns no validation loader (an empty list), which is what it means
-    warnings.filterwarnings("ignore", message=".*Total length of `list` across ranks is zero.*")
-    # Lightning 2.6 asks manual-optimization modules to stash a pre-step state for ModelCheckpoint; a PPO
-    # training_step is one whole iteration, and the state after it is the one a resume must start from.
-    warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
-    # main() always hands LightningCLI its arguments explicitly (after taking out --debug and the demo/plan
-    # subcommands), so LightningCLI's guard against "args given while sys.argv has arguments" is moot.
-    warnings.filterwarnings(
-        "ignore", message=".*LightningCLI's args parameter is intended to run from within.*"
-    )
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
     """Build (and by default run) the CLI in-process; used by ``main`` and by the tests.
 
@@ -141,7 +106,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
             value, path or stage/data pairing that cannot work (:mod:`rlhf_lit.checks`).
         UserError: other user mistakes found later (e.g. a malformed data file: ``DataFormatError``).
     """
-    _quiet_third_party()
+    quiet_third_party()
     parser_kwargs = dict(_PARSER_KWARGS, description=DESCRIPTION)
     parser_kwargs.update({name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS})
     return RLHFCLI(

@@ -18,7 +18,6 @@ from rlhf_lit.models.model_files import resolve_path
 __all__ = ["configs_root_of", "holds_model", "not_written_yet", "producing_config", "stage_of"]
 
 MODEL_FILES = ("config.json", "rlhf_lit.json")
-_STAGES = {"SFTModule": "SFT", "RewardModule": "reward", "PPOModule": "PPO"}
 
 
 def holds_model(path: str) -> bool:
@@ -65,7 +64,10 @@ def producing_config(path: str, roots: list[Path] | Path) -> tuple[Path, dict] |
 
 
 def stage_of(spec: dict) -> str:
-    """``SFT`` / ``reward`` / ``PPO`` for a config dict (by its model class), else the class name."""
+    """The stage's title (``SFT``, ``reward``, ``PPO``: :mod:`rlhf_lit.stages`) for a config dict, by its model
+    class (a subclass of a stage module is that stage); else the class name."""
+    from rlhf_lit.stages import find_stage_by_path
+
     class_path = str((spec.get("model") or {}).get("class_path", ""))
-    name = class_path.rsplit(".", 1)[-1]
-    return _STAGES.get(name, name or "unknown")
+    stage = find_stage_by_path(class_path)
+    return stage.title if stage is not None else class_path.rsplit(".", 1)[-1] or "unknown"

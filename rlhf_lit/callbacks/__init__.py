@@ -10,10 +10,28 @@ The reward model's calibration report, reliability diagram and export are still 
 ``RewardModule.on_fit_end`` (``rlhf_lit.modules.reward``).
 """
 
-from rlhf_lit.callbacks.gold_score import GoldScoreCallback
-from rlhf_lit.callbacks.monitor import RewardHackingMonitor, _shift_se
-from rlhf_lit.callbacks.outputs import HFExport, PPOCurves, RolloutSamples, unless_configured
-from rlhf_lit.callbacks.progress import StageProgressBar
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlhf_lit.callbacks.gold_score import GoldScoreCallback
+    from rlhf_lit.callbacks.monitor import RewardHackingMonitor, _shift_se
+    from rlhf_lit.callbacks.outputs import HFExport, PPOCurves, RolloutSamples, unless_configured
+    from rlhf_lit.callbacks.progress import StageProgressBar
+
+# imported on first use (PEP 562): the CLI needs only the progress bar, not the data code the others import
+_LAZY = {
+    "GoldScoreCallback": "rlhf_lit.callbacks.gold_score",
+    "RewardHackingMonitor": "rlhf_lit.callbacks.monitor",
+    "_shift_se": "rlhf_lit.callbacks.monitor",
+    "HFExport": "rlhf_lit.callbacks.outputs",
+    "PPOCurves": "rlhf_lit.callbacks.outputs",
+    "RolloutSamples": "rlhf_lit.callbacks.outputs",
+    "unless_configured": "rlhf_lit.callbacks.outputs",
+    "StageProgressBar": "rlhf_lit.callbacks.progress",
+}
 
 __all__ = [
     "GoldScoreCallback",
@@ -25,3 +43,11 @@ __all__ = [
     "_shift_se",
     "unless_configured",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

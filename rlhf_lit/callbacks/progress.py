@@ -1,4 +1,5 @@
-"""A progress bar that names the stage (``[sft] epoch 0``, ``[ppo] iterations``) and where its export went."""
+"""A progress bar that names the stage (``[sft] epoch 0``, ``[ppo] iterations``: the stage table's ``name`` and
+``progress``, :mod:`rlhf_lit.stages`) and where its export went."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 
 __all__ = ["StageProgressBar"]
 
-_STAGES = {"SFTModule": "sft", "RewardModule": "reward", "PPOModule": "ppo"}
 
 
-def _stage(pl_module) -> str:
-    return _STAGES.get(type(pl_module).__name__, type(pl_module).__name__)
+def _stage(pl_module):
+    """The module's entry of the stage table (:mod:`rlhf_lit.stages`), or None for another LightningModule."""
+    from rlhf_lit.stages import find_stage
+
+    return find_stage(type(pl_module))
+
+
+def _label(pl_module) -> str:
+    stage = _stage(pl_module)
+    return stage.name if stage is not None else type(pl_module).__name__
 
 
 class StageProgressBar(TQDMProgressBar):
@@ -25,13 +33,15 @@ class StageProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         stage = _stage(pl_module)
-        if stage == "ppo" and pl_module.ppo.total_iterations:
-            remaining = pl_module.ppo.total_iterations - pl_module.iteration
+        iterations = stage is not None and stage.progress == "iterations"
+        total = getattr(getattr(pl_module, "ppo", None), "total_iterations", None)
+        if iterations and total:
+            remaining = total - pl_module.iteration
             self.train_progress_bar.reset(
                 min(self.total_train_batches, remaining, _max_steps_left(trainer, pl_module))
             )
-        what = "iterations" if stage == "ppo" else f"epoch {trainer.current_epoch}"
-        self.train_progress_bar.set_description(f"[{stage}] {what}")
+        what = "iterations" if iterations else f"epoch {trainer.current_epoch}"
+        self.train_progress_bar.set_description(f"[{_label(pl_module)}] {what}")
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
@@ -45,7 +55,7 @@ class StageProgressBar(TQDMProgressBar):
         super().teardown(trainer, pl_module, stage)
         export_dir = getattr(pl_module, "export_dir", None)
         if stage == "fit" and trainer.is_global_zero and export_dir and os.path.isdir(export_dir):
-            print(f"[{_stage(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
+            print(f"[{_label(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
 
 
 def _max_steps_left(trainer, pl_module) -> float:

@@ -7,10 +7,10 @@ anything, on the parsed config as plain dicts; :func:`check_data_fits_model` run
 The first problem found is raised, naming the config key as the user writes it
 (``model.init_args.ppo.clip_range``) and what would fix it.
 
-1. Value ranges (:data:`MODEL_RULES`, :data:`DATA_RULES`, :data:`TRAINER_RULES`): learning rates and
+1. Value ranges (:func:`model_ranges`, :data:`DATA_RULES`, :data:`TRAINER_RULES`): learning rates and
    coefficients, epochs, iterations and batch sizes, PPO's clip ranges, ``gamma``, ``gae_lambda``, KL
    settings, sampling, lengths. Non-finite numbers are refused everywhere a number is checked.
-2. Consistency: the data module fits the stage; PPO's rollout / minibatch / micro-batch divisibility; an
+2. Consistency: the data module fits the stage (the stage table, :mod:`rlhf_lit.stages`); PPO's rollout / minibatch / micro-batch divisibility; an
    adaptive KL controller has a ``target_kl``; ``trainer.max_steps`` stops PPO at a whole iteration.
 3. Inputs exist: data files, the backbone and reward-model folders (an export that an earlier stage has not
    written yet is named with the config that writes it), the checkpoint.
@@ -27,16 +27,16 @@ from rlhf_lit.checks.paths import check_inputs, check_outputs, config_roots
 from rlhf_lit.checks.rules import (
     DATA_RULES,
     MODEL_RULES,
-    STAGE_DATA,
     TRAINER_RULES,
     Range,
     check_ranges,
     file_list,
     get,
     import_class,
-    kind,
+    model_ranges,
 )
 from rlhf_lit.errors import ConfigError
+from rlhf_lit.stages import data_kind, find_stage
 
 __all__ = [
     "DATA_RULES",
@@ -46,7 +46,9 @@ __all__ = [
     "check_ckpt_path",
     "check_config",
     "check_data_fits_model",
+    "check_ppo_settings",
     "model_positions",
+    "model_ranges",
 ]
 
 
@@ -63,30 +65,37 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
     init = model.get("init_args") or {}
     data_init = data.get("init_args") or {}
     model_cls, data_cls = import_class(model.get("class_path")), import_class(data.get("class_path"))
-    stage = kind(model_cls, MODEL_RULES)
-    data_kind = kind(data_cls, DATA_RULES)
+    stage = find_stage(model_cls)  # None: not one of the stage table's modules (no stage checks)
+    data_path = data_kind(data_cls)
+    data_name = data_path.rsplit(".", 1)[-1] if data_path else None
 
     check_ranges(trainer, TRAINER_RULES, "trainer.")
     if stage:
-        check_ranges(init, MODEL_RULES[stage], "model.init_args.")
-    if data_kind:
-        check_ranges(data_init, DATA_RULES[data_kind], "data.init_args.")
-        _check_data_settings(data_kind, data_init)
-    if stage and data_kind and STAGE_DATA[stage] != data_kind:
+        check_ranges(init, model_ranges(model_cls, stage), "model.init_args.")
+    if data_name:
+        check_ranges(data_init, DATA_RULES.get(data_name, {}), "data.init_args.")
+        _check_data_settings(data_name, data_init)
+    if stage and data_path and stage.data != data_path:
+        wanted = stage.data.rsplit(".", 1)[-1]
         raise ConfigError(
-            f"data.class_path: {stage} trains on {STAGE_DATA[stage]} data, but the config gives {data_kind}; "
-            f"use rlhf_lit.data.{STAGE_DATA[stage]}"
+            f"data.class_path: {model_cls.__name__} trains on {wanted} data (the {stage.title} stage), but the "
+            f"config gives {data_name}; use {stage.data}"
         )
     for key in ("backbone", "reward_model.backbone"):
         if isinstance(get(init, key), dict):
             _check_backbone(f"model.init_args.{key}", get(init, key))
-    if stage == "PPOModule":
-        _check_ppo(init, data_init, trainer)
+    if stage:
+        stage.run_checks(init, data_init, trainer)
     roots = config_roots(config)
     check_inputs(init, data_init, stage, roots)
     if stage:
         check_lengths(stage, init, data_init)
     check_outputs(init, trainer, subcommand)
+
+
+def check_ppo_settings(init: dict, data: dict, trainer: dict) -> None:
+    """The PPO stage's consistency checks (the stage table's ``checks`` entry for ``ppo``)."""
+    _check_ppo(init, data, trainer)
 
 
 def _check_backbone(key: str, backbone: dict) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_lit.checks.rules import MODEL_RULES, import_class, kind
+from rlhf_lit.checks.rules import import_class
 from rlhf_lit.errors import ConfigError
 
 __all__ = ["check_ckpt_path"]
@@ -50,7 +50,7 @@ def check_ckpt_path(config: Any) -> None:
             f"ckpt_path: {ckpt_path} was written by {saved_class.rsplit('.', 1)[-1]}, but the config's model is "
             f"{config_class.rsplit('.', 1)[-1]}; give the config of the stage that wrote the checkpoint"
         )
-    if hparams and not saved_class and kind(import_class(config_class), MODEL_RULES):
+    if hparams and not saved_class and _is_stage(config_class):
         raise ConfigError(
             f"ckpt_path: {ckpt_path} stores its hyper-parameters without '_class_path' (written before rlhf_lit "
             "stored it), so LightningCLI cannot re-parse them; resume it in Python with Trainer.fit(..., "
@@ -83,3 +83,9 @@ def _diff(mine: Any, theirs: Any, prefix: str = "") -> Iterator[tuple[str, Any, 
         mine, theirs = list(mine), list(theirs)
     if mine != theirs:
         yield prefix.rstrip("."), mine, theirs
+
+
+def _is_stage(class_path: str | None) -> bool:
+    from rlhf_lit.stages import find_stage
+
+    return find_stage(import_class(class_path)) is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_lit.checks.rules import get, kind
+from rlhf_lit.checks.rules import get
 from rlhf_lit.errors import ConfigError
 
 __all__ = ["check_data_fits_model", "check_lengths", "model_positions"]
@@ -32,7 +32,9 @@ def model_positions(backbone: dict | Any) -> int | None:
     return None
 
 
-def check_lengths(stage: str, init: dict, data: dict) -> None:
+def check_lengths(stage: Any, init: dict, data: dict) -> None:
+    """A stage that generates (:attr:`~rlhf_lit.stages.StageSpec.generates`): prompt limit + ``max_new_tokens``
+    within the model's positions; any other: ``data.max_length``."""
     from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.modules.ppo_config import PTXConfig
 
@@ -42,7 +44,7 @@ def check_lengths(stage: str, init: dict, data: dict) -> None:
     positions = model_positions(backbone)
     if positions is None:
         return
-    if stage in ("SFTModule", "RewardModule"):
+    if not stage.generates:
         max_length = data.get("max_length")
         if isinstance(max_length, int) and max_length > positions:
             raise ConfigError(
@@ -69,12 +71,16 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
     the response.
 
     Raises:
-        ConfigError: if a RewardModule gets unpaired data, or the longest prompt plus
+        ConfigError: if a stage that trains on pairs gets unpaired data, or the longest prompt plus
             ``sampling.max_new_tokens`` exceeds the policy's positions.
     """
-    if getattr(datamodule, "unpaired", False) and kind(type(model), ("RewardModule",)):
+    from rlhf_lit.stages import find_stage
+
+    stage = find_stage(type(model))
+    if getattr(datamodule, "unpaired", False) and stage is not None and stage.trains_on_pairs:
         raise ConfigError(
-            "data: the preference files hold unpaired (KTO-style) completions, but RewardModule trains on pairs; "
+            f"data: the preference files hold unpaired (KTO-style) completions, but {type(model).__name__} trains "
+            "on pairs; "
             "set data.init_args.pair_unpaired: true to pair each desirable completion with the undesirable ones "
             "of the same prompt"
         )

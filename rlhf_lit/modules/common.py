@@ -13,6 +13,8 @@ import lightning as L
 import torch
 from transformers import get_scheduler
 
+from rlhf_lit.ranges import check_field_ranges, ranged
+
 log = logging.getLogger("rlhf_lit")
 
 C = TypeVar("C")
@@ -58,13 +60,16 @@ class OptimizerConfig:
         warmup_steps: linear warm-up, in optimizer steps.
     """
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    lr: float = ranged(1e-5, "> 0")
+    weight_decay: float = ranged(0.0, ">= 0")
+    betas: tuple[float, float] = (0.9, 0.999)  # each in [0, 1): checks.rules.MODEL_RULES (a tuple's items)
+    eps: float = ranged(1e-8, "> 0")
     name: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
     scheduler: str = "linear"
-    warmup_steps: int = 0
+    warmup_steps: int = ranged(0, "int >= 0")
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "optimizer.")  # the ranges declared above (ConfigError)
 
 
 def build_optimizer(

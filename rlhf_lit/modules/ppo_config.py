@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhf_lit.errors import ConfigError
 from rlhf_lit.models.backbone import LoraSettings
 
 
@@ -241,17 +242,17 @@ def refuse_impossible_settings(backbone, sampling) -> None:
     """Settings under which PPO's ratio or KL would be wrong, refused before any model loads.
 
     Raises:
-        ValueError: for ``backbone.disable_dropout: false`` (docs/pitfalls.md: dropout) or ``top_k`` / ``top_p`` sampling
+        ConfigError: for ``backbone.disable_dropout: false`` (docs/pitfalls.md: dropout) or ``top_k`` / ``top_p`` sampling
             (pitfall: sampling temperature).
     """
     if not backbone.disable_dropout:
-        raise ValueError(
+        raise ConfigError(
             "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
             "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
             "not 0. Dropout is set to 0 in the configs, training mode is kept"
         )
     if sampling.top_k or sampling.top_p < 1.0:
-        raise ValueError(
+        raise ConfigError(
             f"PPO refuses sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: responses would "
             "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
             "the sampling temperature (an off-policy mismatch). Use top_k: 0 and top_p: 1.0"

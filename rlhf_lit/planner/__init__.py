@@ -67,7 +67,13 @@ estimate with the measured peak of live tensor bytes (a dispatch mode that recor
 created and freed: what ``torch.cuda.max_memory_allocated`` counts on a GPU), with the same batch shapes.
 """
 
-from rlhf_lit.models.architecture import KNOWN_ARCHITECTURES
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# These three import nothing heavy; the settings (read through the CLI's parser) and the shapes (which build
+# the model on the meta device) are imported on first use (PEP 562), so ``rlhf-lit plan --help`` stays light.
 from rlhf_lit.planner.estimate import Estimate, estimate
 from rlhf_lit.planner.formulas import (
     DTYPE_BYTES,
@@ -80,10 +86,17 @@ from rlhf_lit.planner.formulas import (
     weights_bytes,
 )
 from rlhf_lit.planner.report import main, plan, report
-from rlhf_lit.planner.settings import RunSettings, read_settings, settings_from_config
-from rlhf_lit.planner.shapes import ModelShape, model_shape
 
 _weights_bytes = weights_bytes  # the name tests/test_planner.py uses
+
+_LAZY = {
+    "KNOWN_ARCHITECTURES": "rlhf_lit.models.architecture",
+    "RunSettings": "rlhf_lit.planner.settings",
+    "read_settings": "rlhf_lit.planner.settings",
+    "settings_from_config": "rlhf_lit.planner.settings",
+    "ModelShape": "rlhf_lit.planner.shapes",
+    "model_shape": "rlhf_lit.planner.shapes",
+}
 
 __all__ = [
     "DTYPE_BYTES",
@@ -106,3 +119,11 @@ __all__ = [
     "settings_from_config",
     "weights_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

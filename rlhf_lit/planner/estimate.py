@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlhf_lit.planner.formulas import (
     DTYPE_BYTES,
@@ -12,8 +13,10 @@ from rlhf_lit.planner.formulas import (
     loss_bytes,
     weights_bytes,
 )
-from rlhf_lit.planner.settings import RunSettings
-from rlhf_lit.planner.shapes import ModelShape
+
+if TYPE_CHECKING:  # annotations only: importing the estimate reads no model code
+    from rlhf_lit.planner.settings import RunSettings
+    from rlhf_lit.planner.shapes import ModelShape
 
 __all__ = ["Estimate", "estimate"]
 

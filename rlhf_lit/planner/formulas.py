@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from rlhf_lit.models.backbone import BackboneConfig
-from rlhf_lit.planner.shapes import ModelShape
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the formulae import nothing heavy (rlhf-lit plan --help reads GiB here)
+    from rlhf_lit.models.backbone import BackboneConfig
+    from rlhf_lit.planner.shapes import ModelShape
 
 __all__ = [
     "DTYPE_BYTES",

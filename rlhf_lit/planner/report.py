@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from typing import TYPE_CHECKING
 
-from rlhf_lit.planner.estimate import Estimate, estimate
+if TYPE_CHECKING:
+    from rlhf_lit.planner.estimate import Estimate
+
 from rlhf_lit.planner.formulas import GiB, MiB
-from rlhf_lit.planner.settings import read_settings
-from rlhf_lit.planner.shapes import model_shape
+
+# the command's --help and its argument errors import nothing heavy: the estimate's modules (which read model
+# configs through transformers) are imported when a plan is made
 
 _DESCRIPTION = (
     "Memory planner: the peak accelerator memory of a run, estimated from its configs before anything loads."
@@ -56,6 +61,10 @@ def report(est: Estimate, device_memory_gb: float | None = None) -> str:
 def plan(configs: list[str], model_config: str | None = None, overrides: dict | None = None) -> Estimate:
     """Estimate the run that ``rlhf-lit fit --config <configs...>`` would start (``overrides``: fields of
     :class:`~rlhf_lit.planner.settings.RunSettings` to set after reading the configs)."""
+    from rlhf_lit.planner.estimate import estimate
+    from rlhf_lit.planner.settings import read_settings
+    from rlhf_lit.planner.shapes import model_shape
+
     settings = read_settings(configs)
     for key, value in (overrides or {}).items():
         setattr(settings, key, value)
@@ -83,6 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args = parser.parse_args(argv)
+    for config in args.config:
+        if not os.path.isfile(config):
+            from rlhf_lit.errors import ConfigError
+
+            raise ConfigError(f"plan: --config {config}: no such config file (resolved to {os.path.abspath(config)})")
     est = plan(args.config, args.model_config, {"world_size": args.world_size} if args.world_size else None)
     if args.json:
         print(

@@ -10,7 +10,6 @@ parsed the same way.
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +68,22 @@ def _parse(configs: list[str]) -> dict:
 
 
 def _stage(class_path: str) -> str:
-    """``ppo`` / ``reward`` / ``sft`` by the model class's base (a subclass plans as its base)."""
-    module, _, name = class_path.rpartition(".")
-    mro = [k.__name__ for k in getattr(getattr(importlib.import_module(module), name), "__mro__", ())]
-    return "ppo" if "PPOModule" in mro else "reward" if "RewardModule" in mro else "sft"
+    """The planner phase (``sft`` / ``reward`` / ``ppo``) of the model class's stage (:mod:`rlhf_lit.stages`;
+    a subclass plans as its stage).
+
+    Raises:
+        ConfigError: if the class is no stage module, or its stage has no planner phase.
+    """
+    from rlhf_lit.errors import ConfigError
+    from rlhf_lit.stages import stage_for
+
+    stage = stage_for(class_path)
+    if stage.planner_phase is None:
+        raise ConfigError(
+            f"plan: the planner does not support the {stage.title} stage ({class_path.rsplit('.', 1)[-1]}) yet; "
+            "its memory is not modelled"
+        )
+    return stage.planner_phase
 
 
 def _export_backbone(path: str, roots: list[Path]) -> BackboneConfig | None:
@@ -100,8 +111,8 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
     from rlhf_lit.modules.common import OptimizerConfig, as_config
 
     roots = roots if roots is not None else configs_root_of(None)
+    stage = _stage(spec["model"]["class_path"])  # first: a class that is no stage has none of the keys below
     init = spec["model"]["init_args"]
-    stage = _stage(spec["model"]["class_path"])
     backbone = BackboneConfig(**init["backbone"])
     if backbone.name_or_path and not_written_yet(backbone.name_or_path):
         found = _export_backbone(backbone.name_or_path, roots)

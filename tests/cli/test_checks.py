@@ -13,26 +13,27 @@ import torch
 
 from rlhf_lit.checks import (
     DATA_RULES,
-    MODEL_RULES,
     TRAINER_RULES,
     Range,
     check_ckpt_path,
     check_config,
     check_data_fits_model,
+    model_ranges,
 )
 from rlhf_lit.cli import RLHFCLI, cli_main
 from rlhf_lit.errors import ConfigError
+from rlhf_lit.stages import STAGES, import_path
 from tests.tiny_runs import REPO_ROOT, in_repo_root
 
 STAGE_CONFIGS = {
-    "SFTModule": "configs/sft/tiny.yaml",
-    "RewardModule": "configs/reward/tiny.yaml",
-    "PPOModule": "configs/ppo/tiny.yaml",
+    "sft": "configs/sft/tiny.yaml",
+    "reward": "configs/reward/tiny.yaml",
+    "ppo": "configs/ppo/tiny.yaml",
 }
 DATA_OF = {
-    "SFTDataModule": "SFTModule",
-    "PreferenceDataModule": "RewardModule",
-    "PromptDataModule": "PPOModule",
+    "SFTDataModule": "sft",
+    "PreferenceDataModule": "reward",
+    "PromptDataModule": "ppo",
 }
 _PARSED: dict[str, dict] = {}
 
@@ -100,7 +101,11 @@ def _good_value(rule: Range):
     return rule.high if rule.high is not None and not rule.high_open else 0
 
 
-RULES = [("model", stage, key, rule) for stage, rules in MODEL_RULES.items() for key, rule in rules.items()]
+RULES = [
+    ("model", stage, key, rule)
+    for stage in STAGE_CONFIGS
+    for key, rule in model_ranges(import_path(STAGES[stage].module), STAGES[stage]).items()
+]
 RULES += [
     ("data", DATA_OF[kind], key, rule) for kind, rules in DATA_RULES.items() for key, rule in rules.items()
 ]
@@ -140,21 +145,21 @@ def test_range_descriptions_and_extras():
 
 def test_the_issues_nonsense_settings_are_refused():
     for stage, key, value, expected in [
-        ("SFTModule", "optimizer.lr", 0.0, "model.init_args.optimizer.lr must be a number > 0, got 0.0"),
+        ("sft", "optimizer.lr", 0.0, "model.init_args.optimizer.lr must be a number > 0, got 0.0"),
         (
-            "PPOModule",
+            "ppo",
             "ppo.ppo_epochs",
             0,
             "model.init_args.ppo.ppo_epochs must be a whole number >= 1, got 0",
         ),
         (
-            "PPOModule",
+            "ppo",
             "kl.target_kl",
             -1.0,
             "model.init_args.kl.target_kl must be a number > 0 (or null), got -1.0",
         ),
         (
-            "PPOModule",
+            "ppo",
             "ppo.clip_range",
             -0.5,
             "model.init_args.ppo.clip_range must be a number > 0, got -0.5",
@@ -218,7 +223,7 @@ def test_the_issues_nonsense_settings_are_refused():
     ],
 )
 def test_ppo_consistency_checks(changes, expected):
-    config = parsed("PPOModule")
+    config = parsed("ppo")
     for key, value in changes.items():
         _set(config, key, value)
     with pytest.raises(ConfigError, match=expected):
@@ -226,7 +231,7 @@ def test_ppo_consistency_checks(changes, expected):
 
 
 def test_max_steps_of_whole_iterations_is_accepted():
-    config = parsed("PPOModule")
+    config = parsed("ppo")
     config["trainer"]["max_steps"] = 12  # 3 iterations of 2 epochs x 2 minibatches
     check(config)
 
@@ -235,28 +240,28 @@ def test_max_steps_of_whole_iterations_is_accepted():
     "stage, changes, expected",
     [
         (
-            "SFTModule",
+            "sft",
             {"data.init_args.max_length": 600},
             r"max_length \(600\) exceeds the model's 512 positions",
         ),
         (
-            "SFTModule",
+            "sft",
             {"model.init_args.backbone.name_or_path": "gpt2"},
             "model.init_args.backbone: give exactly one of 'name_or_path'",
         ),
-        ("RewardModule", {"model.init_args.backbone.dtype": "float8"}, "backbone.dtype must be one of"),
+        ("reward", {"model.init_args.backbone.dtype": "float8"}, "backbone.dtype must be one of"),
         (
-            "RewardModule",
+            "reward",
             {"data.init_args.val_size": 2.5},
             "val_size must be a fraction in .0, 1. or a whole row count",
         ),
         (
-            "RewardModule",
+            "reward",
             {"data.init_args.min_prompt_tokens": 384},
             r"min_prompt_tokens \(384\) must be < max_length \(384\)",
         ),
         (
-            "RewardModule",
+            "reward",
             {"data.class_path": "rlhf_lit.data.SFTDataModule"},
             "RewardModule trains on PreferenceDataModule",
         ),
@@ -271,7 +276,7 @@ def test_sft_and_reward_checks(stage, changes, expected):
 
 
 def test_missing_inputs_are_named(tmp_path):
-    config = parsed("SFTModule")
+    config = parsed("sft")
     config["data"]["init_args"]["train_files"] = ["../shared/data/sft/nope.jsonl"]
     with pytest.raises(
         ConfigError,
@@ -281,7 +286,7 @@ def test_missing_inputs_are_named(tmp_path):
     config["data"]["init_args"]["train_files"] = [str(tmp_path)]
     with pytest.raises(ConfigError, match=r"train_files\[0\]: .* is a folder; give a data file"):
         check(config)
-    config = parsed("SFTModule")
+    config = parsed("sft")
     config["model"]["init_args"]["backbone"] = {
         **config["model"]["init_args"]["backbone"],
         "tiny": None,
@@ -293,8 +298,10 @@ def test_missing_inputs_are_named(tmp_path):
     config["model"]["init_args"]["backbone"]["name_or_path"] = str(tmp_path / "empty_dir")
     with pytest.raises(ConfigError, match="is not a model folder"):
         check(config)
-    config["model"]["init_args"]["backbone"]["name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    check(config)  # a hub id is left to transformers (positions unknown offline: not checked)
+    config["model"]["init_args"]["backbone"]["name_or_path"] = "no-such-org/no-such-model"
+    # a hub id that is not cached, offline (the tests run with HF_HUB_OFFLINE=1): one line at once, no retries
+    with pytest.raises(ConfigError, match="no-such-org/no-such-model is not a local folder and not in the Hugging"):
+        check(config)
 
 
 def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(tmp_path, monkeypatch):
@@ -305,7 +312,7 @@ def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(t
         "model:\n  class_path: rlhf_lit.modules.SFTModule\n  init_args:\n    export_dir: out/sft/hf\n"
     )
     (configs / "ppo" / "mine.yaml").write_text("model: {class_path: rlhf_lit.modules.PPOModule}\n")
-    config = parsed("PPOModule")
+    config = parsed("ppo")
     config["model"]["init_args"]["backbone"].update(tiny=None, name_or_path="out/sft/hf")
     config["config"] = [str(configs / "ppo" / "mine.yaml")]
     monkeypatch.chdir(tmp_path)
@@ -328,11 +335,11 @@ def test_outputs_must_be_writable(tmp_path):
         ("trainer.default_root_dir", str(blocker / "runs"), "a_file is a file, not a folder"),
         ("trainer.logger.init_args.save_dir", str(blocker / "tb"), "a_file is a file, not a folder"),
     ]:
-        config = parsed("RewardModule")
+        config = parsed("reward")
         _set(config, key, value)
         with pytest.raises(ConfigError, match=f"{key.replace('.', '[.]')}: cannot write to .*{expected}"):
             check(config)
-    config = parsed("RewardModule")
+    config = parsed("reward")
     config["trainer"]["callbacks"] = [
         {
             "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -341,7 +348,7 @@ def test_outputs_must_be_writable(tmp_path):
     ]
     with pytest.raises(ConfigError, match=r"trainer.callbacks\[0\].init_args.dirpath: cannot write"):
         check(config)
-    config = parsed("RewardModule")
+    config = parsed("reward")
     config["model"]["init_args"]["export_dir"] = str(blocker / "hf")
     check(config, "validate")  # validate writes no export
 
@@ -474,7 +481,7 @@ def test_all_shipped_configs_pass_the_value_checks():
     ],
 )
 def test_group_estimator_checks(changes, expected):
-    config = parsed("PPOModule")
+    config = parsed("ppo")
     for key, value in changes.items():
         _set(config, key, value)
     with pytest.raises(ConfigError, match=expected):
@@ -482,7 +489,7 @@ def test_group_estimator_checks(changes, expected):
 
 
 def test_group_estimator_with_enough_samples_passes_the_checks():
-    config = parsed("PPOModule")
+    config = parsed("ppo")
     _set(config, "model.init_args.ppo.advantage_estimator", "grpo")
     _set(config, "model.init_args.sampling.num_samples_per_prompt", 2)
     check(config)

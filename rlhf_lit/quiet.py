@@ -1,0 +1,89 @@
+"""What the ``rlhf-lit`` command does not print unless ``--verbose`` asks (``RLHF_LIT_VERBOSE=1``).
+
+Silenced: Lightning's "Tip" lines advertising other products (litlogger, litmodels), its GPU/TPU/HPU
+availability lines, its warning that an epoch has fewer batches than ``log_every_n_steps``, the bitsandbytes
+hint about an optional CPU kernel package, progress bars of the Hugging Face libraries, their log lines below
+WARNING, and a few warnings known to be harmless here (each is named below with why). Nothing is imported:
+the filters attach to loggers and the warnings registry by name, so this costs nothing at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+__all__ = ["quiet_third_party", "verbose_requested"]
+
+_VERBOSE = {"on": False}  # what main() decided for this command
+
+# rank_zero_info lines of Lightning that advertise other products or state the obvious on every run
+_LIGHTNING_NOISE = ("💡 Tip:", "GPU available:", "TPU available:", "HPU available:", "IPU available:")
+_LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+_HARMLESS_WARNINGS = (
+    ".*does not have many workers.*",  # the data is tokenised in memory; worker processes would not help
+    ".*gemm_4bit_forward.*",  # bitsandbytes' CPU fallback for 4-bit matmuls
+    ".*isinstance.treespec, LeafSpec.*",
+    ".*is_gradient_checkpointing.*is deprecated.*",
+    ".*val_dataloader.*but have no .validation_step.*",
+    # a data module with val_size 0 returns no validation loader (an empty list), which is what it means
+    ".*Total length of `list` across ranks is zero.*",
+    # Lightning 2.6 asks manual-optimization modules to stash a pre-step state for ModelCheckpoint; a PPO
+    # training_step is one whole iteration, and the state after it is the one a resume must start from.
+    ".*no pre-optimization state was saved.*",
+    # the tiny configs' epochs are shorter than the logging interval; metrics are still logged at epoch end
+    ".*is smaller than the logging interval.*",
+)
+
+
+class _DropNoise(logging.Filter):
+    """Drops Lightning's advert and device-availability lines unless the command is verbose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _VERBOSE["on"] or not str(record.getMessage()).startswith(_LIGHTNING_NOISE)
+
+
+_FILTER = _DropNoise()
+
+
+def verbose_requested(argv: list[str]) -> bool:
+    """``--verbose`` in ``argv`` or ``RLHF_LIT_VERBOSE`` set to 1/true/yes."""
+    return "--verbose" in argv or os.environ.get("RLHF_LIT_VERBOSE", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+    )
+
+
+def quiet_third_party(verbose: bool | None = None) -> None:
+    """Install the filters (idempotent). ``verbose=None`` keeps what the command decided (default: quiet)."""
+    if verbose is not None:
+        _VERBOSE["on"] = bool(verbose)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in _LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    # main() always hands LightningCLI its arguments explicitly (after taking out --debug, --verbose and its
+    # own subcommands), so LightningCLI's guard against "args given while sys.argv has arguments" is moot.
+    warnings.filterwarnings(
+        "ignore", message=".*LightningCLI's args parameter is intended to run from within.*"
+    )
+    if _VERBOSE["on"]:
+        return
+    for name in ("transformers", "datasets", "peft", "httpx", "urllib3", "filelock", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # bitsandbytes warns on import that an optional CPU kernel package is missing; the fallback is fine.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    for message in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    # progress bars of the Hugging Face libraries: by environment before they are imported, else directly
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()

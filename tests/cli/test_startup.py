@@ -1,0 +1,85 @@
+"""Lazy start-up (not timed; ``bench/startup.py`` measures): ``import rlhf_lit`` and the light ``--help`` paths
+import no data library, Lightning, torch or transformers; Lightning's advert and device lines are dropped unless
+``--verbose``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_lit import quiet
+from tests.tiny_runs import REPO_ROOT
+
+HEAVY = ("datasets", "pandas", "pyarrow", "lightning", "torch", "transformers")
+
+
+def _imported_after(code: str) -> list[str]:
+    """The heavy top-level packages in ``sys.modules`` after running ``code`` in a fresh interpreter."""
+    probe = (
+        f"import sys\n{code}\n"
+        f"import json; print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_import_rlhf_lit_imports_no_data_library_or_framework():
+    assert _imported_after("import rlhf_lit, rlhf_lit.cli, rlhf_lit.stages, rlhf_lit.errors") == []
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["plan", "--help"], ["demo", "--help"], ["plan", "--config", "nope.yaml"]]
+)
+def test_light_commands_import_nothing_heavy(args):
+    code = (
+        "from rlhf_lit.cli import main\n"
+        "try:\n"
+        f"    main({args!r})\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code in (0, 2), exit.code\n"
+    )
+    assert _imported_after(code) == []
+
+
+def test_top_level_help_names_every_subcommand(capsys):
+    from rlhf_lit.cli import EXTRA_SUBCOMMANDS, SUBCOMMANDS, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    for name in (*SUBCOMMANDS, *EXTRA_SUBCOMMANDS, "--verbose", "--debug"):
+        assert name in out
+
+
+def _record(message: str) -> logging.LogRecord:
+    return logging.LogRecord(
+        "lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1, message, (), None
+    )
+
+
+def test_lightning_adverts_and_device_lines_are_dropped_unless_verbose():
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    try:
+        quiet.quiet_third_party(False)
+        assert not logger.filter(_record("💡 Tip: For seamless cloud logging, try installing [litlogger]"))
+        assert not logger.filter(_record("GPU available: False, used: False"))
+        assert logger.filter(_record("`Trainer.fit` stopped: `max_steps=4` reached."))  # a useful line stays
+        quiet.quiet_third_party(True)
+        assert logger.filter(_record("💡 Tip: For seamless cloud logging, try installing [litlogger]"))
+        assert logger.filter(_record("TPU available: False, using: 0 TPU cores"))
+    finally:
+        quiet.quiet_third_party(False)
+
+
+def test_verbose_is_read_from_the_flag_or_the_environment(monkeypatch):
+    monkeypatch.delenv("RLHF_LIT_VERBOSE", raising=False)
+    assert quiet.verbose_requested(["fit", "--verbose"]) and not quiet.verbose_requested(["fit"])
+    monkeypatch.setenv("RLHF_LIT_VERBOSE", "1")
+    assert quiet.verbose_requested(["fit"])
