@@ -1,41 +1,36 @@
-"""Stage 3: PPO against a frozen reward model, with a per-token KL penalty to a frozen reference.
+"""Stage 3: PPO (or a critic-free estimator) against a frozen reward model, as a Lightning shell around the RL core.
 
-One ``training_step`` is one PPO iteration on one batch of prompts (Ouyang et al. 2022; Stiennon et al.
-2020; Schulman et al. 2017), assembled from pieces in their own modules:
+One ``training_step`` is one iteration on one batch of prompts (Ouyang et al. 2022; Stiennon et al. 2020;
+Schulman et al. 2017), each step a component of ``rlhf_lit.rl`` built in ``__init__`` with what it needs:
 
-1-4. ``rlhf_lit.rollout.collect_rollout``: the actor adapter samples responses; reference log-probs with
-   every adapter switched off; old log-probs (actor) and values (critic) at the sampling temperature with
-   dropout off; reward-model scores (calibrated; an inf / nan one raises ``NonFiniteError``, or with
-   ``reward.skip_non_finite`` leaves the update), missing-EOS penalty, normalisation and clipping;
-5. the advantage estimator ``ppo.advantage_estimator`` (``rlhf_lit.algorithms.build_estimator``): GAE with a
-   critic (shaped token rewards, GAE, whitening), or a critic-free one, which builds no critic adapter and no
-   value head: GRPO / Dr.GRPO and RLOO over the ``sampling.num_samples_per_prompt`` responses to each prompt,
-   REINFORCE++ (returns normalised over the global batch). With ``ppo.kl_placement: loss`` the KL leaves the
-   rewards and enters the objective as a k3 term;
-6. ``rlhf_lit.modules.ppo_update.ppo_update``: ``ppo_epochs`` x shuffled minibatches x micro-batches of the
-   objective (``rlhf_lit.algorithms.PPOObjective``: clipped policy loss + value loss - entropy bonus), + PTX,
-   one optimizer step per minibatch with global-norm gradient clipping (a step whose norm is inf or nan is
-   skipped and counted; ``ppo.max_consecutive_skips`` in a row raise ``NonFiniteError``);
-7. the KL controller update and the iteration's metrics (``rlhf_lit.modules.ppo_stats``).
+1-4. ``collector.collect`` (``rl.rollout.RolloutCollector``): the sampler (``rl.sampler.HFSampler``) draws
+   responses with the actor adapter; reference log-probs with every adapter off; old log-probs and values at
+   the sampling temperature with dropout off; the reward function's scores, the non-finite guard, the
+   missing-EOS penalty, normalisation and clipping (``rl.rollout.ScoreShaper``);
+5. the advantage estimator ``ppo.advantage_estimator`` (registered in ``rl.algorithms``, which says whether
+   it needs a critic: critic-free ones build no critic adapter and no value head);
+6. ``updater.update`` (``rl.update.PPOUpdater``): ``ppo_epochs`` x shuffled global minibatches x
+   micro-batches of the objective (``rl.objectives.PPOObjective``), + PTX, one optimizer step per minibatch
+   with global-norm clipping (non-finite norms skip the step; ``ppo.max_consecutive_skips`` in a row raise);
+7. ``sampler.sync``, the KL controller (``rl.kl_control``) and the iteration's metrics (``rl.stats``).
 
-Refused before any model loads: dropout left on, ``top_k`` / ``top_p`` sampling, a missing-EOS penalty
-without a stop token (each would make the ratio, the KL or the reward wrong without an error).
+Metrics: every iteration's figures go to the loggers with step = the PPO iteration (``ppo/iteration``, not
+``trainer.global_step``, which counts optimizer steps) and, through ``self.log_dict(on_step=True,
+logger=False)``, to ``trainer.callback_metrics``, so ``ModelCheckpoint(monitor="rollout/score_mean")`` and
+``EarlyStopping`` can watch them (one training step = one iteration).
 
-Manual optimization: Lightning never calls ``optimizer_step`` here; ``trainer.global_step`` counts
-optimizer steps, so ``ppo/iteration`` is our own counter.
-
-Several processes (``ddp``, or FSDP2 via ``ModelParallelStrategy`` / ``FSDP2Strategy``; each rank holds
-its own slice of the rollout): statistics (whitening, reward normalisation, the KL controller's input) are
-over all ranks, minibatches are global (``ppo_update``), generation keeps every rank stepping
-(``synced_gpus``) and clipping takes the global norm: 2 ranks x 4 sequences make the same update as 1 rank x 8.
-State that a resumed run needs (iteration, KL controller, reward statistics, RNG, PTX position, skipped-step
-count) is saved in the checkpoint, so a resumed run equals an uninterrupted one.
+Refused before any model loads: dropout on, greedy or ``top_k`` / ``top_p`` sampling, a missing-EOS penalty
+without a stop token. Several processes (DDP, FSDP2): statistics are over all ranks, minibatches are global,
+generation keeps every rank stepping and clipping takes the global norm. A resumed run equals an
+uninterrupted one: iteration, KL controller, reward statistics, RNG, PTX position and skipped-step count are
+checkpointed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Literal
 
@@ -44,12 +39,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms import PPOObjective, build_estimator
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.data.ptx import PTXStream
-from rlhf_lit.errors import NonFiniteError
-from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
-from rlhf_lit.kl_control import build_kl_controller
+from rlhf_lit.generation import SamplingConfig, resolve_stop_ids
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
@@ -76,25 +68,20 @@ from rlhf_lit.modules.ppo_config import (
     check_stop_tokens,
     refuse_impossible_settings,
 )
-from rlhf_lit.modules.ppo_stats import global_kl_per_response, global_stats, iteration_stats, perf_stats
-from rlhf_lit.modules.ppo_update import UpdateBatch, clip_global_grad_norm, epoch_schedule, ppo_update
-from rlhf_lit.parallel import (
-    data_parallel_mesh,
-    gathered_parameters,
-    is_distributed,
-    shard_head,
-    shard_lm,
-)
+from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, is_distributed, shard_head, shard_lm
 from rlhf_lit.reward_norm import RunningMeanStd
 from rlhf_lit.rewards import MixedReward, RewardSourceConfig
+from rlhf_lit.rl.kl_control import build_kl_controller
+from rlhf_lit.rl.objectives import PPOObjective
+from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings, ScoreShaper, describe_reward_source
+from rlhf_lit.rl.sampler import HFSampler, Sampler
+from rlhf_lit.rl.stats import global_kl_per_response, global_stats, iteration_stats, perf_stats
+from rlhf_lit.rl.update import PPOUpdater, UpdateBatch, UpdateSettings, clip_global_grad_norm, epoch_schedule
 from rlhf_lit.rng import get_rng_state, set_rng_state
-from rlhf_lit.rollout import Rollout, collect_rollout, experience_forwards, validation_rollout
 
 log = logging.getLogger("rlhf_lit")
 
-# ``sample_responses`` and ``epoch_schedule`` are looked up here when an iteration runs, so a test or a
-# benchmark can stand in for the sampler or the minibatch schedule (tests/ppo/test_oracle.py does).
-__all__ = ["NonFiniteError", "PPOModule", "epoch_schedule", "sample_responses"]
+__all__ = ["PPOModule"]
 
 
 def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
@@ -106,8 +93,8 @@ def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
 
 class PPOModule(L.LightningModule):
     """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; with a
-    critic-free ``ppo.advantage_estimator`` (``grpo``, ``rloo``, ``reinforce_pp``) the same iteration without a
-    critic.
+    critic-free ``ppo.advantage_estimator`` (``grpo``, ``rloo``, ``reinforce_pp``, or any registered one that
+    declares no critic) the same iteration without a critic.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
@@ -135,6 +122,9 @@ class PPOModule(L.LightningModule):
             at parse time (not set in YAML). It sizes the learning-rate schedule (optimizer steps per
             iteration) and is checked against ``ppo.ppo_minibatch_size`` before training. A module built in
             Python without it takes the batch size of the trainer's data module.
+        sampler: a factory ``(sampling, stop_ids, pad_token_id) -> Sampler`` (``rlhf_lit.rl.sampler``);
+            default ``HFSampler`` (Hugging Face ``generate``).
+        schedule: the minibatch schedule (``rlhf_lit.rl.update.epoch_schedule`` or one with its signature).
     """
 
     def __init__(
@@ -153,6 +143,8 @@ class PPOModule(L.LightningModule):
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
         rollout_batch_size: int | None = None,
+        sampler: Callable[..., Sampler] | None = None,
+        schedule: Callable | None = None,
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
@@ -170,16 +162,15 @@ class PPOModule(L.LightningModule):
         self.optim_cfg = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.ptx_cfg = as_config(PTXConfig, ptx) or PTXConfig()
         self.monitor_cfg = as_config(MonitorConfig, monitor) or MonitorConfig()
+        reward_hparam = self.reward_model_cfg
+        if isinstance(reward_hparam, list):
+            reward_hparam = [asdict(e) for e in reward_hparam]
         # Every switch (PPO-Max tricks included) is recorded, as plain dicts so checkpoints load weights-only.
         self.save_hyperparameters(
             plain_hparams(
                 type(self),
                 backbone=backbone,
-                reward_model=(
-                    [asdict(e) for e in self.reward_model_cfg]
-                    if isinstance(self.reward_model_cfg, list)
-                    else self.reward_model_cfg
-                ),
+                reward_model=reward_hparam,
                 sampling=self.sampling,
                 ppo=self.ppo,
                 kl=self.kl_cfg,
@@ -198,25 +189,15 @@ class PPOModule(L.LightningModule):
         self.export_dir = export_dir
         self.export_mode = export_mode
         self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
-
         refuse_impossible_settings(self.backbone_cfg, self.sampling)
         check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         self._build_models(backbone)
-        self.kl_ctl = build_kl_controller(
-            self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
-        )
-        self.estimator = build_estimator(self.ppo, self.sampling.num_samples_per_prompt)  # step 5
-        self.objective = PPOObjective.from_settings(self.ppo)  # the loss of step 6
-        self.score_stats = RunningMeanStd(distributed=True)
+        self._build_components(sampler or HFSampler, schedule or epoch_schedule)
         self.iteration = 0
         self.history: list[dict[str, float]] = []
-        # sequential actor / critic backward on one process (ppo_update); tests switch it
-        self._two_pass = True
         self.last_rollout: dict[str, list] = {}
         self._pending_rng: dict | None = None
-        self._ptx: PTXStream | None = None
         self._ptx_consumed = 0
-        self._consecutive_skips = 0  # optimizer steps skipped in a row for a non-finite gradient norm
 
     # ------------------------------------------------------------------ setup
     def _build_models(self, backbone: BackboneConfig) -> None:
@@ -251,6 +232,52 @@ class PPOModule(L.LightningModule):
             self.policy.start_critic_from(
                 src.head if in_base else src.scorer.head, "reward" if in_base else None
             )
+
+    def _build_components(self, make_sampler: Callable[..., Sampler], schedule: Callable) -> None:
+        """The RL core's components (``rlhf_lit.rl``), each given what it needs and never this module."""
+        self.kl_ctl = build_kl_controller(
+            self.kl_cfg.kl_coef, self.kl_cfg.adaptive, self.kl_cfg.target_kl, self.kl_cfg.horizon
+        )
+        self.algorithm = self.ppo.algorithm  # the registry entry of ppo.advantage_estimator
+        self.estimator = self.algorithm.estimator(self.ppo, self.sampling.num_samples_per_prompt)  # step 5
+        kl_estimator = self.kl_cfg.resolved_estimator(self.ppo.kl_in_loss())
+        self.objective = PPOObjective.from_settings(self.ppo, kl_estimator)  # the loss of step 6
+        self.score_stats = RunningMeanStd(distributed=True)
+        self.sampler = make_sampler(self.sampling, self.stop_ids, self.tokenizer.pad_token_id)
+        settings = RolloutSettings(
+            temperature=self.sampling.temperature,
+            num_samples_per_prompt=self.sampling.num_samples_per_prompt,
+            forward_batch_size=self.ppo.rollout_forward_batch_size,
+            logprob_chunk_size=self.ppo.logprob_chunk_size,
+            kl_estimator=kl_estimator,
+            merge_adapter=self.sampling.merge_adapter and not self.backbone_cfg.load_in_4bit,
+            skip_non_finite=self.shaping.skip_non_finite,
+            seed=self.ppo.seed,
+            reward_description=describe_reward_source(self.reward_model_cfg),
+        )
+        shaper = ScoreShaper(self.shaping, self.score_stats, has_stop_token=bool(self.stop_ids))
+        world = self._world
+        self.collector = RolloutCollector(
+            self.policy, self.reward_source, self.sampler, shaper, settings, self.tokenizer, world
+        )
+        self.updater = PPOUpdater(
+            self.policy,
+            self.objective,
+            UpdateSettings.from_configs(self.ppo, self.sampling),
+            backward=self.manual_backward,
+            clip=self._clip,
+            optimizers=lambda: (self.optimizers(), self.lr_schedulers()),
+            world=world,
+            schedule=schedule,
+        )
+
+    def _world(self):
+        return attached_trainer(self)
+
+    def _clip(self, opt) -> float | None:
+        """Global-norm clipping of each optimizer step (``rl.update.clip_global_grad_norm``)."""
+        precision = str(self.trainer.precision)
+        return clip_global_grad_norm(opt, self.ppo.max_grad_norm, precision, self.clip_gradients)
 
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model.
@@ -326,28 +353,29 @@ class PPOModule(L.LightningModule):
         if self._rollout_batch_size():
             check_batch_sizes(self.ppo, self._rollout_batch_size(), self.sampling.num_samples_per_prompt)
         if self.ptx_cfg.coef > 0:
-            self._ptx = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
+            stream = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
             if self._ptx_consumed:
-                self._ptx.fast_forward(self._ptx_consumed)
+                stream.fast_forward(self._ptx_consumed)
+            self.updater.ptx_stream, self.updater.ptx_coef = stream, self.ptx_cfg.coef
 
     def on_train_start(self) -> None:
         if self._pending_rng is not None:
             set_rng_state(self._pending_rng)
             self._pending_rng = None
 
-    # ------------------------------------------------------------------ the PPO iteration
+    # ------------------------------------------------------------------ the iteration
     def training_step(self, batch: dict, batch_idx: int) -> None:
         t0 = time.perf_counter()
         check_batch_sizes(self.ppo, batch["input_ids"].shape[0], self.sampling.num_samples_per_prompt)
-        # 1-4. sampling, reference / old log-probs and values, reward scores (rlhf_lit.rollout)
-        rollout = collect_rollout(self, batch, sample=sample_responses)
+        # 1-4. sampling, reference / old log-probs and values, reward scores
+        rollout = self.collector.collect(batch, self.iteration)
         t1 = t0 + rollout.generation_s
-        # 5. token rewards, advantages, returns (the estimator; rlhf_lit.algorithms)
+        # 5. token rewards, advantages, returns
         kl_coef, kl_in_loss = self.kl_ctl.value, self.ppo.kl_in_loss()
         adv = self.estimator(rollout, 0.0 if kl_in_loss else kl_coef, is_distributed(self.trainer))
         t2 = time.perf_counter()
-        # 6. PPO epochs over shuffled minibatches (rlhf_lit.modules.ppo_update)
-        update_stats = self._update(
+        # 6. PPO epochs over shuffled minibatches
+        update_batch = UpdateBatch(
             rollout.input_ids,
             rollout.attention_mask,
             rollout.prompt_len,
@@ -358,9 +386,11 @@ class PPOModule(L.LightningModule):
             adv.returns,
             **({"ref_logprobs": rollout.ref_logprobs, "kl_coef": kl_coef} if kl_in_loss else {}),
         )
+        update_stats = self.updater.update(update_batch, self.iteration)
         t3 = time.perf_counter()
-        # 7. KL controller and metrics
-        self.kl_ctl.update(*global_kl_per_response(self.trainer, rollout))  # every rank moves beta alike
+        # 7. the sampler sees the new weights; KL controller (every rank moves beta alike); metrics
+        self.sampler.sync(self.policy)
+        self.kl_ctl.update(*global_kl_per_response(self.trainer, rollout))
         self.iteration += 1
         stats = iteration_stats(rollout, adv, bool(self.stop_ids), is_distributed(self.trainer))
         stats = global_stats(self.trainer, {**stats, **update_stats}, rollout)
@@ -368,89 +398,48 @@ class PPOModule(L.LightningModule):
         stats[M.PPO_ITERATION] = self.iteration
         stats[M.ROLLOUT_NON_FINITE_SCORES] = float(rollout.num_non_finite)
         stats[M.PPO_KL_COEF] = kl_coef
-        self._log_iteration(stats, batch, rollout)
+        self.last_rollout = rollout.as_text(self.tokenizer, rollout.prompt_ids)  # for RolloutSamples & co.
+        self._log_iteration(stats)
         if self.ppo.total_iterations and self.iteration >= self.ppo.total_iterations:
             self.trainer.should_stop = True
 
-    def _experience_forwards(self, input_ids, attention_mask, prompt_len):
-        """Steps 2-3 (``rollout.experience_forwards``); tests spy on this method."""
-        return experience_forwards(self, input_ids, attention_mask, prompt_len)
-
-    def _update(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        update_mask,
-        old_logprobs,
-        old_values,
-        advantages,
-        returns,
-        ref_logprobs=None,
-        kl_coef: float = 0.0,
-    ) -> dict[str, float]:
-        """Step 6 on the fields of ``UpdateBatch`` (in its order; tests record them here): see
-        ``rlhf_lit.modules.ppo_update.ppo_update``. ``ref_logprobs`` and ``kl_coef`` are given only with the
-        KL in the loss (``ppo.kl_placement: loss``)."""
-        batch = UpdateBatch(
-            input_ids,
-            attention_mask,
-            prompt_len,
-            update_mask,
-            old_logprobs,
-            old_values,
-            advantages,
-            returns,
-            ref_logprobs=ref_logprobs,
-            kl_coef=kl_coef,
-        )
-        return ppo_update(self, batch, schedule=epoch_schedule)
-
-    def _clip_gradients(self, opt) -> float | None:
-        """The global-norm clipping of each optimizer step (``ppo_update.clip_global_grad_norm``)."""
-        return clip_global_grad_norm(self, opt)
-
-    # ------------------------------------------------------------------ validation (rlhf-lit validate)
     @torch.no_grad()
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        """Sample responses to validation prompts and log ``val/score_mean``, ``val/kl_ref`` (k1, nats per
-        response) and ``val/response_len`` (``rollout.validation_rollout``: a forked RNG seeded with
-        ``ppo.seed`` and the batch index, so validation is repeatable and leaves training untouched)."""
-        scores, kl, lengths = validation_rollout(self, batch, batch_idx, sample=sample_responses)
+        """``val/score_mean``, ``val/kl_ref`` (k1, nats per response), ``val/response_len`` of sampled
+        responses to validation prompts (``RolloutCollector.validate``: a forked RNG seeded with ``ppo.seed``
+        and the batch index, so validation is repeatable and leaves training untouched)."""
+        scores, kl, lengths = self.collector.validate(batch, batch_idx)
         n = scores.shape[0]
         self.log(M.VAL_SCORE_MEAN, scores.mean(), batch_size=n, sync_dist=True)
         self.log(M.VAL_KL_REF, kl.mean(), batch_size=n, sync_dist=True)
         self.log(M.VAL_RESPONSE_LEN, lengths.float().mean(), batch_size=n, sync_dist=True)
 
-    # ------------------------------------------------------------------ logging
-    def _log_iteration(self, stats: dict, batch: dict, rollout: Rollout) -> None:
+    def _log_iteration(self, stats: dict) -> None:
+        """The iteration's figures (the same on every rank: ``rl.stats.global_stats``) into ``history``, the
+        loggers (step = iteration) and ``trainer.callback_metrics`` (for ModelCheckpoint / EarlyStopping)."""
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
-        # the iteration's samples as text, for callbacks (RolloutSamples, an evaluation-only gold scorer)
-        self.last_rollout = rollout.as_text(self.tokenizer, rollout.prompt_ids)
-        progress = {
-            "iter": float(self.iteration),
-            "score": values[M.ROLLOUT_SCORE_MEAN],
-            "kl": values[M.ROLLOUT_KL_REF],
-        }
-        self.log_dict(progress, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-        if not self.trainer.is_global_zero:
-            return
-        for logger in self.loggers:
-            logger.log_metrics(values, step=self.iteration)
+        self.log_dict(values, on_step=True, on_epoch=False, logger=False, batch_size=1)
+        progress = {"iter": values[M.PPO_ITERATION], "score": values[M.ROLLOUT_SCORE_MEAN]}
+        progress["kl"] = values[M.ROLLOUT_KL_REF]
+        self.log_dict(progress, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        if self.trainer.is_global_zero:
+            for logger in self.loggers:
+                logger.log_metrics(values, step=self.iteration)
 
     # ------------------------------------------------------------------ checkpoints and export
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        stream = self.updater.ptx_stream
         checkpoint["ppo_state"] = {
             "iteration": self.iteration,
             "kl_controller": self.kl_ctl.state_dict(),
             "score_stats": self.score_stats.state_dict(),
             "rng": get_rng_state(),
-            "ptx_consumed": self._ptx.consumed if self._ptx is not None else 0,
+            "ptx_consumed": stream.consumed if stream is not None else 0,
             "history": self.history,
-            "consecutive_skips": self._consecutive_skips,
+            **self.updater.state_dict(),  # consecutive_skips
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -463,7 +452,7 @@ class PPOModule(L.LightningModule):
         self.history = list(state.get("history", []))
         self._pending_rng = state["rng"]  # applied at on_train_start, after everything else has set up
         self._ptx_consumed = int(state.get("ptx_consumed", 0))
-        self._consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.updater.load_state_dict(state)
 
     def export(self, path: str) -> None:
         """Write the policy (the actor adapter, merged or alone per ``export_mode``) in Hugging Face format to

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms.advantages import Advantages
 from rlhf_lit.functional.advantages import explained_variance
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.masked import masked_mean
 from rlhf_lit.parallel.collectives import gather, global_mean, global_sum, is_distributed
-from rlhf_lit.rollout import Rollout
+from rlhf_lit.rl.estimators import Advantages
+from rlhf_lit.rl.rollout import Rollout
 
 __all__ = ["correlation", "global_kl_per_response", "global_stats", "iteration_stats", "perf_stats"]
 
