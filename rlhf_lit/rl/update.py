@@ -127,6 +127,23 @@ class UpdateBatch:
     kl_coef: float = 0.0
     token_weights: torch.Tensor | None = None
 
+    @classmethod
+    def from_rollout(cls, rollout, adv, kl_coef: float | None = None) -> UpdateBatch:
+        """The update's view of a ``Rollout`` and its ``Advantages``; ``kl_coef`` (the KL in the loss) also
+        passes the reference log-probs."""
+        kl = {} if kl_coef is None else {"ref_logprobs": rollout.ref_logprobs, "kl_coef": kl_coef}
+        return cls(
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.prompt_len,
+            rollout.update_mask,
+            rollout.old_logprobs,
+            rollout.old_values,
+            adv.advantages,
+            adv.returns,
+            **kl,
+        )
+
     def micro_batch(self, rows: torch.Tensor) -> MicroBatch:
         """Rows ``rows`` (long, on the batch's device), with the prompt columns that are padding in all of
         them dropped. No rows: one zero-weight filler row (row 0 with an all-False mask), because every rank

@@ -1,4 +1,4 @@
-"""The seams an iteration is assembled from (rlhf_lit.algorithms): the objective's terms add up to the
+"""The seams an iteration is assembled from (rlhf_lit.rl): the objective's terms add up to the
 combined loss whatever the split, and an estimator without a critic plugs into a real iteration."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms import Advantages, MicroBatch, PPOObjective
 from rlhf_lit.models.policy import PolicyOutput
 from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl import Advantages, MicroBatch, PPOObjective
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 OBJECTIVE = PPOObjective(clip_range=0.2, dual_clip=None, value_clip_range=None, vf_coef=0.5, entropy_coef=0.1)
@@ -51,13 +51,11 @@ def test_ppo_objective_by_hand_and_split_into_its_terms():
 class _NoCritic:
     """A stand-in critic-free estimator: every token's advantage is its sequence's score minus the batch mean."""
 
-    needs_critic = False
-
     def __call__(self, rollout, kl_coef, distributed):
         centred = rollout.scores - rollout.scores.mean()
         advantages = centred.unsqueeze(-1) * rollout.update_mask
         zeros = torch.zeros_like(advantages)
-        return Advantages(advantages, None, zeros, zeros, advantages.mean())
+        return Advantages(advantages, None, zeros, advantages.mean())
 
 
 def test_an_estimator_without_returns_trains_the_actor_and_leaves_the_critic(tmp_path):
