@@ -57,8 +57,9 @@ from rlhf_lit.modules.ppo_config import (
 from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
 from rlhf_lit.rewards import RewardSourceConfig
 from rlhf_lit.rl.sampler import HFSampler, Sampler
+from rlhf_lit.rl.schedule import epoch_schedule
 from rlhf_lit.rl.stats import all_stats, global_kl_per_response, peak_memory
-from rlhf_lit.rl.update import UpdateBatch, clip_global_grad_norm, epoch_schedule
+from rlhf_lit.rl.update import UpdateBatch, clip_global_grad_norm
 from rlhf_lit.rng import get_rng_state, set_rng_state
 
 __all__ = ["PPOModule"]
@@ -256,11 +257,8 @@ class PPOModule(L.LightningModule):
         values = {k: float(v) for k, v in stats.items()}
         self.history.append(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False, batch_size=1)
-        progress = {
-            "iter": values[M.PPO_ITERATION],
-            "score": values[M.ROLLOUT_SCORE_MEAN],
-            "kl": values[M.ROLLOUT_KL_REF],
-        }
+        keys = {"iter": M.PPO_ITERATION, "score": M.ROLLOUT_SCORE_MEAN, "kl": M.ROLLOUT_KL_REF}
+        progress = {short: values[name] for short, name in keys.items()}
         self.log_dict(progress, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
         if self.trainer.is_global_zero:
             for logger in self.loggers:

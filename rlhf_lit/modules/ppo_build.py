@@ -16,11 +16,11 @@ from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
 from rlhf_lit.modules.ppo_config import check_stop_tokens
 from rlhf_lit.parallel import gathered_parameters
-from rlhf_lit.reward_norm import RunningMeanStd
+from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
 from rlhf_lit.rewards import MixedReward, RewardSourceConfig
 from rlhf_lit.rl.kl_control import build_kl_controller
 from rlhf_lit.rl.objectives import PPOObjective
-from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings, ScoreShaper, describe_reward_source
+from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings, describe_reward_source
 from rlhf_lit.rl.sampler import Sampler
 from rlhf_lit.rl.update import PPOUpdater, UpdateSettings
 

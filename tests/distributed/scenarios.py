@@ -141,7 +141,7 @@ def run_equality(out: Path, strategy: str | None, world_size: int, group: bool =
     from functools import partial
 
     from rlhf_lit.rl.sampler import HFSampler
-    from rlhf_lit.rl.update import epoch_schedule
+    from rlhf_lit.rl.schedule import epoch_schedule
     from tests.ppo.helpers import make_data, make_trainer
 
     batch = GLOBAL_BATCH // world_size

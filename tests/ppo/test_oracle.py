@@ -32,7 +32,7 @@ from transformers import GPT2LMHeadModel
 
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
-from rlhf_lit.rl.update import epoch_schedule
+from rlhf_lit.rl.schedule import epoch_schedule
 from tests.ppo.helpers import (
     LORA,
     RecordingReward,

@@ -23,7 +23,7 @@ from torch.testing import assert_close
 
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
-from rlhf_lit.rl.update import epoch_schedule
+from rlhf_lit.rl.schedule import epoch_schedule
 from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer, uneven_sampler
 from tests.ppo.test_oracle import _forward, _lora, _merged, _plain_gpt2
 
