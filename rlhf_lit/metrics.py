@@ -139,7 +139,7 @@ GLOSSARY: dict[str, str] = {
     PPO_VALUE_CLIPFRAC: "fraction of tokens whose new value left old value +- value_clip_range",
     PPO_APPROX_KL: "mean (ratio - 1) - log(ratio) between the updated and the rollout policy (nats per token)",
     PPO_ENTROPY: "mean policy entropy per response token (nats)",
-    PPO_KL_LOSS: "k3 KL(policy || reference) term of the loss (nats per token; ppo.kl_placement: loss only)",
+    PPO_KL_LOSS: "KL(policy || reference) term of the loss (kl.estimator; nats per token; ppo.kl_placement: loss)",
     PPO_RATIO_MEAN: "mean probability ratio pi_new / pi_old over response tokens",
     PPO_KL_COEF: "the KL penalty coefficient in force for this iteration",
     PPO_GRAD_NORM: "global gradient norm before clipping (mean over the optimizer steps applied)",

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlhf_lit.functional.masked import masked_mean, masked_var
 
-__all__ = ["RunningMeanStd", "normalize_scores"]
+__all__ = ["RunningMeanStd", "ScoreShaper", "normalize_scores"]
 
 
 class RunningMeanStd:
@@ -142,3 +142,30 @@ def normalize_scores(
     if clip is not None:
         out = out.clamp(-clip, clip)
     return out
+
+
+class ScoreShaper:
+    """Step 4's shaping of the reward function's scores: ``(B,)`` scores the rewards use: non-finite ones 0,
+    minus ``missing_eos_penalty`` without a stop token (only when there is a stop token), normalised by the
+    running statistics (updated with this batch's finite scores, all ranks) and clipped (``reward.normalize``,
+    ``reward.clip``; Zheng et al. 2023, section 5.3).
+
+    Args:
+        shaping: ``RewardShapingConfig`` (``normalize``, ``clip``, ``missing_eos_penalty``, ``skip_non_finite``).
+        stats: the running score statistics (checkpointed by the module).
+        has_stop_token: the run has a stop token (else the missing-EOS penalty is not applied).
+    """
+
+    def __init__(self, shaping, stats: RunningMeanStd, has_stop_token: bool) -> None:
+        self.shaping, self.stats, self.has_stop_token = shaping, stats, has_stop_token
+
+    def __call__(
+        self, raw_scores: torch.Tensor, finite: torch.Tensor, has_stop: torch.Tensor
+    ) -> torch.Tensor:
+        shaping = self.shaping
+        scores = torch.where(finite, raw_scores, torch.zeros_like(raw_scores))
+        if shaping.missing_eos_penalty is not None and self.has_stop_token:
+            scores = scores - shaping.missing_eos_penalty * (~has_stop).float()
+        if shaping.normalize:
+            self.stats.update(scores[finite])
+        return normalize_scores(scores, self.stats if shaping.normalize else None, shaping.clip)

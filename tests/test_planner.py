@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import rlhf_lit.modules.ppo as ppo_mod
 from rlhf_lit import planner
 from rlhf_lit.cli import cli_main, main
 from rlhf_lit.data import PromptDataModule
@@ -186,20 +185,23 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
             return training_step(batch, batch_idx)
 
         module.training_step = step
-        sample = ppo_mod.sample_responses
+        sampler = getattr(module, "sampler", None)  # PPO: record the response width the sampler gives
+        sample = sampler.generate if sampler is not None else None
 
         def sample_and_record(*a, **k):
             out = sample(*a, **k)
             dims["R"] = out[0].shape[1]
             return out
 
-        ppo_mod.sample_responses = sample_and_record
+        if sampler is not None:
+            sampler.generate = sample_and_record
         tracker = TensorMemoryTracker(ignore=existing)
         try:
             with tracker:
                 cli.trainer.fit(module, datamodule=cli.datamodule)
         finally:
-            ppo_mod.sample_responses = sample
+            if sampler is not None:
+                sampler.generate = sample
         overrides = {"batch_size": dims["B"]}
         if stage == "ppo":
             overrides.update(prompt_len=dims["T"], response_len=dims["R"])

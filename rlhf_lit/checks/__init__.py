@@ -162,6 +162,7 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
     from rlhf_lit.data import PromptDataModule
     from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.modules.ppo_config import PPOConfig, PTXConfig
+    from rlhf_lit.rl.algorithms import get_algorithm
 
     p = "model.init_args."
     if get(init, "backbone.lora") is None:
@@ -183,12 +184,13 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
     prompts = data.get("batch_size", inspect.signature(PromptDataModule).parameters["batch_size"].default)
     n = get(init, "sampling.num_samples_per_prompt", SamplingConfig.num_samples_per_prompt)
     estimator = get(init, "ppo.advantage_estimator", PPOConfig.advantage_estimator)
-    if estimator in ("grpo", "rloo") and n < 2:
+    algorithm = get_algorithm(estimator)  # the registry: ConfigError naming the registered ones
+    if algorithm.needs_groups and n < 2:
         raise ConfigError(
             f"{p}ppo.advantage_estimator={estimator} compares the responses to one prompt: set "
             f"{p}sampling.num_samples_per_prompt >= 2 (it is {n})"
         )
-    if estimator != "gae" and get(init, "critic.init_from_reward"):
+    if not algorithm.needs_critic and get(init, "critic.init_from_reward"):
         raise ConfigError(
             f"{p}critic.init_from_reward is set, but ppo.advantage_estimator={estimator} builds no critic"
         )

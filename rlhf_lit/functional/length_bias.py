@@ -19,6 +19,8 @@ import math
 import torch
 from torchmetrics.functional import spearman_corrcoef
 
+from rlhf_lit.functional.summary import mean_se
+
 # Upper edges of the relative-length-difference buckets; the first bucket is the length-matched pairs.
 LENGTH_DIFF_EDGES: tuple[float, ...] = (0.1, 0.25, 0.5)
 LENGTH_DIFF_BUCKETS: tuple[str, ...] = ("0-10pct", "10-25pct", "25-50pct", "50-100pct")
@@ -69,14 +71,9 @@ def length_rule_wins(len_chosen: torch.Tensor, len_rejected: torch.Tensor) -> to
 
 
 def mean_and_se(values: torch.Tensor) -> tuple[float, float]:
-    """Mean and its standard error ``std / sqrt(n)`` (unbiased std) of ``(N,)`` values; NaN for N = 0, SE NaN
-    for N = 1."""
-    n = values.numel()
-    if n == 0:
-        return math.nan, math.nan
-    mean = float(values.double().mean())
-    se = float(values.double().std(unbiased=True) / math.sqrt(n)) if n > 1 else math.nan
-    return mean, se
+    """Mean and its standard error of ``(N,)`` values (``functional.summary.mean_se``: NaN for N = 0, SE NaN
+    for N = 1)."""
+    return mean_se(values)
 
 
 def paired_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

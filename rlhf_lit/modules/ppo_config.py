@@ -15,6 +15,7 @@ from typing import Literal
 
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.models.backbone import LoraSettings
+from rlhf_lit.rl.algorithms import AlgorithmSpec, get_algorithm
 
 
 @dataclass
@@ -23,8 +24,8 @@ class PPOConfig:
 
     Args:
         ppo_epochs: passes over each rollout batch.
-        ppo_minibatch_size: sequences per optimizer step; must divide the rollout batch size (the
-            number of prompts per batch of the prompt data module).
+        ppo_minibatch_size: responses per optimizer step; must divide the rollout's responses (prompts
+            per batch of the prompt data module x ``sampling.num_samples_per_prompt``).
         micro_batch_size: sequences per forward/backward inside a minibatch (gradient accumulation);
             must divide ``ppo_minibatch_size``; default: the whole minibatch.
         gamma: discount factor.
@@ -49,11 +50,12 @@ class PPOConfig:
         seed: seed of the minibatch shuffles (mixed with the iteration number). Every rank draws the same
             permutation of the GLOBAL rollout batch per epoch and takes its own rows of each global
             minibatch, so several ranks see the minibatches one rank would.
-        advantage_estimator: ``gae`` (PPO with a critic; Schulman et al. 2016), or a critic-free one, which
-            builds no critic adapter and no value head: ``grpo`` (group-normalised rewards of
+        advantage_estimator: a name registered in ``rlhf_lit.rl.algorithms`` (which also declares whether
+            it needs a critic or groups, and its defaults below). Built in: ``gae`` (PPO with a critic;
+            Schulman et al. 2016), or a critic-free one, which builds no critic adapter and no value head: ``grpo`` (group-normalised rewards of
             ``sampling.num_samples_per_prompt`` >= 2 responses per prompt; Shao et al. 2024), ``rloo``
             (leave-one-out baseline over the group; Ahmadian et al. 2024), ``reinforce_pp`` (REINFORCE++:
-            KL-shaped token returns normalised over the global batch; Hu 2025). ``rlhf_lit.algorithms``.
+            KL-shaped token returns normalised over the global batch; Hu 2025).
         scale_by_std: ``grpo`` only: divide by the group's std (GRPO); false = Dr.GRPO (Liu et al. 2025).
         loss_aggregation: how the token losses of a global minibatch make its loss: ``token_mean`` (every
             update token weighs the same), ``seq_mean_token_mean`` (mean over responses of each response's
@@ -61,13 +63,14 @@ class PPOConfig:
             responses x ``loss_norm_constant``; Dr.GRPO, Liu et al. 2025 eq. 3). Default per estimator:
             ``gae`` and ``reinforce_pp`` token_mean; ``grpo`` seq_mean_token_mean, or token_sum_norm with
             ``scale_by_std: false``; ``rloo`` token_sum_norm (its REINFORCE gradient sums over a response's
-            tokens).
+            tokens): the ``AlgorithmSpec``'s.
         loss_norm_constant: the constant of ``token_sum_norm`` (tokens per response); default
             ``sampling.max_new_tokens``.
         kl_placement: ``reward`` (``-kl_coef * KL_t`` in the token rewards; Ziegler et al. 2019) or ``loss``
-            (``kl_coef`` times the k3 estimate of KL(policy || reference) per token, aggregated like the
-            policy loss, added to it; GRPO, Shao et al. 2024 eq. 3-4). Default: ``loss`` for ``grpo``,
-            ``reward`` otherwise. ``kl.kl_coef`` (and its controller) sets the weight either way.
+            (``kl_coef`` times the ``kl.estimator`` estimate of KL(policy || reference) per token, k3 by
+            default there, aggregated like the policy loss, added to it; GRPO, Shao et al. 2024 eq. 3-4).
+            Default: the ``AlgorithmSpec``'s (``loss`` for ``grpo``, ``reward`` otherwise). ``kl.kl_coef``
+            (and its controller) sets the weight either way.
     """
 
     ppo_epochs: int = 4
@@ -87,7 +90,7 @@ class PPOConfig:
     rollout_forward_batch_size: int | None = None
     logprob_chunk_size: int | None = None
     seed: int = 0
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    advantage_estimator: str = "gae"
     scale_by_std: bool = True
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"] | None = None
     loss_norm_constant: float | None = None
@@ -96,29 +99,30 @@ class PPOConfig:
     def __post_init__(self) -> None:
         if self.max_consecutive_skips < 1:
             raise ValueError(f"ppo.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        self.algorithm  # noqa: B018 -- an unknown advantage_estimator is a ConfigError here
+
+    @property
+    def algorithm(self) -> AlgorithmSpec:
+        """The registry entry of ``advantage_estimator`` (raises ConfigError for an unknown name)."""
+        return get_algorithm(self.advantage_estimator)
 
     @property
     def needs_critic(self) -> bool:
-        """Only GAE reads a critic's values; the other estimators build none."""
-        return self.advantage_estimator == "gae"
+        """The estimator reads a critic's values (its ``AlgorithmSpec``); the others build none."""
+        return self.algorithm.needs_critic
 
     @property
     def needs_groups(self) -> bool:
-        """GRPO and RLOO compare the responses to one prompt (n >= 2 of them)."""
-        return self.advantage_estimator in ("grpo", "rloo")
+        """The estimator compares the responses to one prompt (n >= 2 of them; its ``AlgorithmSpec``)."""
+        return self.algorithm.needs_groups
 
     def aggregation(self) -> str:
-        """``loss_aggregation``, or the estimator's default (see the class docstring)."""
-        if self.loss_aggregation is not None:
-            return self.loss_aggregation
-        if self.advantage_estimator == "grpo":
-            return "seq_mean_token_mean" if self.scale_by_std else "token_sum_norm"
-        return "token_sum_norm" if self.advantage_estimator == "rloo" else "token_mean"
+        """``loss_aggregation``, or the estimator's default (its ``AlgorithmSpec``)."""
+        return self.loss_aggregation or self.algorithm.default_aggregation(self)
 
     def kl_in_loss(self) -> bool:
-        """``kl_placement``, or the estimator's default (GRPO: in the loss)."""
-        placement = self.kl_placement or ("loss" if self.advantage_estimator == "grpo" else "reward")
-        return placement == "loss"
+        """``kl_placement``, or the estimator's default (its ``AlgorithmSpec``; GRPO: in the loss)."""
+        return (self.kl_placement or self.algorithm.kl_placement) == "loss"
 
 
 @dataclass
@@ -128,7 +132,9 @@ class KLConfig:
     Args:
         kl_coef: beta in ``r_t = -beta * KL_t`` (the initial beta when adaptive).
         estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2``, ``k3``, ``abs`` (Schulman 2020); the
-            log-ratio is clamped to [-20, 20] nats first (``rlhf_lit.functional.kl``).
+            log-ratio is clamped to [-20, 20] nats first (``rlhf_lit.functional.kl``). The same estimator
+            feeds the controller, the logged ``rollout/kl_ref`` and the penalty (in the rewards or, with
+            ``ppo.kl_placement: loss``, in the loss). Default: k1 in the rewards, k3 in the loss.
         adaptive: adapt beta towards ``target_kl`` (Ziegler et al. 2019, section 2.2).
         target_kl: KL per response (nats, summed over its tokens) that the adaptive controller aims at;
             also reported as the run's KL budget.
@@ -136,10 +142,14 @@ class KLConfig:
     """
 
     kl_coef: float = 0.05
-    estimator: Literal["k1", "k2", "k3", "abs"] = "k1"
+    estimator: Literal["k1", "k2", "k3", "abs"] | None = None
     adaptive: bool = False
     target_kl: float | None = None
     horizon: int = 10000
+
+    def resolved_estimator(self, kl_in_loss: bool) -> str:
+        """``estimator``, or its default for the placement: ``k3`` in the loss, ``k1`` in the rewards."""
+        return self.estimator or ("k3" if kl_in_loss else "k1")
 
 
 @dataclass
@@ -242,14 +252,19 @@ def refuse_impossible_settings(backbone, sampling) -> None:
     """Settings under which PPO's ratio or KL would be wrong, refused before any model loads.
 
     Raises:
-        ConfigError: for ``backbone.disable_dropout: false`` (docs/pitfalls.md: dropout) or ``top_k`` / ``top_p`` sampling
-            (pitfall: sampling temperature).
+        ConfigError: for ``backbone.disable_dropout: false`` (pitfall: dropout), ``do_sample: false``, or
+            ``top_k`` / ``top_p`` sampling (pitfall: sampling temperature).
     """
     if not backbone.disable_dropout:
         raise ConfigError(
             "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
             "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
             "not 0. Dropout is set to 0 in the configs, training mode is kept"
+        )
+    if not sampling.do_sample:
+        raise ConfigError(
+            "PPO refuses sampling.do_sample: false: greedy responses are not samples of the policy whose "
+            "log-probs the PPO ratio and the KL use (an off-policy mismatch). Use do_sample: true"
         )
     if sampling.top_k or sampling.top_p < 1.0:
         raise ConfigError(

@@ -17,7 +17,7 @@ gradients averaged across ranks. The units:
 LoRA parameters live inside the blocks and are sharded with them; frozen and trainable parameters may
 share a unit (FSDP2 requires one dtype among the trainable ones only). FSDP2 averages gradients over
 the data-parallel ranks (reduce-scatter, then divide by the world size), exactly like DDP, so the loss
-scaling of the PPO update (``rlhf_lit.modules.ppo_update``) serves both.
+scaling of the PPO update (``rlhf_lit.rl.update``) serves both.
 
 Generation under FSDP must keep every rank stepping (docs/pitfalls.md: FSDP generation): ``sample_responses`` is called with
 ``synced_gpus=True`` whenever ``world_size > 1``.

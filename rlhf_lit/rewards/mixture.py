@@ -123,7 +123,7 @@ class MixedReward(torch.nn.Module):
         )
         self.policy_tokenizer = policy_tokenizer
         self.scorer = None
-        self.reads_fields = True  # collect_rollout passes the prompt rows' fields (``fields=``)
+        self.reads_fields = True  # RolloutCollector passes the prompt rows' fields (``fields=``)
         self.last_components: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()

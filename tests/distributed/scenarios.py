@@ -104,7 +104,7 @@ def fixed_group_rollout(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token
     return fixed_rollout(model, shifted, prompt_mask, cfg, stop_ids, pad_token_id, synced_gpus)
 
 
-def equality_module(batch_per_rank: int, group: bool = False):
+def equality_module(batch_per_rank: int, group: bool = False, **components):
     from rlhf_lit.generation import SamplingConfig
     from tests.ppo.helpers import make_module
 
@@ -125,6 +125,7 @@ def equality_module(batch_per_rank: int, group: bool = False):
         kl=KLConfig(kl_coef=0.05, adaptive=True, target_kl=0.01, horizon=100),
         reward=RewardShapingConfig(normalize=True, clip=5.0, missing_eos_penalty=0.5),
         optimizer=EQUALITY_OPTIMIZER,
+        **components,
     )
 
 
@@ -137,35 +138,33 @@ def trainable_state(module) -> dict[str, torch.Tensor]:
 def run_equality(out: Path, strategy: str | None, world_size: int, group: bool = False) -> dict:
     """PPO iterations on fixed responses; returns (and, on rank 0, saves) the update and the statistics.
     ``group``: GRPO with ``GROUP_SIZE`` responses per prompt (``fixed_group_rollout``)."""
-    import rlhf_lit.modules.ppo as ppo_mod
+    from functools import partial
+
+    from rlhf_lit.rl.sampler import HFSampler
+    from rlhf_lit.rl.schedule import epoch_schedule
     from tests.ppo.helpers import make_data, make_trainer
 
     batch = GLOBAL_BATCH // world_size
-    module = equality_module(batch, group)
-    before = trainable_state(module)
-    original, original_schedule = ppo_mod.sample_responses, ppo_mod.epoch_schedule
     rows_per_minibatch: list[int] = []  # this rank's rows in each global minibatch, in order
 
     def schedule(*args):
-        out = original_schedule(*args)
+        out = epoch_schedule(*args)
         rows_per_minibatch.extend(int(rows.numel()) for rows, _ in out)
         return out
 
-    ppo_mod.sample_responses = fixed_group_rollout if group else fixed_rollout
-    ppo_mod.epoch_schedule = schedule
+    sampler = partial(HFSampler, generate=fixed_group_rollout if group else fixed_rollout)
+    module = equality_module(batch, group, sampler=sampler, schedule=schedule)
+    before = trainable_state(module)
     ROLLOUT_TOKENS.clear()
     GROUP_ROWS.clear()
-    try:
-        if strategy is None:
-            kwargs = {}
-        elif strategy == "ddp_nodes":  # launched by torchrun --nnodes world_size, one process per node
-            kwargs = {"num_nodes": world_size, "devices": 1, "strategy": "ddp"}
-        else:
-            kwargs = {"devices": world_size, "strategy": strategy_for(strategy)}
-        trainer = make_trainer(out / "run", **kwargs)
-        trainer.fit(module, datamodule=make_data(module, batch_size=batch))
-    finally:
-        ppo_mod.sample_responses, ppo_mod.epoch_schedule = original, original_schedule
+    if strategy is None:
+        kwargs = {}
+    elif strategy == "ddp_nodes":  # launched by torchrun --nnodes world_size, one process per node
+        kwargs = {"num_nodes": world_size, "devices": 1, "strategy": "ddp"}
+    else:
+        kwargs = {"devices": world_size, "strategy": strategy_for(strategy)}
+    trainer = make_trainer(out / "run", **kwargs)
+    trainer.fit(module, datamodule=make_data(module, batch_size=batch))
     after = trainable_state(module)
     result = {
         "delta": {n: after[n] - before[n] for n in after},

@@ -64,7 +64,7 @@ def ppo_tiny(out: Path, strategy: str) -> None:
     """The tiny PPO config; rank 0's policy is forced to emit its stop token first (pitfall: FSDP generation)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    import rlhf_lit.modules.ppo as ppo_mod
+    import rlhf_lit.rl.sampler as sampler_mod
     from rlhf_lit.models.adapters import AdaptedLM
 
     class StopNow(LogitsProcessor):
@@ -76,7 +76,7 @@ def ppo_tiny(out: Path, strategy: str) -> None:
             forced[:, self.stop_id] = 0.0
             return forced
 
-    original_generate, original_sample = AdaptedLM.generate, ppo_mod.sample_responses
+    original_generate, original_sample = AdaptedLM.generate, sampler_mod.sample_responses
     lengths: list[list[int]] = []
 
     def generate(self, **kwargs):
@@ -90,11 +90,11 @@ def ppo_tiny(out: Path, strategy: str) -> None:
         lengths.append(response_mask.sum(-1).tolist())
         return response_ids, response_mask, has_stop
 
-    AdaptedLM.generate, ppo_mod.sample_responses = generate, sample
+    AdaptedLM.generate, sampler_mod.sample_responses = generate, sample
     try:
         cli = _cli_fit("configs/ppo/tiny.yaml", out / "ppo_tiny", strategy)
     finally:
-        AdaptedLM.generate, ppo_mod.sample_responses = original_generate, original_sample
+        AdaptedLM.generate, sampler_mod.sample_responses = original_generate, original_sample
     S.write_json(out / f"ppo_tiny_rank{S.rank()}.json", {"response_lengths": lengths})
     if S.rank() == 0:
         S.write_json(

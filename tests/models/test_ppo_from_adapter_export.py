@@ -115,14 +115,14 @@ def test_ppo_from_adapter_only_sft_starts_at_kl_zero_with_the_sft_policy_as_refe
     assert any(".base_0." in n for n, _ in module.named_parameters())
 
     seen = {}
-    forwards = module._experience_forwards
+    forwards = module.collector.experience_forwards
 
     def spy(input_ids, attention_mask, prompt_len):
         seen["batch"] = (input_ids, attention_mask, prompt_len)
         seen["out"] = forwards(input_ids, attention_mask, prompt_len)
         return seen["out"]
 
-    module._experience_forwards = spy
+    module.collector.experience_forwards = spy
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=4))
 
     input_ids, attention_mask, prompt_len = seen["batch"]

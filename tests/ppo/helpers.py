@@ -55,3 +55,80 @@ def make_trainer(tmp_path, **kwargs) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+class RecordingUpdater:
+    """Stands in for ``module.updater``: records every ``UpdateBatch`` it is given (``calls``), then delegates
+    to the real updater. Install with ``module.updater = RecordingUpdater(module.updater)``."""
+
+    def __init__(self, updater, on_update=None) -> None:
+        self.inner, self.calls, self.on_update = updater, [], on_update
+
+    def update(self, batch, iteration: int = 0):
+        self.calls.append(batch)
+        if self.on_update is not None:
+            self.on_update(batch)
+        return self.inner.update(batch, iteration)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def update_fields(batch) -> list:
+    """The fields of an ``UpdateBatch`` as the update receives them, tensors cloned, in its field order
+    (input_ids, attention_mask, prompt_len, mask, old_logprobs, old_values, advantages, returns, [ref_logprobs,
+    kl_coef] when the KL is in the loss)."""
+    fields = [
+        batch.input_ids,
+        batch.attention_mask,
+        batch.prompt_len,
+        batch.mask,
+        batch.old_logprobs,
+        batch.old_values,
+        batch.advantages,
+        batch.returns,
+    ]
+    if batch.ref_logprobs is not None:
+        fields += [batch.ref_logprobs, batch.kl_coef]
+    return [a.clone() if hasattr(a, "clone") else a for a in fields]
+
+
+class RecordingReward:
+    """Stands in for the collector's reward function: ``score`` returns ``replace(scores)`` (default: the real
+    scores) and keeps each result in ``calls``. Install with ``module.collector.reward_fn =
+    RecordingReward(module.collector.reward_fn)``."""
+
+    def __init__(self, inner, replace=None) -> None:
+        self.inner, self.replace, self.calls = inner, replace, []
+
+    def score(self, *args, **kwargs):
+        scores = self.inner.score(*args, **kwargs)
+        if self.replace is not None:
+            scores = self.replace(scores)
+        self.calls.append(scores.clone())
+        return scores
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def uneven_sampler(record: dict | None = None, rows=((1, 2), (2, 4))):
+    """A sampler factory for ``PPOModule(sampler=...)``: ``HFSampler`` whose responses ``row`` end with the
+    stop token at position ``stop_at`` (uneven lengths whatever was sampled); ``record["sample"]`` keeps the
+    last ``(prompt_ids, prompt_mask, response_ids, response_mask)``."""
+    from rlhf_lit.rl.sampler import HFSampler
+
+    class Uneven(HFSampler):
+        def sample(self, policy, prompt_ids, prompt_mask, **kwargs):
+            ids, mask, stop = (t.clone() for t in super().sample(policy, prompt_ids, prompt_mask, **kwargs))
+            for row, stop_at in rows:
+                if mask[row].sum() > stop_at + 1:
+                    ids[row, stop_at] = self.stop_ids[0]
+                    ids[row, stop_at + 1 :] = self.pad_token_id
+                    mask[row, stop_at + 1 :] = False
+                    stop[row] = True
+            if record is not None:
+                record["sample"] = [t.clone() for t in (prompt_ids, prompt_mask, ids, mask)]
+            return ids, mask, stop
+
+    return Uneven

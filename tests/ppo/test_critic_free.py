@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import rlhf_lit.modules.ppo as ppo_mod
+import rlhf_lit.modules.ppo_build as ppo_build
+from rlhf_lit.functional.aggregation import aggregation_weights
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
-from rlhf_lit.modules.ppo_update import aggregation_weights, epoch_schedule
-from tests.ppo.helpers import make_data, make_module, make_trainer
+from rlhf_lit.rl.schedule import epoch_schedule
+from tests.ppo.helpers import RecordingReward, RecordingUpdater, make_data, make_module, make_trainer
 
 
 def _module(estimator: str, n: int = 2, **ppo):
@@ -33,7 +34,7 @@ def test_a_critic_free_module_holds_no_critic_parameters(estimator):
     assert module.policy.critic_parameters() == []
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     assert trainable == {id(p) for p in module.policy.actor_parameters()}
-    assert module.estimator.needs_critic is False
+    assert module.algorithm.needs_critic is False
     # the same module with GAE has a critic adapter and a value head
     gae = _module("gae", n=1)
     assert gae.policy.value_head is not None and any("critic" in n for n, _ in gae.named_parameters())
@@ -44,36 +45,42 @@ def test_a_group_estimator_with_one_sample_is_refused_before_any_model_loads(mon
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(ppo_mod, "load_backbone", no_model)
+    monkeypatch.setattr(ppo_build, "load_backbone", no_model)
     with pytest.raises(ValueError, match=r"num_samples_per_prompt >= 2 \(it is 1\)"):
         _module("grpo", n=1)
 
 
-def _fit_one(module, tmp_path, monkeypatch, batch_size=4):
-    seen = {}
-    real = module._update
-
-    def spy(*args, **kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
-        return real(*args, **kwargs)
-
-    real_score = module.reward_source.score
-
-    def score(*args):
-        seen["scores"] = real_score(*args).clone()
-        seen["prompt_ids"] = args[0].clone()
-        return seen["scores"]
-
-    monkeypatch.setattr(module, "_update", spy)
-    monkeypatch.setattr(module.reward_source, "score", score)
+def _fit_one(module, tmp_path, batch_size=4):
+    """Fit with a recording updater and reward function; ``args`` are the update's 8 tensor fields, ``kwargs``
+    the KL-in-loss fields when given."""
+    module.updater = updater = RecordingUpdater(module.updater)
+    module.collector.reward_fn = reward = RecordingReward(module.collector.reward_fn)
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=batch_size))
+    batch = updater.calls[-1]
+    seen = {
+        "args": (
+            batch.input_ids,
+            batch.attention_mask,
+            batch.prompt_len,
+            batch.mask,
+            batch.old_logprobs,
+            batch.old_values,
+            batch.advantages,
+            batch.returns,
+        ),
+        "kwargs": {}
+        if batch.ref_logprobs is None
+        else {"ref_logprobs": batch.ref_logprobs, "kl_coef": batch.kl_coef},
+        "scores": reward.calls[-1],
+        "prompt_ids": batch.input_ids[:, : batch.prompt_len],
+    }
     return seen
 
 
-def test_grpo_iteration_groups_the_n_responses_of_a_prompt_and_puts_kl_in_the_loss(tmp_path, monkeypatch):
+def test_grpo_iteration_groups_the_n_responses_of_a_prompt_and_puts_kl_in_the_loss(tmp_path):
     torch.manual_seed(0)
     module = _module("grpo", n=2)
-    seen = _fit_one(module, tmp_path, monkeypatch)
+    seen = _fit_one(module, tmp_path)
     _, _, _, mask, _, old_values, advantages, returns = seen["args"]
     assert old_values is None and returns is None
     # GRPO's default: the KL is a loss term, so the update gets the reference log-probs
@@ -92,10 +99,10 @@ def test_grpo_iteration_groups_the_n_responses_of_a_prompt_and_puts_kl_in_the_lo
     assert module.history[-1]["ppo/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # first iteration: policy = ref
 
 
-def test_rloo_and_reinforce_pp_take_the_kl_in_the_reward(tmp_path, monkeypatch):
+def test_rloo_and_reinforce_pp_take_the_kl_in_the_reward(tmp_path):
     torch.manual_seed(0)
     module = _module("rloo", n=2, ppo_minibatch_size=8)
-    seen = _fit_one(module, tmp_path / "rloo", monkeypatch)
+    seen = _fit_one(module, tmp_path / "rloo")
     assert seen["kwargs"] == {}  # no KL loss term
     mask, advantages = seen["args"][3], seen["args"][6]
     # first iteration: actor == reference, so KL = 0 and the sequence reward is the score;
@@ -114,7 +121,7 @@ def test_rloo_and_reinforce_pp_take_the_kl_in_the_reward(tmp_path, monkeypatch):
         )
     torch.manual_seed(0)
     module = _module("reinforce_pp", n=1)
-    seen = _fit_one(module, tmp_path / "rpp", monkeypatch)
+    seen = _fit_one(module, tmp_path / "rpp")
     mask, advantages = seen["args"][3], seen["args"][6]
     # whitened over the batch's tokens: mean 0, unbiased variance 1
     assert float(advantages[mask].mean()) == pytest.approx(0.0, abs=1e-5)
@@ -164,7 +171,7 @@ def test_epoch_schedule_keeps_the_one_rank_numbering_with_groups():
 
 
 def test_repeat_prompts_keeps_a_prompts_copies_together():
-    from rlhf_lit.rollout import repeat_prompts
+    from rlhf_lit.rl.rollout import repeat_prompts
 
     batch = {
         "input_ids": torch.tensor([[1, 2], [3, 4]]),

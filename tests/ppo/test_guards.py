@@ -10,40 +10,37 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rlhf_lit.modules.ppo as ppo_mod
+import rlhf_lit.modules.ppo_build as ppo_build
 from rlhf_lit import metrics as M
+from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
-from rlhf_lit.modules.ppo import NonFiniteError
 from rlhf_lit.modules.ppo_config import PPOConfig, RewardShapingConfig
 from tests.conftest import TINY_GPT2
-from tests.ppo.helpers import LORA, make_data, make_module, make_trainer
+from tests.ppo.helpers import LORA, RecordingReward, RecordingUpdater, make_data, make_module, make_trainer
 
 
-def _score_with(module, monkeypatch, index: int, value: float) -> None:
+def _score_with(module, index: int, value: float) -> None:
     """The module's own reward model, except that response ``index`` of every batch scores ``value``."""
-    real = module.reward_source.score
 
-    def score(*args):
-        scores = real(*args).clone()
+    def replace(scores):
+        scores = scores.clone()
         scores[index] = value
         return scores
 
-    monkeypatch.setattr(module.reward_source, "score", score)
+    module.collector.reward_fn = RecordingReward(module.collector.reward_fn, replace)
 
 
-def _spy_update(module, monkeypatch) -> list[dict]:
+def _spy_update(module) -> list[dict]:
     seen: list[dict] = []
-    real = module._update
 
-    def spy(input_ids, attention_mask, prompt_len, mask, old_logprobs, old_values, advantages, returns):
-        seen.append({"mask": mask.clone(), "advantages": advantages.clone(), "returns": returns.clone()})
-        return real(
-            input_ids, attention_mask, prompt_len, mask, old_logprobs, old_values, advantages, returns
+    def record(batch):
+        seen.append(
+            {"mask": batch.mask.clone(), "advantages": batch.advantages.clone(), "returns": batch.returns.clone()}
         )
 
-    monkeypatch.setattr(module, "_update", spy)
+    module.updater = RecordingUpdater(module.updater, on_update=record)
     return seen
 
 
@@ -55,11 +52,11 @@ def _fit(module, tmp_path, iterations=None):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_non_finite_score_stops_the_run_naming_the_response_and_the_reward_model(
-    value, tmp_path, monkeypatch
+    value, tmp_path
 ):
     # reward.clip would have turned +inf into +5, the best reward there is
     module = make_module(reward=RewardShapingConfig(clip=5.0), export_dir=str(tmp_path / "hf"))
-    _score_with(module, monkeypatch, 2, value)
+    _score_with(module, 2, value)
     with pytest.raises(NonFiniteError) as error:
         _fit(module, tmp_path)
     message = str(error.value)
@@ -69,14 +66,14 @@ def test_a_non_finite_score_stops_the_run_naming_the_response_and_the_reward_mod
     assert module.iteration == 0 and not os.path.exists(tmp_path / "hf")  # no update, no export
 
 
-def test_skip_non_finite_drops_the_response_from_the_update_and_counts_it(tmp_path, monkeypatch):
+def test_skip_non_finite_drops_the_response_from_the_update_and_counts_it(tmp_path):
     module = make_module(
         reward=RewardShapingConfig(skip_non_finite=True, normalize=True, clip=5.0),
         ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=2),
         export_dir=str(tmp_path / "hf"),
     )
-    _score_with(module, monkeypatch, 1, float("inf"))
-    seen = _spy_update(module, monkeypatch)
+    _score_with(module, 1, float("inf"))
+    seen = _spy_update(module)
     _fit(module, tmp_path)
     assert module.iteration == 2
     for update in seen:
@@ -94,9 +91,9 @@ def test_skip_non_finite_drops_the_response_from_the_update_and_counts_it(tmp_pa
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_skip_non_finite_still_stops_when_every_score_is_non_finite(tmp_path, monkeypatch):
+def test_skip_non_finite_still_stops_when_every_score_is_non_finite(tmp_path):
     module = make_module(reward=RewardShapingConfig(skip_non_finite=True))
-    monkeypatch.setattr(module.reward_source, "score", lambda *a: torch.full((4,), float("nan")))
+    module.collector.reward_fn = RecordingReward(module.collector.reward_fn, lambda s: torch.full((4,), float("nan")))
     with pytest.raises(NonFiniteError, match="every reward-model score of the batch is inf or nan"):
         _fit(module, tmp_path)
 
@@ -104,7 +101,7 @@ def test_skip_non_finite_still_stops_when_every_score_is_non_finite(tmp_path, mo
 def _nan_gradients_on(module, steps: set[int]):
     """Make the value head's gradient NaN in the backward passes of the given optimizer steps (0-based)."""
     calls = {"step": 0}
-    real_clip = module._clip_gradients
+    real_clip = module.updater.clip
 
     def clip(opt):
         norm = real_clip(opt)
@@ -115,7 +112,7 @@ def _nan_gradients_on(module, steps: set[int]):
         return grad * float("nan") if calls["step"] in steps else grad
 
     module.policy.value_head.linear.weight.register_hook(hook)
-    module._clip_gradients = clip
+    module.updater.clip = clip
 
 
 def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_counted(tmp_path):
@@ -126,7 +123,7 @@ def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_counted(tmp_path)
     trainer = _fit(module, tmp_path)
     assert [h[M.PPO_SKIPPED_STEPS] for h in module.history] == [1.0, 0.0]
     assert trainer.global_step == 3  # 4 minibatches, 3 optimizer steps
-    assert module._consecutive_skips == 0
+    assert module.updater.consecutive_skips == 0
     for n, p in module.named_parameters():
         if n in initial:
             assert torch.isfinite(p).all(), n
@@ -179,7 +176,7 @@ def _no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
-    monkeypatch.setattr(ppo_mod, "load_backbone", refuse)
+    monkeypatch.setattr(ppo_build, "load_backbone", refuse)
 
 
 @pytest.mark.parametrize(
@@ -189,6 +186,7 @@ def _no_model_load(monkeypatch):
             dict(backbone=BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", lora=LORA, disable_dropout=False)),
             r"PPO needs backbone.disable_dropout: true.*first PPO ratio is not 1",
         ),
+        (dict(sampling=SamplingConfig(max_new_tokens=8, do_sample=False)), r"do_sample: false.*off-policy"),
         (dict(sampling=SamplingConfig(max_new_tokens=8, top_k=5)), r"top_k=5.*off-policy"),
         (dict(sampling=SamplingConfig(max_new_tokens=8, top_p=0.9)), r"top_p=0.9.*off-policy"),
         (
@@ -199,7 +197,7 @@ def _no_model_load(monkeypatch):
             r"missing_eos_penalty=1.0 needs a stop token",
         ),
     ],
-    ids=["dropout_on", "top_k", "top_p", "eos_penalty_without_stop_token"],
+    ids=["dropout_on", "greedy", "top_k", "top_p", "eos_penalty_without_stop_token"],
 )
 def test_settings_that_break_the_ratio_or_kl_are_refused_before_any_model_loads(
     overrides, match, monkeypatch

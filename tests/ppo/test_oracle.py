@@ -30,10 +30,19 @@ from torch.func import functional_call
 from torch.testing import assert_close
 from transformers import GPT2LMHeadModel
 
-import rlhf_lit.modules.ppo as ppo_mod
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
-from tests.ppo.helpers import LORA, make_data, make_module, make_trainer
+from rlhf_lit.rl.schedule import epoch_schedule
+from tests.ppo.helpers import (
+    LORA,
+    RecordingReward,
+    RecordingUpdater,
+    make_data,
+    make_module,
+    make_trainer,
+    uneven_sampler,
+    update_fields,
+)
 
 TEMPERATURE = 0.7
 KL_COEF = 0.2
@@ -94,7 +103,16 @@ def _forward(plain, weights, ids: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------- the recording
-def _record_one_iteration(tmp_path, monkeypatch):
+def _record_one_iteration(tmp_path):
+    """One iteration with recording components injected through the constructor (sampler, schedule) or put
+    in place of the module's own (reward function, updater, backward, clip): no production code is patched."""
+    rec: dict = {}
+
+    def schedule(*args):
+        out = epoch_schedule(*args)
+        rec.setdefault("schedule", out)
+        return out
+
     torch.manual_seed(0)
     module = make_module(
         sampling=SamplingConfig(max_new_tokens=8, temperature=TEMPERATURE),
@@ -112,6 +130,8 @@ def _record_one_iteration(tmp_path, monkeypatch):
             total_iterations=1,
         ),
         kl=KLConfig(kl_coef=KL_COEF),
+        sampler=uneven_sampler(rec),  # responses 1 and 2 end with the stop token at positions 2 and 4
+        schedule=schedule,
     )
     lm = module.policy.lm
     with torch.no_grad():  # LoRA B starts at 0 and the value head at 0: move both adapters and the head
@@ -120,54 +140,19 @@ def _record_one_iteration(tmp_path, monkeypatch):
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
         module.policy.value_head.linear.weight.normal_(0.0, 0.5, generator=gen)
         module.policy.value_head.linear.bias.fill_(0.3)
-    rec: dict = {"lora": {a: _lora(module, a) for a in ("actor", "critic")}}
+    rec["lora"] = {a: _lora(module, a) for a in ("actor", "critic")}
     rec["head"] = {k: v.detach().clone() for k, v in module.policy.value_head.linear.state_dict().items()}
 
-    real_sample = ppo_mod.sample_responses
-
-    def sample(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, **kwargs):
-        response_ids, response_mask, has_stop = real_sample(
-            model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, **kwargs
-        )
-        # uneven lengths whatever was sampled: responses 1 and 2 end with the stop token at positions 2 and 4
-        response_ids, response_mask, has_stop = response_ids.clone(), response_mask.clone(), has_stop.clone()
-        for row, stop_at in ((1, 2), (2, 4)):
-            if response_mask[row].sum() > stop_at + 1:
-                response_ids[row, stop_at] = stop_ids[0]
-                response_ids[row, stop_at + 1 :] = pad_token_id
-                response_mask[row, stop_at + 1 :] = False
-                has_stop[row] = True
-        rec["sample"] = [t.clone() for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
-        return response_ids, response_mask, has_stop
-
-    real_score = module.reward_source.score
-
-    def score(*args):
-        rec["scores"] = real_score(*args).clone()
-        return rec["scores"]
-
-    real_schedule = ppo_mod.epoch_schedule
-
-    def schedule(*args):
-        out = real_schedule(*args)
-        rec.setdefault("schedule", out)
-        return out
-
-    real_update = module._update
-
-    def update(*args):
-        rec["update"] = [a.clone() if torch.is_tensor(a) else a for a in args]
-        return real_update(*args)
-
+    reward = RecordingReward(module.collector.reward_fn)
+    module.collector.reward_fn = reward
+    module.updater = RecordingUpdater(module.updater)
     losses: list[float] = []
-    real_backward = module.manual_backward
+    real_backward, real_clip = module.updater.backward, module.updater.clip
 
     def backward(loss, *args, **kwargs):
         if "grads" not in rec:
             losses.append(float(loss.detach()))
         return real_backward(loss, *args, **kwargs)
-
-    real_clip = module._clip_gradients
 
     def clip(opt):
         if "grads" not in rec:  # the first optimizer step: gradients of the first minibatch's loss
@@ -175,14 +160,11 @@ def _record_one_iteration(tmp_path, monkeypatch):
             rec["loss"] = sum(losses)
         return real_clip(opt)
 
-    monkeypatch.setattr(ppo_mod, "sample_responses", sample)
-    monkeypatch.setattr(ppo_mod, "epoch_schedule", schedule)
-    monkeypatch.setattr(module.reward_source, "score", score)
-    monkeypatch.setattr(module, "_update", update)
-    monkeypatch.setattr(module, "manual_backward", backward)
-    monkeypatch.setattr(module, "_clip_gradients", clip)
+    module.updater.inner.backward, module.updater.inner.clip = backward, clip
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=BATCH))
     assert module.iteration == 1
+    rec["scores"] = reward.calls[-1]
+    rec["update"] = update_fields(module.updater.calls[-1])
     return module, rec
 
 
@@ -274,11 +256,7 @@ def _padded(rows, key, width) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    try:
-        module, rec = _record_one_iteration(tmp_path_factory.mktemp("oracle"), monkeypatch)
-    finally:
-        monkeypatch.undo()
+    module, rec = _record_one_iteration(tmp_path_factory.mktemp("oracle"))
     return module, rec, _oracle(module, rec)
 
 

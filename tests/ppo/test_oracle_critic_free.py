@@ -21,10 +21,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import rlhf_lit.modules.ppo as ppo_mod
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
-from tests.ppo.helpers import make_data, make_module, make_trainer
+from rlhf_lit.rl.schedule import epoch_schedule
+from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer, uneven_sampler
 from tests.ppo.test_oracle import _forward, _lora, _merged, _plain_gpt2
 
 TEMPERATURE, KL_COEF, CLIP, ENTROPY_COEF = 0.7, 0.2, 0.2, 0.01
@@ -36,7 +36,14 @@ CASES = {
 }
 
 
-def _record(case, tmp_path, monkeypatch):
+def _record(case, tmp_path):
+    rec: dict = {}
+
+    def schedule(*args):
+        out = epoch_schedule(*args)
+        rec.setdefault("schedule", out)
+        return out
+
     torch.manual_seed(0)
     module = make_module(
         sampling=SamplingConfig(max_new_tokens=MAX_NEW, temperature=TEMPERATURE, num_samples_per_prompt=N),
@@ -51,43 +58,19 @@ def _record(case, tmp_path, monkeypatch):
             **CASES[case],
         ),
         kl=KLConfig(kl_coef=KL_COEF),
+        sampler=uneven_sampler(rec),  # uneven lengths whatever was sampled
+        schedule=schedule,
     )
     with torch.no_grad():
         gen = torch.Generator().manual_seed(1)
         for p in module.policy.lm.adapter_parameters("actor"):
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    rec: dict = {"lora": _lora(module, "actor")}
-    real_sample = ppo_mod.sample_responses
-
-    def sample(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, **kwargs):
-        ids, mask, stop = (
-            t.clone()
-            for t in real_sample(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token_id, **kwargs)
-        )
-        for row, stop_at in ((1, 2), (2, 4)):  # uneven lengths whatever was sampled
-            if mask[row].sum() > stop_at + 1:
-                ids[row, stop_at], ids[row, stop_at + 1 :], mask[row, stop_at + 1 :] = (
-                    stop_ids[0],
-                    pad_token_id,
-                    False,
-                )
-                stop[row] = True
-        rec["sample"] = [t.clone() for t in (prompt_ids, prompt_mask, ids, mask)]
-        return ids, mask, stop
-
-    real_score, real_schedule = module.reward_source.score, ppo_mod.epoch_schedule
-
-    def score(*args):
-        rec["scores"] = real_score(*args).clone()
-        return rec["scores"]
-
-    def schedule(*args):
-        out = real_schedule(*args)
-        rec.setdefault("schedule", out)
-        return out
-
+    rec["lora"] = _lora(module, "actor")
+    reward = RecordingReward(module.collector.reward_fn)
+    module.collector.reward_fn = reward
     losses: list[float] = []
-    real_backward, real_clip = module.manual_backward, module._clip_gradients
+    updater = module.updater
+    real_backward, real_clip = updater.backward, updater.clip
 
     def backward(loss, *args, **kwargs):
         if "grads" not in rec:
@@ -100,12 +83,9 @@ def _record(case, tmp_path, monkeypatch):
             rec["loss"] = sum(losses)
         return real_clip(opt)
 
-    monkeypatch.setattr(ppo_mod, "sample_responses", sample)
-    monkeypatch.setattr(ppo_mod, "epoch_schedule", schedule)
-    monkeypatch.setattr(module.reward_source, "score", score)
-    monkeypatch.setattr(module, "manual_backward", backward)
-    monkeypatch.setattr(module, "_clip_gradients", clip)
+    updater.backward, updater.clip = backward, clip
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=PROMPTS))
+    rec["scores"] = reward.calls[-1]
     return module, rec
 
 
@@ -181,8 +161,8 @@ def _oracle(case, module, rec):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_critic_free_iteration_equals_the_oracle(case, tmp_path, monkeypatch):
-    module, rec = _record(case, tmp_path, monkeypatch)
+def test_critic_free_iteration_equals_the_oracle(case, tmp_path):
+    module, rec = _record(case, tmp_path)
     assert module.policy.value_head is None
     oracle = _oracle(case, module, rec)
     rows = oracle["rows"]

@@ -14,7 +14,7 @@ from rlhf_lit.models import BackboneConfig, load_backbone
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
 from rlhf_lit.modules.ppo_config import PPOConfig, RewardShapingConfig
 from tests.conftest import TINY_GPT2
-from tests.ppo.helpers import make_data, make_module, make_trainer
+from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer
 
 
 def _fit(module, tmp_path, batch_size=4, **trainer_kwargs):
@@ -101,24 +101,29 @@ def test_one_iteration_writes_the_metric_keys(tmp_path):
 
 def test_score_lands_on_the_last_real_token_with_pad_equal_eos(tmp_path, monkeypatch):
     """pitfall: score token, score slot: pad = eos = 0; row 0 stops at its EOS (index 2), row 1 fills max_new_tokens (index 4)."""
+    responses = torch.tensor([[40, 41, 0, 0, 0], [42, 43, 44, 45, 46]])
+    masks = torch.tensor([[True, True, True, False, False], [True] * 5])
+
+    class Fixed:  # a Sampler that returns the same two responses
+        def __init__(self, *args):
+            pass
+
+        def sample(self, policy, prompt_ids, prompt_mask, **kwargs):
+            return responses.clone(), masks.clone(), torch.tensor([True, False])
+
+        def sync(self, policy):
+            pass
+
     module = make_module(
         tokenizer="byte:pad=eos",
         sampling=copy.deepcopy(make_module().sampling),
         reward=RewardShapingConfig(missing_eos_penalty=1.0),
         ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=1),
+        sampler=Fixed,
     )
-    import rlhf_lit.modules.ppo as ppo_mod
-
-    responses = torch.tensor([[40, 41, 0, 0, 0], [42, 43, 44, 45, 46]])
-    masks = torch.tensor([[True, True, True, False, False], [True] * 5])
-    monkeypatch.setattr(
-        ppo_mod,
-        "sample_responses",
-        lambda *a, **k: (responses.clone(), masks.clone(), torch.tensor([True, False])),
-    )
-    monkeypatch.setattr(module.reward_source, "score", lambda *a: torch.tensor([2.0, 3.0]))
+    module.collector.reward_fn = RecordingReward(module.collector.reward_fn, lambda s: torch.tensor([2.0, 3.0]))
     seen = {}
-    import rlhf_lit.algorithms.advantages as advantages_mod  # GAE moved there from modules/ppo.py
+    import rlhf_lit.rl.estimators as advantages_mod  # GAE is called there
 
     real_gae = advantages_mod.gae
 

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from rlhf_lit.modules.ppo import epoch_schedule
+from rlhf_lit.rl.schedule import epoch_schedule
 
 
 def _rows(schedule):

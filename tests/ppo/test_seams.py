@@ -1,14 +1,15 @@
-"""The seams an iteration is assembled from (rlhf_lit.algorithms): the objective's terms add up to the
+"""The seams an iteration is assembled from (rlhf_lit.rl): the objective's terms add up to the
 combined loss whatever the split, and an estimator without a critic plugs into a real iteration."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms import Advantages, MicroBatch, PPOObjective
 from rlhf_lit.models.policy import PolicyOutput
 from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl import Advantages, MicroBatch, PPOObjective
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 OBJECTIVE = PPOObjective(clip_range=0.2, dual_clip=None, value_clip_range=None, vf_coef=0.5, entropy_coef=0.1)
@@ -51,13 +52,11 @@ def test_ppo_objective_by_hand_and_split_into_its_terms():
 class _NoCritic:
     """A stand-in critic-free estimator: every token's advantage is its sequence's score minus the batch mean."""
 
-    needs_critic = False
-
     def __call__(self, rollout, kl_coef, distributed):
         centred = rollout.scores - rollout.scores.mean()
         advantages = centred.unsqueeze(-1) * rollout.update_mask
         zeros = torch.zeros_like(advantages)
-        return Advantages(advantages, None, zeros, zeros, advantages.mean())
+        return Advantages(advantages, None, zeros, advantages.mean())
 
 
 def test_an_estimator_without_returns_trains_the_actor_and_leaves_the_critic(tmp_path):
@@ -93,3 +92,37 @@ def test_copy_adapter_copies_every_lora_matrix_and_refuses_another_shape():
     assert all(torch.equal(c, r) for c, r in zip(critic, reward))
     with pytest.raises(ValueError, match="cannot copy adapter 'reward' into 'wide'"):
         lm.copy_adapter("reward", "wide")
+
+
+def test_the_in_loss_kl_term_uses_the_configured_estimator():
+    """``kl.estimator`` reaches the loss under ``ppo.kl_placement: loss`` (the controller, the logs and the loss
+    read one estimator). Log-ratio logp - ref on the real tokens: -1 - (-1.5) = 0.5 and -2 - (-1) = -1."""
+    import dataclasses
+    import math
+
+    from rlhf_lit.modules.ppo_config import KLConfig
+
+    out, mb = _case()
+    mb = dataclasses.replace(mb, ref_logprobs=torch.tensor([[-1.5, -1.0, 0.0]]), kl_coef=0.2)
+    base, _ = OBJECTIVE.loss(out, dataclasses.replace(mb, ref_logprobs=None), ("policy",))
+    # k1 token mean = (0.5 - 1) / 2 = -0.25; k3 = e^(ref - logp) - 1 - (ref - logp): (e^-0.5 - 0.5) + (e^1 - 2)
+    k1, k3 = -0.25, ((math.exp(-0.5) - 0.5) + (math.exp(1.0) - 2.0)) / 2
+    for estimator, expected in (("k1", k1), ("k3", k3)):
+        objective = dataclasses.replace(OBJECTIVE, kl_estimator=estimator)
+        loss, stats = objective.loss(out, mb, ("policy",))
+        assert float(stats[M.PPO_KL_LOSS]) == pytest.approx(expected, rel=1e-6)
+        assert float(loss - base) == pytest.approx(0.2 * expected, rel=1e-5)
+    # the default per placement: k3 in the loss, k1 in the rewards; an explicit one wins in both
+    assert KLConfig().resolved_estimator(kl_in_loss=True) == "k3"
+    assert KLConfig().resolved_estimator(kl_in_loss=False) == "k1"
+    assert KLConfig(estimator="k2").resolved_estimator(kl_in_loss=True) == "k2"
+
+
+def test_the_module_gives_one_kl_estimator_to_the_rollout_and_the_loss():
+    from rlhf_lit.modules.ppo_config import KLConfig
+
+    module = make_module(
+        ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=1, kl_placement="loss"),
+        kl=KLConfig(kl_coef=0.05, estimator="k2"),
+    )
+    assert module.objective.kl_estimator == module.collector.settings.kl_estimator == "k2"

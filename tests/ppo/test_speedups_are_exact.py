@@ -21,7 +21,7 @@ def _trained_params(tmp_path, two_pass: bool, entropy_coef: float) -> tuple[dict
     module = make_module(
         ppo=PPOConfig(ppo_epochs=2, ppo_minibatch_size=2, entropy_coef=entropy_coef, total_iterations=2)
     )
-    module._two_pass = two_pass
+    module.updater.settings.two_pass = two_pass
     initial = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     torch.manual_seed(123)
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=4))

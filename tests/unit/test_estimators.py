@@ -1,14 +1,26 @@
-"""The critic-free estimators of ``rlhf_lit.algorithms`` on a hand-made rollout (literal tensors)."""
+"""The critic-free estimators of ``rlhf_lit.rl`` on a hand-made rollout (literal tensors), and the algorithm
+registry."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_lit.algorithms import GroupEstimator, ReinforcePPEstimator, build_estimator
+from rlhf_lit.errors import ConfigError
 from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl import (
+    AlgorithmSpec,
+    GAEEstimator,
+    GroupEstimator,
+    ReinforcePPEstimator,
+    algorithm_names,
+    build_estimator,
+    get_algorithm,
+    register_algorithm,
+)
 
 MASK = torch.tensor([[True, True, False], [True, False, False]])
 
@@ -56,10 +68,44 @@ def test_grpo_with_kl_coef_zero_uses_the_score_alone():
 
 
 def test_build_estimator_follows_the_config():
-    assert build_estimator(PPOConfig(), 1).needs_critic
-    grpo = build_estimator(PPOConfig(advantage_estimator="grpo", scale_by_std=False), 4)
-    assert (grpo.kind, grpo.group_size, grpo.scale_by_std, grpo.needs_critic) == ("grpo", 4, False, False)
+    assert isinstance(build_estimator(PPOConfig(), 1), GAEEstimator) and PPOConfig().needs_critic
+    config = PPOConfig(advantage_estimator="grpo", scale_by_std=False)
+    grpo = build_estimator(config, 4)
+    assert (grpo.kind, grpo.group_size, grpo.scale_by_std, config.needs_critic) == ("grpo", 4, False, False)
     assert build_estimator(PPOConfig(advantage_estimator="rloo"), 2).kind == "rloo"
     assert isinstance(
         build_estimator(PPOConfig(advantage_estimator="reinforce_pp", gamma=0.9), 1), ReinforcePPEstimator
     )
+
+
+def test_the_registry_holds_what_each_estimator_needs():
+    facts = {
+        name: (spec.needs_critic, spec.needs_groups, spec.kl_placement)
+        for name in algorithm_names()
+        for spec in [get_algorithm(name)]
+    }
+    assert facts["gae"] == (True, False, "reward")
+    assert facts["grpo"] == (False, True, "loss")
+    assert facts["rloo"] == (False, True, "reward")
+    assert facts["reinforce_pp"] == (False, False, "reward")
+    # PPOConfig's properties are the registry's facts, not a copy of them
+    for name in ("gae", "grpo", "rloo", "reinforce_pp"):
+        config = PPOConfig(advantage_estimator=name)
+        assert (config.needs_critic, config.needs_groups) == facts[name][:2]
+        assert config.kl_in_loss() == (facts[name][2] == "loss")
+
+
+def test_an_unknown_estimator_is_one_line_naming_the_registered_ones():
+    with pytest.raises(ConfigError) as err:
+        PPOConfig(advantage_estimator="ppo2")
+    message = str(err.value)
+    assert "\n" not in message and "'ppo2'" in message
+    assert all(name in message for name in ("gae", "grpo", "rloo", "reinforce_pp"))
+
+
+def test_a_name_is_registered_once_and_defaults_are_checked():
+    with pytest.raises(ValueError, match="already registered"):
+        register_algorithm(AlgorithmSpec("gae", lambda ppo, n: None, needs_critic=True))
+    with pytest.raises(ValueError, match="loss_aggregation"):
+        register_algorithm(AlgorithmSpec("bad_agg", lambda ppo, n: None, False, loss_aggregation="sum"))
+    assert "bad_agg" not in algorithm_names()

@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from rlhf_lit.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
+from rlhf_lit.rl.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 
 
 def test_fixed_controller_never_moves():

@@ -1,6 +1,6 @@
 """Objectives: the loss of one micro-batch, term by term, from the policy's outputs and the rollout's rows.
 
-The update (``rlhf_lit.modules.ppo_update``) runs the policy's forward for the terms it wants and asks the
+The update (``rlhf_lit.rl.update.PPOUpdater``) runs the policy's forward for the terms it wants and asks the
 objective for their loss: all terms in one forward and one backward, or the ``policy`` terms and then the
 ``value`` term, each right after its own forward (the two-pass option). :meth:`Objective.loss` builds the
 same sum either way, so both give the same gradients.
@@ -39,7 +39,7 @@ class MicroBatch:
         returns: ``(b, R)`` the critic's targets, or None without a critic.
         ref_logprobs: ``(b, R)`` the reference's log-probs, given when the KL is a loss term, else None.
         kl_coef: the weight of that KL term (this iteration's ``kl_coef``).
-        token_weights: ``(b, R)`` the loss aggregation's token weights (``ppo_update.aggregation_weights``),
+        token_weights: ``(b, R)`` the loss aggregation's token weights (``functional.aggregation.aggregation_weights``),
             or None for the plain token mean.
     """
 
@@ -78,8 +78,8 @@ class PPOObjective:
 
     Terms: ``policy`` = the clipped surrogate (``functional.losses.ppo_policy_loss``, dual clip optional)
     minus the entropy bonus, plus, with the KL in the loss (``mb.ref_logprobs`` given), ``kl_coef`` times the
-    k3 estimate of KL(policy || reference) per token, ``exp(ref - logp) - (ref - logp) - 1`` (GRPO: Shao et
-    al. 2024, eq. 4), aggregated the same way; ``value`` = ``vf_coef`` times the (optionally clipped) value
+    per-token estimate of KL(policy || reference) that ``kl.estimator`` names (default there: k3,
+    ``exp(ref - logp) - (ref - logp) - 1``; GRPO: Shao et al. 2024, eq. 4), aggregated the same way; ``value`` = ``vf_coef`` times the (optionally clipped) value
     loss (``ppo_value_loss``). Without a critic there is no ``value`` term.
 
     Args:
@@ -88,6 +88,7 @@ class PPOObjective:
         value_clip_range: clip of the value around the rollout value; None disables.
         vf_coef: weight of the value loss.
         entropy_coef: weight of the entropy bonus (subtracted).
+        kl_estimator: the per-token KL estimator of the in-loss KL term (``kl.estimator``).
     """
 
     clip_range: float
@@ -95,11 +96,15 @@ class PPOObjective:
     value_clip_range: float | None
     vf_coef: float
     entropy_coef: float
+    kl_estimator: str = "k3"
 
     @classmethod
-    def from_settings(cls, ppo) -> PPOObjective:
-        """From ``PPOConfig``'s ``clip_range``, ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``."""
-        return cls(ppo.clip_range, ppo.dual_clip, ppo.value_clip_range, ppo.vf_coef, ppo.entropy_coef)
+    def from_settings(cls, ppo, kl_estimator: str = "k3") -> PPOObjective:
+        """From ``PPOConfig``'s ``clip_range``, ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``
+        and the KL estimator of the in-loss term."""
+        return cls(
+            ppo.clip_range, ppo.dual_clip, ppo.value_clip_range, ppo.vf_coef, ppo.entropy_coef, kl_estimator
+        )
 
     def terms(self, has_critic: bool) -> tuple[str, ...]:
         return TERMS if has_critic else ("policy",)
@@ -132,9 +137,9 @@ class PPOObjective:
             stats[M.PPO_APPROX_KL] = pg_stats["approx_kl"]
             stats[M.PPO_RATIO_MEAN] = pg_stats["ratio_mean"]
             if mb.ref_logprobs is not None:
-                k3 = kl_per_token(out.logprobs, mb.ref_logprobs, "k3")
-                stats[M.PPO_KL_LOSS] = masked_mean(k3, mb.mask)  # logged as a token mean
-                loss = loss + mb.kl_coef * masked_weighted_mean(k3, mb.mask, mb.token_weights)
+                kl = kl_per_token(out.logprobs, mb.ref_logprobs, self.kl_estimator)
+                stats[M.PPO_KL_LOSS] = masked_mean(kl, mb.mask)  # logged as a token mean
+                loss = loss + mb.kl_coef * masked_weighted_mean(kl, mb.mask, mb.token_weights)
         if "value" in terms:
             vf_loss, vf_stats = ppo_value_loss(
                 out.values, mb.old_values, mb.returns, mb.mask, self.value_clip_range, mb.token_weights

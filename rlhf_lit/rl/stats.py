@@ -9,14 +9,22 @@ from __future__ import annotations
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.algorithms.advantages import Advantages
 from rlhf_lit.functional.advantages import explained_variance
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.masked import masked_mean
 from rlhf_lit.parallel.collectives import gather, global_mean, global_sum, is_distributed
-from rlhf_lit.rollout import Rollout
+from rlhf_lit.rl.estimators import Advantages
+from rlhf_lit.rl.rollout import Rollout
 
-__all__ = ["correlation", "global_kl_per_response", "global_stats", "iteration_stats", "perf_stats"]
+__all__ = [
+    "all_stats",
+    "correlation",
+    "global_kl_per_response",
+    "global_stats",
+    "iteration_stats",
+    "peak_memory",
+    "perf_stats",
+]
 
 
 def iteration_stats(rollout: Rollout, adv: Advantages, has_stop_token: bool, distributed: bool) -> dict:
@@ -90,18 +98,39 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.corrcoef(both)[0, 1]
 
 
-def perf_stats(times: tuple[float, float, float, float], response_tokens: int, peak_mb: float) -> dict:
+def all_stats(
+    trainer, rollout: Rollout, adv: Advantages, update_stats: dict, has_stop_token: bool, times
+) -> dict:
+    """Every figure of an iteration but its number, KL coefficient and peak memory: :func:`iteration_stats`
+    and the update's statistics over all ranks (:func:`global_stats`), the non-finite count, and
+    :func:`perf_stats` of the four ``time.perf_counter()`` marks ``times``."""
+    stats = iteration_stats(rollout, adv, has_stop_token, is_distributed(trainer))
+    stats = global_stats(trainer, {**stats, **update_stats}, rollout)
+    stats[M.ROLLOUT_NON_FINITE_SCORES] = float(rollout.num_non_finite)
+    stats.update(perf_stats(times, rollout.response_ids.numel()))
+    return stats
+
+
+def peak_memory(peak_mb: float) -> dict:
+    """``{perf/peak_memory_mb: peak_mb}`` (MiB)."""
+    return {M.PERF_PEAK_MEMORY_MB: peak_mb}
+
+
+def perf_stats(
+    times: tuple[float, float, float, float], response_tokens: int, peak_mb: float | None = None
+) -> dict:
     """``perf/*`` of an iteration from its four ``time.perf_counter()`` marks: start, after sampling, after
-    the advantages, after the update (seconds per phase), generation tokens per second, peak memory (MiB)."""
+    the advantages, after the update (seconds per phase), generation tokens per second, and peak memory
+    (MiB) when given."""
     t0, t1, t2, t3 = times
-    return {
+    out = {
         M.PERF_GENERATION_S: t1 - t0,
         M.PERF_EXPERIENCE_S: t2 - t1,
         M.PERF_UPDATE_S: t3 - t2,
         M.PERF_ITERATION_S: t3 - t0,
         M.PERF_GENERATION_TOKENS_PER_S: response_tokens / max(t1 - t0, 1e-9),
-        M.PERF_PEAK_MEMORY_MB: peak_mb,
     }
+    return out if peak_mb is None else {**out, M.PERF_PEAK_MEMORY_MB: peak_mb}
 
 
 def global_kl_per_response(trainer, rollout: Rollout) -> tuple[float, int]:

@@ -1,8 +1,9 @@
-"""Advantage estimators: step 5 of an iteration, from a :class:`~rlhf_lit.rollout.Rollout` to advantages.
+"""Advantage estimators: step 5 of an iteration, from a :class:`~rlhf_lit.rl.rollout.Rollout` to advantages.
 
 An estimator is called as ``estimator(rollout, kl_coef, distributed)`` and returns :class:`Advantages`.
 It may read any field of the rollout (scores, per-token KL, masks, values) and must not change it.
-``needs_critic`` says whether it reads ``rollout.old_values`` (and returns targets for the critic).
+What an estimator needs (a critic? groups of responses?) is declared once, in its
+:class:`~rlhf_lit.rl.algorithms.AlgorithmSpec` (``rlhf_lit.rl.algorithms``), not on the estimator.
 
 Notation: B sequences, R response positions; masks True on real tokens; KL and rewards in nats.
 """
@@ -25,7 +26,7 @@ from rlhf_lit.functional.kl import shaped_rewards
 from rlhf_lit.functional.masked import masked_mean, masked_whiten
 
 if TYPE_CHECKING:
-    from rlhf_lit.rollout import Rollout
+    from rlhf_lit.rl.rollout import Rollout
 
 __all__ = [
     "AdvantageEstimator",
@@ -33,7 +34,6 @@ __all__ = [
     "GAEEstimator",
     "GroupEstimator",
     "ReinforcePPEstimator",
-    "build_estimator",
 ]
 
 
@@ -44,26 +44,23 @@ class Advantages:
     Attributes:
         advantages: ``(B, R)``, 0 on padding; what the policy loss multiplies the ratio by.
         returns: ``(B, R)`` regression targets of the critic, or None for a critic-free estimator.
-        token_rewards: ``(B, R)`` per-token rewards the advantages were computed from.
-        non_score_rewards: ``(B, R)`` the part of ``token_rewards`` that is not the score (the KL penalty).
+        non_score_rewards: ``(B, R)`` the part of the per-token rewards that is not the score (the KL
+            penalty, ``-kl_coef * KL_t``).
         raw_advantage_mean: 0-dim, the mean advantage over the update tokens before any normalisation
             (all ranks), for the logs.
     """
 
     advantages: torch.Tensor
     returns: torch.Tensor | None
-    token_rewards: torch.Tensor
     non_score_rewards: torch.Tensor
     raw_advantage_mean: torch.Tensor
 
 
 class AdvantageEstimator(Protocol):
-    """``(rollout, kl_coef, distributed) -> Advantages``; ``needs_critic``: it reads ``rollout.old_values``.
+    """``(rollout, kl_coef, distributed) -> Advantages``.
 
     ``kl_coef`` is this iteration's KL penalty coefficient (the KL controller's value); ``distributed``
     asks for statistics over all ranks (a collective: every rank calls the estimator)."""
-
-    needs_critic: bool
 
     def __call__(self, rollout: Rollout, kl_coef: float, distributed: bool) -> Advantages: ...
 
@@ -87,7 +84,6 @@ class GAEEstimator:
     gamma: float
     gae_lambda: float
     whiten: bool = True
-    needs_critic: bool = True
 
     @classmethod
     def from_settings(cls, ppo) -> GAEEstimator:
@@ -101,7 +97,7 @@ class GAEEstimator:
         raw_mean = masked_mean(advantages, update_mask, distributed=distributed)
         if self.whiten:
             advantages = masked_whiten(advantages, update_mask, distributed=distributed)
-        return Advantages(advantages, returns, rewards, non_score, raw_mean)
+        return Advantages(advantages, returns, non_score, raw_mean)
 
 
 @dataclass
@@ -119,7 +115,7 @@ class GroupEstimator:
     and ``r_i`` is the score.
 
     Groups are consecutive rows of THIS rank's rollout: a prompt's n responses are sampled on the rank
-    that holds the prompt (``rollout.collect_rollout`` repeats each prompt n times), so the statistics need
+    that holds the prompt (``RolloutCollector.collect`` repeats each prompt n times), so the statistics need
     no collective and are the same under any number of ranks. Responses with a non-finite score leave their
     group's statistics (``functional.group_advantages``).
 
@@ -132,7 +128,6 @@ class GroupEstimator:
     kind: str
     group_size: int
     scale_by_std: bool = True
-    needs_critic: bool = False
 
     def __call__(self, rollout: Rollout, kl_coef: float, distributed: bool) -> Advantages:
         mask, update_mask = rollout.response_mask, rollout.update_mask
@@ -146,7 +141,7 @@ class GroupEstimator:
             seq_adv = leave_one_out_advantages(seq_rewards, self.group_size, valid=rollout.finite)
         advantages = token_advantages(seq_adv, update_mask)
         raw_mean = masked_mean(advantages, update_mask, distributed=distributed)
-        return Advantages(advantages, None, rewards, non_score, raw_mean)
+        return Advantages(advantages, None, non_score, raw_mean)
 
 
 @dataclass
@@ -164,7 +159,6 @@ class ReinforcePPEstimator:
     """
 
     gamma: float = 1.0
-    needs_critic: bool = False
 
     def __call__(self, rollout: Rollout, kl_coef: float, distributed: bool) -> Advantages:
         mask, update_mask = rollout.response_mask, rollout.update_mask
@@ -172,18 +166,4 @@ class ReinforcePPEstimator:
         returns = discounted_returns(rewards, mask, self.gamma)
         raw_mean = masked_mean(returns, update_mask, distributed=distributed)
         advantages = masked_whiten(returns, update_mask, distributed=distributed)
-        return Advantages(advantages, None, rewards, non_score, raw_mean)
-
-
-def build_estimator(ppo, group_size: int) -> AdvantageEstimator:
-    """The estimator ``ppo.advantage_estimator`` names (``PPOConfig``), with its settings.
-
-    Every estimator adds the KL penalty of the ``kl_coef`` it is called with to the rewards; with the KL in
-    the loss (``PPOConfig.kl_in_loss``) the module calls it with 0.
-    """
-    name = ppo.advantage_estimator
-    if name == "gae":
-        return GAEEstimator.from_settings(ppo)
-    if name == "reinforce_pp":
-        return ReinforcePPEstimator(ppo.gamma)
-    return GroupEstimator(name, group_size, ppo.scale_by_std)
+        return Advantages(advantages, None, non_score, raw_mean)

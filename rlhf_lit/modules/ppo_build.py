@@ -1,0 +1,214 @@
+"""What ``PPOModule.__init__`` builds from its configs: the models (tokenizer, stop tokens, the shared base with
+actor and critic adapters, the reward source) and the RL core's components."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from rlhf_lit.generation import resolve_stop_ids
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.export import save_causal_lm
+from rlhf_lit.models.policy import ActorCritic
+from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
+from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
+from rlhf_lit.modules.ppo_config import check_stop_tokens
+from rlhf_lit.parallel import gathered_parameters
+from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
+from rlhf_lit.rewards import MixedReward, RewardSourceConfig
+from rlhf_lit.rl.kl_control import build_kl_controller
+from rlhf_lit.rl.objectives import PPOObjective
+from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings, describe_reward_source
+from rlhf_lit.rl.sampler import Sampler
+from rlhf_lit.rl.update import PPOUpdater, UpdateSettings
+
+__all__ = [
+    "build_components",
+    "build_models",
+    "configure_optimizer",
+    "export_policy",
+    "hparams_of",
+    "optimizer_steps_per_iteration",
+    "reward_config",
+    "rollout_prompts",
+    "rollout_settings",
+]
+
+
+def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
+    """``reward_model`` as given (a config, its dict form, or a list of either) as config objects."""
+    if isinstance(value, (list, tuple)):
+        return [as_config(RewardSourceConfig, entry) for entry in value]
+    return as_config(RewardModelConfig, value)
+
+
+def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic_cfg, ppo):
+    """``(tokenizer, stop_ids, policy, reward_source)``: the policy is an ``ActorCritic`` on the loaded base,
+    with a critic adapter and value head only when the algorithm declares ``needs_critic`` (the registry), no
+    critic adapter under ``critic.shared_trunk``; the reward source is a ``RewardSource`` or, for a list, a
+    ``MixedReward``. ``critic.init_from_reward`` (PPO-Max) starts the critic from the reward model.
+
+    Raises:
+        ValueError: a missing-EOS penalty without a stop token; ``init_from_reward`` with a reward list.
+    """
+    tokenizer = load_backbone_tokenizer(backbone)
+    stop_ids = resolve_stop_ids(sampling, tokenizer)
+    check_stop_tokens(shaping, stop_ids)
+    base = load_backbone(backbone, tokenizer)
+    with_critic = ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
+    critic_lora = None if critic_cfg.shared_trunk or not with_critic else critic_cfg.lora
+    if critic_lora is not None:
+        critic_lora.dropout = 0.0  # log-probs and values must be exact (pitfall: dropout)
+    policy = ActorCritic(base, backbone.lora, critic_lora, with_critic)
+    if isinstance(reward_cfg, list):
+        reward_source = MixedReward(
+            reward_cfg,
+            tokenizer,
+            lambda cfg: RewardSource(as_config(RewardModelConfig, cfg), tokenizer, policy.lm, backbone),
+        )
+    else:
+        reward_source = RewardSource(reward_cfg, tokenizer, policy.lm, backbone)
+    if critic_cfg.init_from_reward:  # PPO-Max; a reward adapter on this base starts the critic adapter
+        if isinstance(reward_source, MixedReward):
+            raise ValueError("critic.init_from_reward needs one reward model, not a reward_model list")
+        in_base = reward_source.scorer is None
+        head = reward_source.head if in_base else reward_source.scorer.head
+        policy.start_critic_from(head, "reward" if in_base else None)
+    return tokenizer, stop_ids, policy, reward_source
+
+
+def rollout_settings(module, kl_estimator: str) -> RolloutSettings:
+    """The collector's settings from the module's configs (``sampling``, ``ppo``, ``shaping``, ``backbone_cfg``,
+    ``reward_model_cfg``)."""
+    sampling, ppo = module.sampling, module.ppo
+    return RolloutSettings(
+        temperature=sampling.temperature,
+        num_samples_per_prompt=sampling.num_samples_per_prompt,
+        forward_batch_size=ppo.rollout_forward_batch_size,
+        logprob_chunk_size=ppo.logprob_chunk_size,
+        kl_estimator=kl_estimator,
+        merge_adapter=sampling.merge_adapter and not module.backbone_cfg.load_in_4bit,
+        skip_non_finite=module.shaping.skip_non_finite,
+        seed=ppo.seed,
+        reward_description=describe_reward_source(module.reward_model_cfg),
+    )
+
+
+def build_components(module, make_sampler: Callable[..., Sampler], schedule: Callable) -> None:
+    """The RL core's components (``rlhf_lit.rl``) on the PPO module, each built with what it needs
+    (the module's configs, models and its ``manual_backward`` / clipping / optimizers as callables), never with
+    the module itself: ``kl_ctl``, ``algorithm``, ``estimator``, ``objective``, ``score_stats``, ``sampler``,
+    ``collector``, ``updater``."""
+    module.kl_ctl = build_kl_controller(
+        module.kl_cfg.kl_coef, module.kl_cfg.adaptive, module.kl_cfg.target_kl, module.kl_cfg.horizon
+    )
+    module.algorithm = module.ppo.algorithm  # the registry entry of ppo.advantage_estimator
+    module.estimator = module.algorithm.estimator(
+        module.ppo, module.sampling.num_samples_per_prompt
+    )  # step 5
+    kl_estimator = module.kl_cfg.resolved_estimator(module.ppo.kl_in_loss())
+    module.objective = PPOObjective.from_settings(module.ppo, kl_estimator)  # the loss of step 6
+    module.score_stats = RunningMeanStd(distributed=True)
+    module.sampler = make_sampler(module.sampling, module.stop_ids, module.tokenizer.pad_token_id)
+    settings = rollout_settings(module, kl_estimator)
+    shaper = ScoreShaper(module.shaping, module.score_stats, has_stop_token=bool(module.stop_ids))
+
+    def world():  # the trainer, when attached (collectives)
+        return attached_trainer(module)
+
+    module.collector = RolloutCollector(
+        module.policy, module.reward_source, module.sampler, shaper, settings, module.tokenizer, world
+    )
+    module.updater = PPOUpdater(
+        module.policy,
+        module.objective,
+        UpdateSettings.from_configs(module.ppo, module.sampling),
+        backward=module.manual_backward,
+        clip=module.clip_global_norm,
+        optimizers=lambda: (module.optimizers(), module.lr_schedulers()),
+        world=world,
+        schedule=schedule,
+    )
+
+
+def hparams_of(module) -> dict:
+    """The module's config objects by constructor argument (a reward list as plain dicts)."""
+    reward = module.reward_model_cfg
+    return dict(
+        backbone=module.backbone_cfg,
+        reward_model=[asdict(e) for e in reward] if isinstance(reward, list) else reward,
+        sampling=module.sampling,
+        ppo=module.ppo,
+        kl=module.kl_cfg,
+        reward=module.shaping,
+        critic=module.critic_cfg,
+        optimizer=module.optim_cfg,
+        ptx=module.ptx_cfg,
+        monitor=module.monitor_cfg,
+    )
+
+
+def rollout_prompts(module) -> int | None:
+    """Prompts per rollout per rank: ``rollout_batch_size`` (linked by the CLI at parse time), else (a module
+    built in Python) the batch size of the trainer's data module, else None."""
+    if module.rollout_batch_size is not None:
+        return module.rollout_batch_size
+    return getattr(getattr(attached_trainer(module), "datamodule", None), "batch_size", None)
+
+
+def optimizer_steps_per_iteration(ppo, sampling, prompts: int | None) -> int:
+    """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""
+    rollout = prompts * sampling.num_samples_per_prompt if prompts else ppo.ppo_minibatch_size
+    return ppo.ppo_epochs * max(1, rollout // ppo.ppo_minibatch_size)
+
+
+def total_iterations(module) -> int:
+    """``ppo.total_iterations``, else the trainer's batches x epochs (1000 for an endless loader)."""
+    if module.ppo.total_iterations:
+        return module.ppo.total_iterations
+    batches = module.trainer.num_training_batches
+    epochs = max(1, module.trainer.max_epochs or 1)
+    return int(batches * epochs) if batches != float("inf") else 1000
+
+
+def configure_optimizer(module):
+    """``configure_optimizers`` of the PPO module: one optimizer with parameter groups (actor; critic adapter
+    and value head at ``critic.lr``) and its schedule over every optimizer step of the run."""
+    optim_cfg, ppo = module.optim_cfg, module.ppo
+    groups = [{"params": module.policy.actor_parameters(), "lr": optim_cfg.lr}]
+    if module.policy.has_critic:
+        groups.append(
+            {"params": module.policy.critic_parameters(), "lr": module.critic_cfg.lr or optim_cfg.lr}
+        )
+    optimizer = build_optimizer(groups, optim_cfg, attached_trainer(module))
+    prompts = rollout_prompts(module)
+    if prompts is None:  # plain dataloaders: their batch size is not known yet when this runs
+        rank_zero_warn(
+            "PPOModule: rollout_batch_size is not set and there is no data module with a `batch_size`, so "
+            f"the learning-rate schedule assumes one minibatch per rollout ({ppo.ppo_minibatch_size} "
+            "responses); with larger rollouts it ends early. Pass rollout_batch_size, a LightningDataModule "
+            "(e.g. PromptDataModule) or use optimizer.scheduler: constant."
+        )
+    steps = total_iterations(module) * optimizer_steps_per_iteration(ppo, module.sampling, prompts)
+    scheduler = build_scheduler(optimizer, optim_cfg, steps)
+    return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+
+def export_policy(module, path: str) -> None:
+    """``PPOModule.export``: the actor adapter, merged or alone per ``export_mode``, in Hugging Face format
+    (``rlhf_lit.models.export``); every rank calls it (a collective under FSDP2), rank 0 writes."""
+    with gathered_parameters(module.policy.lm):  # a collective under FSDP2; nothing otherwise
+        if attached_trainer(module) is None or module.trainer.is_global_zero:
+            meta = {"kind": "policy", "stage": "ppo", "iterations": module.iteration}
+            meta.update(sampling=asdict(module.sampling), target_kl=module.kl_cfg.target_kl)
+            save_causal_lm(
+                module.policy.lm,
+                module.tokenizer,
+                path,
+                module.backbone_cfg,
+                module.export_mode,
+                adapter_name="actor",
+                meta=meta,
+            )

@@ -1,0 +1,38 @@
+"""``functional.summary.mean_se``: hand-computed means and standard errors, and the defined edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_lit.functional.length_bias import mean_and_se
+from rlhf_lit.functional.summary import mean_se
+
+
+def test_mean_and_standard_error_by_hand():
+    # [1, 2, 3, 6]: mean 3; deviations -2, -1, 0, 3 -> s^2 = (4 + 1 + 0 + 9) / 3 = 14 / 3; SE = sqrt(14/3) / 2
+    mean, se = mean_se([1.0, 2.0, 3.0, 6.0])
+    assert mean == 3.0 and se == pytest.approx(math.sqrt(14 / 3) / 2, rel=1e-12)
+    # [2, 4]: mean 3, s^2 = (1 + 1) / 1 = 2, SE = sqrt(2) / sqrt(2) = 1
+    assert mean_se(torch.tensor([2.0, 4.0])) == pytest.approx((3.0, 1.0))
+
+
+def test_empty_and_single_samples_are_defined():
+    mean, se = mean_se([])  # no values: no mean, no error
+    assert math.isnan(mean) and math.isnan(se)
+    mean, se = mean_se([5.0])  # one value: its mean, but nothing about its spread
+    assert mean == 5.0 and math.isnan(se)
+
+
+def test_more_of_the_same_spread_shrinks_the_error():
+    # [0, 1]: s^2 = 0.5, SE = sqrt(0.5 / 2) = 0.5; [0, 1] x 4: s^2 = 8 x 0.25 / 7 = 2/7, SE = sqrt(2/7 / 8) = 0.18898
+    assert mean_se([0.0, 1.0])[1] == pytest.approx(0.5)
+    assert mean_se([0.0, 1.0] * 4)[1] == pytest.approx(math.sqrt(2 / 7 / 8), rel=1e-12)
+
+
+def test_the_length_bias_report_uses_the_same_definition():
+    for values in ([], [1.0], [1.0, 2.0, 3.0, 6.0]):
+        a, b = mean_and_se(torch.tensor(values)), mean_se(values)
+        assert all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b))
