@@ -23,6 +23,10 @@ Loading back: a folder with merged weights loads as any Hugging Face model; a fo
 recorded base is loaded and the adapter put on it, frozen. When the base in ``rlhf_lit.json`` is itself such
 an export, ``adapter/`` applies on top of that export's adapter (the merged weights, when written, hold both).
 
+Writes are transactional: under the CLI (and ``HFExport``) the files go to a temporary sibling folder that is
+renamed into place when the export is complete (:mod:`rlhf_lit.outputs`); the functions here write to
+``staged(path)``.
+
 Nothing non-finite is ever written: every export first checks that the tensors it is about to write hold
 no inf or nan and refuses (``ValueError`` naming the tensors) otherwise.
 """
@@ -50,6 +54,7 @@ from rlhf_lit.models.backbone import (
 from rlhf_lit.models.heads import POOLINGS, Pooling, ScalarHead, score_pooled
 from rlhf_lit.models.tokenizer import load_tokenizer
 from rlhf_lit.models.trunk import disable_dropout
+from rlhf_lit.outputs import staged
 from rlhf_lit.parallel.fsdp import plain_state_dict
 
 ExportMode = Literal["auto", "merged", "adapter"]
@@ -86,6 +91,7 @@ def save_causal_lm(
         ValueError: ``adapter`` mode without an adapter, ``merged`` mode over a 4-bit base, or a tensor to
             be written (a base weight, the exported adapter) holding inf or nan; nothing is written then.
     """
+    path = staged(path)  # inside an open export transaction: its staging folder (rlhf_lit.outputs)
     name = adapter_name or lm.active_adapter
     if mode == "adapter" and not lm.is_peft:
         raise ValueError("export_mode='adapter' needs LoRA adapters; this model was trained in full")
@@ -180,7 +186,7 @@ def save_reward_head(head: ScalarHead, path: str) -> None:
     weights = {k: v.detach().float().cpu().clone() for k, v in plain_state_dict(head).items()}
     weights = {k.removeprefix("linear."): v for k, v in weights.items()}
     check_finite(weights, path)
-    save_file(weights, os.path.join(path, HEAD_FILE))
+    save_file(weights, os.path.join(staged(path), HEAD_FILE))
 
 
 def read_meta(path: str) -> dict[str, Any]:
