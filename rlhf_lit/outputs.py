@@ -62,11 +62,12 @@ class OutputError(UserError, OSError):
 def _fmt_bytes(n: int | None) -> str:
     if n is None:
         return "an unknown number of bytes"
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} bytes"  # pragma: no cover
+    exact, size = int(n), float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{exact} bytes" if exact < 1024 else f"{size:.1f} {unit} ({exact} bytes)"
+    return f"{exact} bytes"  # pragma: no cover
 
 
 def write_failure(err: OSError, folder: str, needed: int | None, what: str = "output") -> OutputError | None:
