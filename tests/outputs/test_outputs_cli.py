@@ -117,7 +117,9 @@ def test_a_reused_export_folder_is_refused_and_kept(first_export, tmp_path, caps
     assert digest(tmp_path / "hf") == before
 
 
-def test_overwrite_replaces_the_earlier_export_whole_and_takes_over_a_stale_lock(first_export, tmp_path, capsys):
+def test_overwrite_replaces_the_earlier_export_whole_and_takes_over_a_stale_lock(
+    first_export, tmp_path, capsys
+):
     copy_export(first_export, tmp_path)
     (tmp_path / "hf" / "eval_results.json").write_text("{}")  # an earlier reward run's file
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

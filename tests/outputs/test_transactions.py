@@ -108,7 +108,9 @@ def test_full_disk_mid_export_leaves_the_previous_export_whole(tmp_path):
 
 def test_a_reused_folder_is_refused_or_replaced_whole(tmp_path):
     folder = str(tmp_path / "hf")
-    ExportFolder(folder).write(lambda s: (write_export(s, b"a"), open(os.path.join(s, "eval_results.json"), "w")))
+    ExportFolder(folder).write(
+        lambda s: (write_export(s, b"a"), open(os.path.join(s, "eval_results.json"), "w"))
+    )
     with pytest.raises(OutputError, match="--overwrite"):
         ExportFolder(folder).check()
     ExportFolder(folder, overwrite=True).write(lambda s: write_export(s, b"bb"))
@@ -141,7 +143,9 @@ def test_checkpoint_write_failure_keeps_the_last_checkpoint(tmp_path):
     path = str(tmp_path / "last.ckpt")
     AtomicCheckpointIO().save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
     with pytest.raises(OutputError) as err:
-        AtomicCheckpointIO(writer=failing_writer(10)).save_checkpoint({"step": 2, "w": torch.zeros(300)}, path)
+        AtomicCheckpointIO(writer=failing_writer(10)).save_checkpoint(
+            {"step": 2, "w": torch.zeros(300)}, path
+        )
     assert str(tmp_path) in str(err.value) and "bytes" in str(err.value)
     assert torch.load(path)["step"] == 1  # still the complete first checkpoint
     assert os.listdir(tmp_path) == ["last.ckpt"]  # no temporary file left
@@ -163,7 +167,9 @@ def test_free_space_is_checked_before_training(tmp_path):
 
 def test_disk_errors_are_recognised_by_errno_or_message():
     assert disk_errno(OSError(errno.ENOSPC, "x")) == errno.ENOSPC
-    assert disk_errno(RuntimeError("Error while serializing: IoError(No space left on device)")) == errno.ENOSPC
+    assert (
+        disk_errno(RuntimeError("Error while serializing: IoError(No space left on device)")) == errno.ENOSPC
+    )
     assert disk_errno(RuntimeError("shape mismatch")) is None
 
 
