@@ -88,6 +88,9 @@ class RLHFCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         check_config(config.as_dict(), subcommand)
+        from rlhf_lit.models.export import check_export_kinds
+
+        check_export_kinds(config.as_dict())  # a reward-model export as a policy base, and the reverse
         if subcommand == "fit" and self.subcommand and os.environ.get("LOCAL_RANK", "0") == "0":
             from rlhf_lit.outputs import RunOutputs
 
