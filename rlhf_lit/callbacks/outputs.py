@@ -14,6 +14,7 @@ import os
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lit import metrics as M
+from rlhf_lit.outputs import export_transaction, staged
 
 __all__ = ["HFExport", "PPOCurves", "RolloutSamples", "unless_configured"]
 
@@ -28,6 +29,8 @@ def unless_configured(trainer, callbacks: list[Callback]) -> list[Callback]:
 class HFExport(Callback):
     """At the end of fit, the module writes its model in Hugging Face format (``module.export(folder)``).
 
+    The export is one transaction (``rlhf_lit.outputs``): written into a temporary sibling folder and renamed
+    into place when complete -- the CLI's for the whole run, else one opened here around ``export``.
     Every rank calls ``export`` (under FSDP2 gathering the parameters is a collective); rank 0 writes.
 
     Args:
@@ -39,7 +42,13 @@ class HFExport(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         folder = self.dirpath or getattr(pl_module, "export_dir", None)
-        if folder:
+        if not folder:
+            return
+        if staged(folder) != folder or not trainer.is_global_zero:  # the CLI's run-level transaction is open
+            pl_module.export(folder)
+            return
+        # outside the CLI: this export alone as a transaction (temporary sibling, renamed when complete)
+        with export_transaction(folder, overwrite=True):
             pl_module.export(folder)
 
 

@@ -7,6 +7,8 @@ import os
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from rlhf_lit.outputs import holds_files, staged
+
 __all__ = ["StageProgressBar"]
 
 
@@ -54,7 +56,8 @@ class StageProgressBar(TQDMProgressBar):
         # after every on_fit_end hook, the modules' and the export callbacks': the export is written by now
         super().teardown(trainer, pl_module, stage)
         export_dir = getattr(pl_module, "export_dir", None)
-        if stage == "fit" and trainer.is_global_zero and export_dir and os.path.isdir(export_dir):
+        # under the CLI the export is still in its staging folder here, renamed into place after the run
+        if stage == "fit" and trainer.is_global_zero and export_dir and holds_files(staged(export_dir)):
             print(f"[{_label(pl_module)}] done; Hugging Face export: {os.path.abspath(export_dir)}")
 
 

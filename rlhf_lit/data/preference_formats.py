@@ -6,8 +6,8 @@ See ``formats.py`` for the conventions: converters yield ``(row_index, record)``
 
 * Ranked rows: LOWER rank is BETTER; each untied pair of a row is one example, each tie is counted as
   ``tied_ranks``; a row with a null rank is skipped (``null_rank``), one with fewer than 2 responses too
-  (``too_few_responses``). A ranked row's ``margin_field`` may be a number (every pair) or a list of K
-  scores (the margin of a pair is the absolute difference of its two scores). With ``weight_ranked_pairs``
+  (``too_few_responses``), one with a nan or inf rank too (``non_finite_rank``: nan has no order). A ranked
+  row's ``margin_field`` may be a number (every pair) or a list of K scores (the margin of a pair is the absolute difference of its two scores). With ``weight_ranked_pairs``
   every pair of a row of K responses carries ``weight = 1 / C(K, 2)``, so each prompt weighs the same in
   the loss however many responses it ranks (Ouyang et al. 2022, section 3.5 and eq. 1); other rows weigh 1.
 * Open-Assistant message trees (``oasst_tree``, the shape of its ``*.trees.jsonl`` exports: ``prompt`` is a
@@ -15,6 +15,7 @@ See ``formats.py`` for the conventions: converters yield ``(row_index, record)``
   with assistant replies is one ranked list (its thread as the prompt, the replies' ``rank`` as ranks; 0 =
   best), with the same skips. All lists of one tree share the tree's row, so a split keeps them together.
 * HH rows whose responses hold a further ``"\\n\\nHuman:"`` turn are skipped (``multi_turn_response``).
+* A margin or score that is nan or inf (JSON ``NaN`` / ``Infinity``) skips its row (``non_finite_margin``).
 * Pairs whose two sides are equal after whitespace normalisation are skipped (``identical_pair``).
 * Unpaired rows (KTO-style: ``prompt`` + ``completion`` + boolean ``label``, or a ``messages`` list ending in
   the completion + ``label``) become ``{"prompt", "response", "label"}`` records, carried as such for an
@@ -26,6 +27,7 @@ See ``formats.py`` for the conventions: converters yield ``(row_index, record)``
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from itertools import combinations
 from math import comb
@@ -36,6 +38,7 @@ from rlhf_lit.data.formats import (
     Fields,
     Message,
     Row,
+    SkipRow,
     assistant_message,
     blank,
     chat_prompt,
@@ -97,6 +100,8 @@ def _margin(row: Row, fields: Fields, value: Any = None) -> float | None:
     value = row.get(fields.margin) if value is None else value
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise row.error(fields.margin, f"should be a number, got {type(value).__name__}")
+    if value is not None and not math.isfinite(value):  # JSON's NaN / Infinity: never trained on
+        raise SkipRow("non_finite_margin")
     return None if value is None else float(value)
 
 
@@ -193,12 +198,20 @@ def _ranked(
         return ["null_rank"]
     if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in ranks):
         raise row.error(fields.ranks, "should hold numbers (lower rank = better)")
+    if not all(math.isfinite(r) for r in ranks):
+        # a nan rank compares false with every other, so "better than" would not be an order (a nan ranked
+        # list yields a preference cycle); the whole list is skipped, as for a null rank
+        return ["non_finite_rank"]
     scores = row.get(fields.margin) if fields.margin else None
     if isinstance(scores, list) and (
         len(scores) != len(responses)
         or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)
     ):
         raise row.error(fields.margin, "should be a number or a list of one number per response")
+    if isinstance(scores, list) and not all(math.isfinite(s) for s in scores):
+        return ["non_finite_margin"]
+    if isinstance(scores, (int, float)) and not isinstance(scores, bool) and not math.isfinite(scores):
+        return ["non_finite_margin"]
     use_chat = chat or not isinstance(prompt, str) or not all(isinstance(r, str) for r in responses)
     base = _prompt_messages(row, fields.prompt, prompt) if use_chat else None
     weight = 1.0 / comb(len(responses), 2) if weighted else None

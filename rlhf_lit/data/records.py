@@ -52,6 +52,8 @@ SKIP_REASONS = (
     "response_too_long",  # response + EOS does not fit max_length with min_prompt_tokens of prompt
     "tied_ranks",  # ranked lists: a tied pair gives no preference pair
     "null_rank",  # ranked lists / message trees: a candidate without a rank (the whole list is skipped)
+    "non_finite_rank",  # ranked lists / message trees: a rank is nan or inf (no consistent order: whole list)
+    "non_finite_margin",  # a margin or score (margin_field) is nan or inf (a ranked list: the whole list)
     "too_few_responses",  # ranked lists / message trees: fewer than 2 candidates to compare
     "multi_turn_response",  # HH: a response holds a further "Human:" turn, so it is not one reply
     "unknown_role",  # ShareGPT / messages: a role other than user / assistant / system (e.g. a tool call)

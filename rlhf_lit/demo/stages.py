@@ -123,6 +123,9 @@ def run_stages(
     for stage, folder in runs:
         t0 = time.perf_counter()
         log.info("demo: %s (%s), seed %d", folder, _config(stage), seed)
-        cli_main(stage_args(stage, out, fast, seed, folder) + list((extra or {}).get(stage, [])))
+        # --overwrite: the demo rebuilds its outputs on every run (each export is still replaced whole)
+        cli_main(
+            stage_args(stage, out, fast, seed, folder) + list((extra or {}).get(stage, [])) + ["--overwrite"]
+        )
         seconds[folder] = time.perf_counter() - t0
     return seconds

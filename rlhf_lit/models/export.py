@@ -23,6 +23,10 @@ Loading back: a folder with merged weights loads as any Hugging Face model; a fo
 recorded base is loaded and the adapter put on it, frozen. When the base in ``rlhf_lit.json`` is itself such
 an export, ``adapter/`` applies on top of that export's adapter (the merged weights, when written, hold both).
 
+Writes are transactional: under the CLI (and ``HFExport``) the files go to a temporary sibling folder that is
+renamed into place when the export is complete (:mod:`rlhf_lit.outputs`); the functions here write to
+``staged(path)``.
+
 Nothing non-finite is ever written: every export first checks that the tensors it is about to write hold
 no inf or nan and refuses (``ValueError`` naming the tensors) otherwise.
 """
@@ -39,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from rlhf_lit.errors import ConfigError
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
@@ -48,8 +53,10 @@ from rlhf_lit.models.backbone import (
     stack_frozen_adapter,
 )
 from rlhf_lit.models.heads import POOLINGS, Pooling, ScalarHead, score_pooled
+from rlhf_lit.models.model_files import resolve_path
 from rlhf_lit.models.tokenizer import load_tokenizer
 from rlhf_lit.models.trunk import disable_dropout
+from rlhf_lit.outputs import staged
 from rlhf_lit.parallel.fsdp import plain_state_dict
 
 ExportMode = Literal["auto", "merged", "adapter"]
@@ -86,6 +93,7 @@ def save_causal_lm(
         ValueError: ``adapter`` mode without an adapter, ``merged`` mode over a 4-bit base, or a tensor to
             be written (a base weight, the exported adapter) holding inf or nan; nothing is written then.
     """
+    path = staged(path)  # inside an open export transaction: its staging folder (rlhf_lit.outputs)
     name = adapter_name or lm.active_adapter
     if mode == "adapter" and not lm.is_peft:
         raise ValueError("export_mode='adapter' needs LoRA adapters; this model was trained in full")
@@ -180,7 +188,68 @@ def save_reward_head(head: ScalarHead, path: str) -> None:
     weights = {k: v.detach().float().cpu().clone() for k, v in plain_state_dict(head).items()}
     weights = {k.removeprefix("linear."): v for k, v in weights.items()}
     check_finite(weights, path)
-    save_file(weights, os.path.join(path, HEAD_FILE))
+    save_file(weights, os.path.join(staged(path), HEAD_FILE))
+
+
+POLICY_KIND = "policy"
+REWARD_MODEL_KIND = "reward_model"
+
+
+class ExportKindError(ConfigError):
+    """An export of one kind (``rlhf_lit.json``'s ``kind``) given where another is expected."""
+
+
+def export_kind(path: str) -> str | None:
+    """The ``kind`` recorded in an export's ``rlhf_lit.json`` (``policy`` when it records none, as the first
+    exports did); None when ``path`` is not an rlhf_lit export (a plain Hugging Face folder, a hub id)."""
+    try:
+        meta_path = os.path.join(resolve_path(path), META_FILE)
+        if not os.path.isfile(meta_path):
+            return None
+        with open(meta_path) as f:
+            return str(json.load(f).get("kind", POLICY_KIND))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_export_kind(path: str, expected: str, key: str) -> None:
+    """Refuse an rlhf_lit export whose recorded kind is not ``expected`` (folders that are not rlhf_lit
+    exports pass).
+
+    Raises:
+        ExportKindError: one line naming ``key``, the path, the kind found and the kind expected.
+    """
+    kind = export_kind(path)
+    if kind is not None and kind != expected:
+        raise ExportKindError(
+            f"{key}: {path} holds a {kind!r} export (kind in its {META_FILE}), but a {expected!r} export is "
+            f"expected here; point {key} at a {expected} export"
+        )
+
+
+def check_export_kinds(config: dict[str, Any]) -> None:
+    """The kinds of the exports a parsed stage config loads, before any model loads: a policy base
+    (``backbone.name_or_path`` of every stage but the reward model's, which may start from a policy or a reward
+    model) must be a ``policy`` export; ``reward_model.path`` (also the critic's init) a ``reward_model`` one.
+
+    Raises:
+        ExportKindError: naming the key, the path, the kind found and the kind expected.
+    """
+    model = config.get("model") or {}
+    if not isinstance(model, dict):
+        return
+    stage = str(model.get("class_path", "")).rsplit(".", 1)[-1]
+    init = model.get("init_args") or {}
+    backbone = init.get("backbone") or {}
+    if (
+        stage != "RewardModule"
+        and isinstance(backbone, dict)
+        and isinstance(backbone.get("name_or_path"), str)
+    ):
+        check_export_kind(backbone["name_or_path"], POLICY_KIND, "model.init_args.backbone.name_or_path")
+    reward_model = init.get("reward_model") or {}
+    if isinstance(reward_model, dict) and isinstance(reward_model.get("path"), str):
+        check_export_kind(reward_model["path"], REWARD_MODEL_KIND, "model.init_args.reward_model.path")
 
 
 def read_meta(path: str) -> dict[str, Any]:
@@ -246,11 +315,11 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
         load_in_4bit: override 4-bit loading of the backbone.
 
     Raises:
-        ValueError: if ``path`` is not a reward-model export.
+        ValueError: if ``path`` is not an rlhf_lit export; ``ExportKindError`` (a ``ValueError``) if it is one of
+            another kind.
     """
     meta = read_meta(path)
-    if meta.get("kind") != "reward_model":
-        raise ValueError(f"{path!r} holds a {meta.get('kind', 'policy')!r} export, not a reward model")
+    check_export_kind(path, REWARD_MODEL_KIND, "reward model")
     tokenizer = load_tokenizer(path)
     if meta.get("architecture") == "encoder":  # saved with them; set again for exports edited by hand
         encoder_special_tokens(tokenizer)

@@ -58,6 +58,7 @@ from rlhf_lit.modules.reward_eval import (
     fit_calibration,
     report_calibration,
 )
+from rlhf_lit.outputs import staged
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
 
 log = logging.getLogger("rlhf_lit")
@@ -387,5 +388,5 @@ class RewardModule(L.LightningModule):
         save_reward_head(self.head, path)
         if results is not None:
             summary = {k: v for k, v in results.items() if k != "reliability"}
-            with open(os.path.join(path, "eval_results.json"), "w") as f:
+            with open(os.path.join(staged(path), "eval_results.json"), "w") as f:
                 json.dump(summary, f, indent=2)

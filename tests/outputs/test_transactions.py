@@ -1,0 +1,189 @@
+"""Outputs as transactions, piece by piece (rlhf_lit.outputs): locks, staged exports, atomic checkpoints,
+write failures injected through the writers the classes take (no production code patched)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf_lit.errors import UserError
+from rlhf_lit.outputs import (
+    AtomicCheckpointIO,
+    ExportFolder,
+    FolderLock,
+    OutputError,
+    RunOutputs,
+    check_free_space,
+    disk_errno,
+    staged,
+)
+
+
+def failing_writer(limit: int):
+    """A ``writer(path, data)`` that writes the first ``limit`` bytes, then fails as a full disk does."""
+
+    def write(path, data):
+        with open(path, "wb") as f:
+            f.write(bytes(data)[:limit])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    return write
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_lock_refuses_a_second_holder_naming_it(tmp_path):
+    folder = tmp_path / "run"
+    first = FolderLock(str(folder), "export_dir").acquire()
+    with pytest.raises(OutputError) as err:
+        FolderLock(str(folder), "export_dir").acquire()
+    message = str(err.value)
+    assert f"pid {os.getpid()}" in message and "started 20" in message and str(folder) in message
+    assert "\n" not in message
+    first.release()
+    FolderLock(str(folder)).acquire().release()  # free again
+    assert not os.path.exists(first.path)
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    lock = FolderLock(str(tmp_path / "run"))
+    with open(lock.path, "w") as f:
+        json.dump({"pid": dead_pid(), "host": os.uname().nodename, "started": "2026-01-01T00:00:00+00:00"}, f)
+    lock.acquire()
+    assert lock.read()["pid"] == os.getpid()
+    lock.release()
+
+
+def test_lock_of_a_live_process_on_another_host_is_kept(tmp_path):
+    lock = FolderLock(str(tmp_path / "run"))
+    with open(lock.path, "w") as f:
+        json.dump({"pid": dead_pid(), "host": "another-host", "started": "2026-01-01T00:00:00+00:00"}, f)
+    with pytest.raises(OutputError, match="another-host"):
+        lock.acquire()
+
+
+def write_export(folder: str, payload: bytes) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.bin"), "wb") as f:
+        f.write(payload)
+    with open(os.path.join(folder, "rlhf_lit.json"), "w") as f:
+        json.dump({"kind": "policy", "size": len(payload)}, f)
+
+
+def read_export(folder: str) -> bytes:
+    with open(os.path.join(folder, "rlhf_lit.json")) as f:
+        size = json.load(f)["size"]
+    with open(os.path.join(folder, "model.bin"), "rb") as f:
+        data = f.read()
+    assert len(data) == size
+    return data
+
+
+def test_full_disk_mid_export_leaves_the_previous_export_whole(tmp_path):
+    folder = str(tmp_path / "hf")
+    ExportFolder(folder).write(lambda staging: write_export(staging, b"old" * 100))
+
+    def fails_part_way(staging):
+        with open(os.path.join(staging, "model.bin"), "wb") as f:
+            f.write(b"new" * 10)
+        failing_writer(7)(os.path.join(staging, "rlhf_lit.json"), b'{"kind": "policy"}')
+
+    with pytest.raises(OutputError) as err:
+        ExportFolder(folder, overwrite=True, needed_bytes=4096).write(fails_part_way)
+    assert isinstance(err.value, UserError)
+    assert folder in str(err.value) and "4.0 KiB" in str(err.value)
+    assert read_export(folder) == b"old" * 100  # the earlier export, complete
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no staging folder left behind
+
+
+def test_a_reused_folder_is_refused_or_replaced_whole(tmp_path):
+    folder = str(tmp_path / "hf")
+    ExportFolder(folder).write(
+        lambda s: (write_export(s, b"a"), open(os.path.join(s, "eval_results.json"), "w"))
+    )
+    with pytest.raises(OutputError, match="--overwrite"):
+        ExportFolder(folder).check()
+    ExportFolder(folder, overwrite=True).write(lambda s: write_export(s, b"bb"))
+    assert sorted(os.listdir(folder)) == ["model.bin", "rlhf_lit.json"]  # the old eval_results.json is gone
+    assert read_export(folder) == b"bb"
+
+
+def test_staged_redirects_writes_only_while_open(tmp_path):
+    folder = str(tmp_path / "hf")
+    export = ExportFolder(folder)
+    staging = export.begin()
+    assert staged(folder) == staging
+    assert staged(os.path.join(folder, "a", "b.png")) == os.path.join(staging, "a", "b.png")
+    assert staged(str(tmp_path / "hf2")) == str(tmp_path / "hf2")
+    export.commit()  # nothing was written: nothing changes
+    assert staged(folder) == folder and not os.path.exists(folder)
+
+
+def test_a_commit_killed_between_its_renames_is_recovered(tmp_path):
+    folder = str(tmp_path / "hf")
+    ExportFolder(folder).write(lambda s: write_export(s, b"old"))
+    os.replace(folder, str(tmp_path / ".hf.old-12345"))  # the state a kill between the two renames leaves
+    os.makedirs(tmp_path / ".hf.partial-12345-x")
+    ExportFolder(folder).recover()
+    assert read_export(folder) == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_checkpoint_write_failure_keeps_the_last_checkpoint(tmp_path):
+    path = str(tmp_path / "last.ckpt")
+    AtomicCheckpointIO().save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    with pytest.raises(OutputError) as err:
+        AtomicCheckpointIO(writer=failing_writer(10)).save_checkpoint(
+            {"step": 2, "w": torch.zeros(300)}, path
+        )
+    assert str(tmp_path) in str(err.value) and "bytes" in str(err.value)
+    assert torch.load(path)["step"] == 1  # still the complete first checkpoint
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # no temporary file left
+
+
+def test_checkpoint_write_replaces_atomically(tmp_path):
+    path = str(tmp_path / "c.ckpt")
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+    io.save_checkpoint({"step": 2}, path)
+    assert torch.load(path)["step"] == 2 and os.listdir(tmp_path) == ["c.ckpt"]
+
+
+def test_free_space_is_checked_before_training(tmp_path):
+    check_free_space(str(tmp_path / "hf"), 1)
+    with pytest.raises(OutputError, match="not enough free space"):
+        check_free_space(str(tmp_path / "hf"), 1 << 60)
+
+
+def test_disk_errors_are_recognised_by_errno_or_message():
+    assert disk_errno(OSError(errno.ENOSPC, "x")) == errno.ENOSPC
+    assert (
+        disk_errno(RuntimeError("Error while serializing: IoError(No space left on device)")) == errno.ENOSPC
+    )
+    assert disk_errno(RuntimeError("shape mismatch")) is None
+
+
+def test_run_outputs_locks_both_folders_and_releases_them(tmp_path):
+    config = {
+        "trainer": {"default_root_dir": str(tmp_path / "run")},
+        "model": {"init_args": {"export_dir": str(tmp_path / "run" / "hf")}},
+    }
+    outputs = RunOutputs.from_config(config)
+    outputs.open()
+    with pytest.raises(OutputError, match="log/checkpoint folder"):
+        RunOutputs.from_config(config).open()
+    write_export(staged(str(tmp_path / "run" / "hf")), b"x")
+    outputs.close(ok=True)
+    assert read_export(str(tmp_path / "run" / "hf")) == b"x"
+    assert not [e for e in os.listdir(tmp_path) if e.endswith(".lock")]
+    assert not [e for e in os.listdir(tmp_path / "run") if e.startswith(".")]
