@@ -22,10 +22,12 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from rlhf_lit.errors import UserError
+
+if TYPE_CHECKING:  # imported where rows are read: building a model or a module never loads ``datasets``
+    import datasets
 
 __all__ = [
     "DataFileNotFoundError",
@@ -41,7 +43,7 @@ __all__ = [
 JSON_EXTENSIONS = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DATA_EXTENSIONS = JSON_EXTENSIONS + (".parquet", ".csv", ".csv.gz")
 
-SourceLoader = Callable[[str, str], datasets.Dataset]
+SourceLoader = Callable[[str, str], "datasets.Dataset"]
 
 
 _SOURCE_LOADERS: dict[str, SourceLoader] = {}
@@ -140,6 +142,8 @@ def _looks_local(spec: str) -> bool:
 
 
 def _load_hub(hub_id: str, split: str) -> datasets.Dataset:
+    import datasets
+
     if ":" in hub_id:
         hub_id, split = hub_id.rsplit(":", 1)
     try:
@@ -164,6 +168,8 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def _load_local(path: Path) -> datasets.Dataset:
+    import datasets
+
     lowered = path.name.lower()
     builder = (
         "json"
@@ -230,6 +236,8 @@ def _sniff(path: Path, builder: str) -> None:
 
 
 def _load_json(path: Path) -> datasets.Dataset:
+    import datasets
+
     first = _first_json_line(path)
     if isinstance(first, str):  # bare JSON strings, one per line (the oasst prompt file)
         return _load_bare_strings(path)
@@ -269,6 +277,8 @@ def _first_json_line(path: Path) -> object:
 
 
 def _load_bare_strings(path: Path) -> datasets.Dataset:
+    import datasets
+
     prompts: list[str] = []
     with _open_text(path) as handle:
         for lineno, line in enumerate(handle, 1):
