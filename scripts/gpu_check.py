@@ -10,8 +10,9 @@ Qwen2.5-0.5B / 1.5B, built in code: no weights, no download) and the offline byt
   compiled by transformers' ``CompileConfig``; a compile failure is reported, not raised) and ``paged``
   (transformers continuous batching ``generate_batch``, or the reason it is unavailable);
 * one PPO (GAE, critic adapter) and one GRPO iteration end to end through ``PPOModule`` and a Lightning
-  ``Trainer`` (the second of two iterations; the first pays for warm-up): tokens/s, the phase split
-  generation / experience / update from the module's ``perf/*`` metrics, update MFU and peak GPU memory;
+  ``Trainer`` (the second of two iterations; the first pays for warm-up): tokens/s (response tokens over the
+  iteration's seconds), the phase split generation / experience / update from the module's ``perf/*``
+  metrics (host clocks at the phase boundaries, as the module logs them), update MFU and peak GPU memory;
 * the 4-bit NF4 base path (sampling and one GRPO iteration) when bitsandbytes is installed.
 
 It writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (a README-ready table). Every measurement is a
@@ -37,12 +38,14 @@ workloads, in float32, to check the script without a GPU; it never imports ``dat
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -133,6 +136,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _reset_peak(device: torch.device) -> None:
+    gc.collect()  # models left by the previous measurement (transformers models hold reference cycles)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -414,7 +418,9 @@ def run_iteration(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        default_root_dir=str(out / "lightning"),
+        default_root_dir=tempfile.mkdtemp(
+            prefix="gpu_check_"
+        ),  # nothing extra under $OUT (8 files come back)
     )
     trainer.fit(module, train_dataloaders=loader)
     if len(module.history) < 2:
