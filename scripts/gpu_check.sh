@@ -12,10 +12,10 @@
 # It writes <out>/gpu_check.json and <out>/gpu_check.md (a README-ready table) and prints the table last.
 # scripts/gpu_check.py does the work; its docstring defines every number.
 #
-# DEVICE TIME BUDGET: about 6-7 minutes of command time on one H200 (no new measurement starts after 360 s,
-# --budget-s; the slowest single step, compiling the 0.5B decode, is 1-2 minutes), plus 1-2 minutes for the
-# machine to start: one run fits a session's 15 minutes, a full rerun does not. If a rerun is needed, run
-# only `--sizes 0.5b` (about 3 minutes).
+# DEVICE TIME BUDGET: at most 8 minutes of command time on one H200 (an estimate: NOT YET RUN ON A GPU; no
+# new measurement starts after 360 s, --budget-s, and the slowest single step, compiling the 0.5B decode, is
+# expected at 1-2 minutes), plus 1-2 minutes for the machine to start: one run fits a session's 15 minutes, a
+# full rerun does not. If a rerun is needed, run only `--sizes 0.5b --budget-s 150` (about 3 minutes).
 #
 # RUN IT on a lent GPU with the `run` tool, from the repository root (nothing under ../shared is read):
 #   command:   bash scripts/gpu_check.sh --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
