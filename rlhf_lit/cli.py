@@ -88,6 +88,12 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _dispatch(argv: list[str]) -> None:
+    if argv and argv[0] == "evaluate":  # score a preference model on preference files (rlhf_lit.evaluation)
+        _quiet_third_party()
+        from rlhf_lit.evaluation import main as evaluate_main
+
+        evaluate_main(argv[1:])
+        return
     if not argv:
         raise ConfigError(
             f"give a subcommand: {', '.join(SUBCOMMANDS + EXTRA_SUBCOMMANDS)} (rlhf-lit --help)"

@@ -383,6 +383,8 @@ class RewardModule(L.LightningModule):
         meta = export_meta(
             self.is_encoder, self.head.linear.in_features, float(self.temperature), self.pooling, datamodule
         )
+        if results is not None and "summary" in results:  # what evaluate compares a new file with
+            meta["validation_summary"] = results["summary"]
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:
