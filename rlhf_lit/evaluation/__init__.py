@@ -135,7 +135,6 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
             raise UserError(f"evaluate: --data {path}: no such file (resolved to {os.path.abspath(path)})")
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"evaluate: --out {args.out} is a file, not a folder")
-    torch.set_grad_enabled(False)
     if scorer is None:
         scorer = RewardExportScorer(args.model, max_tokens=args.max_tokens)
     reports: dict[str, dict] = {}
