@@ -229,7 +229,11 @@ def test_importing_models_and_functional_loads_no_lightning():
 # Files and functions over the limits, each with the reason it stays (STYLE.md: ~300-line files that read
 # top to bottom; the issue's limits are ~400 lines and ~80 lines).
 FILE_LIMIT, FUNCTION_LIMIT = 400, 80
-LONG_FILES: dict[str, str] = {}
+LONG_FILES = {
+    # its docstrings hold the --help text of its arguments and the sources of its loss terms
+    "rlhf_lit/modules/reward.py": "the reward LightningModule's hooks; its math is in functional/, its switches' "
+    "terms in reward_length, its evaluation and export record in reward_eval",
+}
 LONG_FUNCTIONS: dict[str, str] = {}
 
 

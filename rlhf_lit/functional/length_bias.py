@@ -63,6 +63,14 @@ def pair_correct(margins: torch.Tensor) -> torch.Tensor:
     return (margins > 0).double()
 
 
+def pair_credit(margins: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` float credit of a scorer on each pair: 1 where r_chosen > r_rejected, 0.5 on a tie (a coin flip,
+    in expectation, as ``length_rule_wins`` credits equal lengths), 0 where r_chosen < r_rejected. Its mean is
+    the accuracy with ties counted 1/2. Example: margins [0.3, 0.0, -1.0] give ``[1, 0.5, 0]``."""
+    m = margins.double()
+    return (m > 0).double() + 0.5 * (m == 0).double()
+
+
 def length_rule_wins(len_chosen: torch.Tensor, len_rejected: torch.Tensor) -> torch.Tensor:
     """``(N,)`` float credit of "the longer response wins": 1 if the chosen one is longer, 0 if shorter,
     0.5 for equal lengths (a coin flip, in expectation)."""

@@ -58,6 +58,7 @@ from rlhf_lit.modules.reward_eval import (
     fit_calibration,
     report_calibration,
 )
+from rlhf_lit.modules.reward_length import LengthControl
 from rlhf_lit.outputs import staged
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
 
@@ -93,6 +94,7 @@ class RewardModule(L.LightningModule):
             ``last`` for a causal LM and ``mean`` for an encoder. Recorded in the export.
         freeze_layers: freeze the embeddings and the lowest this many transformer layers (full fine-tuning
             only: less backward compute, and fewer weights to fit on few pairs); 0 trains everything.
+        length_control: length-controlled training (``rlhf_lit.modules.reward_length``); off by default.
 
     Raises:
         ValueError: a setting out of range, an unknown pooling, or ``beta_rm > 0`` on an encoder (it has no
@@ -114,6 +116,7 @@ class RewardModule(L.LightningModule):
         length_groups: int = 1,
         pooling: Literal["auto", "last", "mean", "first"] = "auto",
         freeze_layers: int = 0,
+        length_control: LengthControl | None = None,
     ) -> None:
         super().__init__()
         if length_groups < 1:
@@ -146,6 +149,7 @@ class RewardModule(L.LightningModule):
                 length_groups=length_groups,
                 pooling=pooling,
                 freeze_layers=freeze_layers,
+                length_control=as_config(LengthControl, length_control),
             )
         )
         self.backbone_cfg = backbone
@@ -159,6 +163,8 @@ class RewardModule(L.LightningModule):
         self.lm = AdaptedLM(model, {"default": backbone.lora} if backbone.lora is not None else None)
         self.num_frozen = freeze_lower_layers(self.lm.model, freeze_layers)
         self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
+        self.length_control = as_config(LengthControl, length_control) or LengthControl()
+        self.length_head = ScalarHead(hidden_size(model)) if self.length_control.odin else None
         self.register_buffer("temperature", torch.tensor(1.0))
         self.val_chosen = CatMetric()
         self.val_rejected = CatMetric()
@@ -179,7 +185,7 @@ class RewardModule(L.LightningModule):
     def _score_pairs(
         self, batch: dict, need_hidden: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Chosen and rejected scored together: (r_chosen (B,), r_rejected (B,), hidden_chosen or None).
+        """Chosen and rejected scored together: (r_chosen (B,), r_rejected (B,), hidden (2B, T, H) or None).
 
         One forward over all 2B rows, or ``length_groups`` forwards over rows of similar length (see the
         class docstring); ``need_hidden`` (the imitation term) forces the single forward.
@@ -191,7 +197,7 @@ class RewardModule(L.LightningModule):
         if need_hidden or groups <= 1 or self.device_mesh is not None or ids.shape[0] < 2 * groups:
             hidden = self.lm.hidden_states(ids, mask)
             scores = score_pooled(self.head, hidden, mask, self.pooling)
-            return scores[:n], scores[n:], hidden[:n] if need_hidden else None
+            return scores[:n], scores[n:], hidden if need_hidden else None
         order = torch.argsort(mask.sum(-1), stable=True)
         parts = []
         for rows in torch.tensor_split(order, groups):
@@ -218,13 +224,17 @@ class RewardModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
-        chosen, rejected, hidden_chosen = self._score_pairs(batch, need_hidden=hp.beta_rm > 0)
-        losses = bt_pairwise_loss(chosen, rejected, batch.get("margin"), hp.label_smoothing)
-        loss, units = self._pair_mean(losses, batch)
+        lc = self.length_control
+        chosen, rejected, hidden = self._score_pairs(batch, need_hidden=hp.beta_rm > 0 or lc.odin)
+        heads = (self.head, self.length_head)
+        r_c, r_r, weights, penalty = lc.terms(chosen, rejected, batch, hidden, heads, self.pooling)
+        losses = bt_pairwise_loss(r_c, r_r, batch.get("margin"), hp.label_smoothing)
+        loss, units = self._pair_mean(losses, weights)
+        loss = loss + penalty
         if hp.center_rewards_coef > 0:
             loss = loss + hp.center_rewards_coef * ((chosen + rejected) ** 2).mean()
         if hp.beta_rm > 0:
-            nll, _ = sft_nll(self.lm.logits(hidden_chosen), batch["chosen_labels"])
+            nll, _ = sft_nll(self.lm.logits(hidden[: chosen.shape[0]]), batch["chosen_labels"])
             loss = loss + hp.beta_rm * nll
         n = chosen.shape[0]
         self.log(M.TRAIN_LOSS, loss, prog_bar=True, batch_size=n)
@@ -237,13 +247,13 @@ class RewardModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         self._step_mean.rescale_gradients(self, optimizer)
 
-    def _pair_mean(self, losses: torch.Tensor, batch: dict) -> tuple[torch.Tensor, float]:
-        """This micro-batch's mean of per-pair losses ``(B,)`` and its number of units: B pairs, or, with the
-        data module's ``pair_weight`` ``(B,)`` (``weight_ranked_pairs``), the weighted mean
+    def _pair_mean(self, losses: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+        """This micro-batch's mean of per-pair losses ``(B,)`` and its number of units: B pairs, or, with pair
+        ``weights`` ``(B,)`` (the data module's ``pair_weight`` of ``weight_ranked_pairs``, times the length
+        balance of ``length_control``; ``LengthControl.terms``), the weighted mean
         ``sum(w * loss) / sum(w)`` and ``sum(w)`` units. ``AccumulatedMean`` then makes the optimizer step's
         gradient that of the weighted mean over the GLOBAL batch (all micro-batches and ranks), so each
         prompt of a ranked list weighs the same (Ouyang et al. 2022, eq. 1)."""
-        weights = batch.get("pair_weight")
         if weights is None:
             return losses.mean(), losses.shape[0]
         weights = weights.to(losses.dtype)
@@ -384,6 +394,8 @@ class RewardModule(L.LightningModule):
         meta = export_meta(
             self.is_encoder, self.head.linear.in_features, float(self.temperature), self.pooling, datamodule
         )
+        if results is not None and "summary" in results:  # what evaluate compares a new file with
+            meta["validation_summary"] = results["summary"]
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
         save_reward_head(self.head, path)
         if results is not None:
