@@ -16,9 +16,13 @@ from tests.conftest import REPO_ROOT
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
 MAX_README_LINES = 260  # a user's guide; measured reports live in docs/experiments/
-SUBCOMMANDS = {"fit", "validate", "test", "predict", "demo", "plan"}
+SUBCOMMANDS = {"fit", "validate", "test", "predict", "demo", "plan", "evaluate"}
 # options of the subcommands with their own parser, found in their source
-OWN_PARSERS = {"demo": REPO_ROOT / "rlhf_lit" / "demo", "plan": REPO_ROOT / "rlhf_lit" / "planner"}
+OWN_PARSERS = {
+    "demo": REPO_ROOT / "rlhf_lit" / "demo",
+    "plan": REPO_ROOT / "rlhf_lit" / "planner",
+    "evaluate": REPO_ROOT / "rlhf_lit" / "evaluation",
+}
 
 
 def _pages() -> list[Path]:

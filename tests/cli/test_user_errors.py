@@ -196,7 +196,7 @@ CATALOGUE = [
         lambda f: ["fitt", "--config", SFT],
         ["unknown subcommand 'fitt' (did you mean 'fit'?)"],
     ),
-    ("no_subcommand", lambda f: [], ["give a subcommand: fit, validate, test, predict, demo, plan"]),
+    ("no_subcommand", lambda f: [], ["give a subcommand: fit, validate, test, predict, demo, plan, evaluate"]),
     (
         "plan_missing_config",
         lambda f: ["plan", "--config", "configs/ppo/nope.yaml"],
