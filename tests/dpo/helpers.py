@@ -48,13 +48,9 @@ def make_module(backbone: BackboneConfig | None = None, **overrides) -> DPOModul
 def make_data(
     module: DPOModule, path: str, batch_size: int = 4, val_size: int = 4, **kw
 ) -> PreferenceDataModule:
+    kw = {"max_length": 64, **kw}
     return PreferenceDataModule(
-        train_files=[path],
-        val_size=val_size,
-        batch_size=batch_size,
-        max_length=64,
-        tokenizer=module.tokenizer,
-        **kw,
+        train_files=[path], val_size=val_size, batch_size=batch_size, tokenizer=module.tokenizer, **kw
     )
 
 
