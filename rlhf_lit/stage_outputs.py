@@ -18,7 +18,7 @@ from rlhf_lit.models.model_files import resolve_path
 __all__ = ["configs_root_of", "holds_model", "not_written_yet", "producing_config", "stage_of"]
 
 MODEL_FILES = ("config.json", "rlhf_lit.json")
-_STAGES = {"SFTModule": "SFT", "RewardModule": "reward", "PPOModule": "PPO"}
+_STAGES = {"SFTModule": "SFT", "RewardModule": "reward", "DPOModule": "DPO", "PPOModule": "PPO"}
 
 
 def holds_model(path: str) -> bool:

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 
 __all__ = ["StageProgressBar"]
 
-_STAGES = {"SFTModule": "sft", "RewardModule": "reward", "PPOModule": "ppo"}
+_STAGES = {"SFTModule": "sft", "RewardModule": "reward", "DPOModule": "dpo", "PPOModule": "ppo"}
 
 
 def _stage(pl_module) -> str:

@@ -42,7 +42,7 @@ def check_lengths(stage: str, init: dict, data: dict) -> None:
     positions = model_positions(backbone)
     if positions is None:
         return
-    if stage in ("SFTModule", "RewardModule"):
+    if stage in ("SFTModule", "RewardModule", "DPOModule"):
         max_length = data.get("max_length")
         if isinstance(max_length, int) and max_length > positions:
             raise ConfigError(
@@ -78,6 +78,10 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
             "set data.init_args.pair_unpaired: true to pair each desirable completion with the undesirable ones "
             "of the same prompt"
         )
+    if getattr(datamodule, "unpaired", None) is not None and kind(type(model), ("DPOModule",)):
+        from rlhf_lit.modules.dpo import check_data_kind
+
+        check_data_kind(model.loss_type, datamodule.unpaired)  # KTO needs unpaired rows, the others pairs
     sampling = getattr(model, "sampling", None)
     backbone = getattr(model, "backbone_cfg", None)
     dataset = getattr(datamodule, "train_dataset", None)

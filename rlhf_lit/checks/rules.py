@@ -107,6 +107,16 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
         "head_init_std": _gt0(optional=True),
         "length_groups": _count(1),
     },
+    "DPOModule": {
+        **_OPTIMIZER,
+        **_lora("backbone.lora"),
+        "beta": _gt0(),
+        "label_smoothing": Range(low=0, high=0.5, high_open=True),
+        "simpo_gamma": Range(),
+        "nll_coef": _ge0(),
+        "desirable_weight": _ge0(),
+        "undesirable_weight": _ge0(),
+    },
     "PPOModule": {
         **_OPTIMIZER,
         **_lora("backbone.lora"),
@@ -182,6 +192,7 @@ TRAINER_RULES: dict[str, Range] = {
 STAGE_DATA = {
     "SFTModule": "SFTDataModule",
     "RewardModule": "PreferenceDataModule",
+    "DPOModule": "PreferenceDataModule",
     "PPOModule": "PromptDataModule",
 }
 

@@ -163,6 +163,7 @@ class DPOModule(L.LightningModule):
             sequences=sequences,
         )
         self._step_mean = AccumulatedMean()
+        self.strict_loading = False  # checkpoints hold the trained parameters only (on_save_checkpoint)
 
     # -- the two forwards ------------------------------------------------------------------------------
     def policy_logps(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
@@ -286,18 +287,11 @@ class DPOModule(L.LightningModule):
         """The Hugging Face export at the end of fit when ``export_dir`` is set (``HFExport``)."""
         return unless_configured(attached_trainer(self), [HFExport()] if self.export_dir else [])
 
-    def state_dict(self, *args, **kwargs):
-        """Without the frozen reference copy (it is reloaded from ``backbone``)."""
-        state = super().state_dict(*args, **kwargs)
-        return {k: v for k, v in state.items() if not k.startswith("reference_lm.")}
-
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        if self.reference_lm is not None:
-            state_dict = {
-                **state_dict,
-                **{f"reference_lm.{k}": v for k, v in self.reference_lm.state_dict().items()},
-            }
-        return super().load_state_dict(state_dict, strict=strict, **kwargs)
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Checkpoints hold the trained parameters only (the adapter, or every weight under full fine-tuning);
+        the frozen base, base adapters and reference copy are rebuilt from ``backbone``."""
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
 
     def export(self, path: str) -> None:
         """Write the policy (any LoRA adapter merged, and alone in ``adapter/``, per ``export_mode``) and the
