@@ -27,6 +27,7 @@ from tests.tiny_runs import REPO_ROOT, in_repo_root
 STAGE_CONFIGS = {
     "SFTModule": "configs/sft/tiny.yaml",
     "RewardModule": "configs/reward/tiny.yaml",
+    "DPOModule": "configs/dpo/tiny.yaml",
     "PPOModule": "configs/ppo/tiny.yaml",
 }
 DATA_OF = {
