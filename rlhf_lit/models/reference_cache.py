@@ -14,7 +14,10 @@ all of these (``cache_key``):
 
 Changing any of them gives another key and so a fresh computation; a second run with the same inputs finds
 the file and runs no reference forward at all. Inside the file each sequence is found by a digest of its
-token ids and prompt length (``sequence_key``), so batches may come in any order. The file is written to a
+token ids and prompt length (``sequence_key``), so batches may come in any order. The numbers are computed in
+batches of the training batch size in file order: a run whose training batches are the same (``shuffle:
+false``) gets bit-identical losses with and without the cache on CPU; with shuffled batches a sequence sits in
+batches of other shapes, and CPU kernels may round its log-prob differently in the last bit. The file is written to a
 temporary sibling and renamed (``os.replace``): a crash never leaves a half-written cache under the real name.
 """
 
