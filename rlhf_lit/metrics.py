@@ -87,6 +87,18 @@ PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"
 # The demo's evaluation-only gold scorer
 DEMO_GOLD_SCORE = "demo/gold_score"
 
+# Direct preference optimisation (DPO and variants, KTO): one name per split, "{split}" = train | val,
+# as train/loss and val/loss; the names after the split are TRL's (rewards/chosen, ...).
+PREF_REWARDS_CHOSEN = "{split}/rewards/chosen"
+PREF_REWARDS_REJECTED = "{split}/rewards/rejected"
+PREF_REWARDS_MARGINS = "{split}/rewards/margins"
+PREF_REWARDS_ACCURACIES = "{split}/rewards/accuracies"
+PREF_LOGPS_CHOSEN = "{split}/logps/chosen"
+PREF_LOGPS_REJECTED = "{split}/logps/rejected"
+PREF_NLL_LOSS = "{split}/nll_loss"
+PREF_KTO_KL = "{split}/kl"
+PREF_SPLITS = ("train", "val")
+
 # Data
 DATA_KEPT = "data/{split}/kept"
 DATA_SKIPPED = "data/{split}/skipped_{reason}"
@@ -166,13 +178,24 @@ GLOSSARY: dict[str, str] = {
     PERF_GENERATION_TOKENS_PER_S: "sampled tokens per second",
     PERF_PEAK_MEMORY_MB: "peak accelerator memory (CUDA) or peak resident memory (CPU), MiB",
     DEMO_GOLD_SCORE: "demo only: mean gold score of an iteration's samples (hidden scorer, evaluation only)",
+    PREF_REWARDS_CHOSEN: "DPO/KTO: mean implicit reward of the chosen (KTO: desirable) responses, beta * (logp - "
+    "ref_logp) summed over the response (ipo: per token; simpo: beta * mean logp per token, no reference); "
+    "{split} = train or val",
+    PREF_REWARDS_REJECTED: "DPO/KTO: the same for the rejected (KTO: undesirable) responses",
+    PREF_REWARDS_MARGINS: "DPO: mean of rewards/chosen - rewards/rejected over pairs",
+    PREF_REWARDS_ACCURACIES: "DPO: fraction of pairs with reward_chosen > reward_rejected, a tie counting 1/2",
+    PREF_LOGPS_CHOSEN: "DPO/KTO: mean policy log-prob of a chosen (desirable) response, summed over its tokens (nats)",
+    PREF_LOGPS_REJECTED: "DPO/KTO: the same for the rejected (undesirable) responses",
+    PREF_NLL_LOSS: "DPO: NLL of the chosen responses per token (nats), the nll_coef term (logged also at 0)",
+    PREF_KTO_KL: "KTO: the baseline z0, max(0, batch mean of logp - ref_logp), nats per response",
     DATA_KEPT: "rows kept by a data module for a split",
     DATA_SKIPPED: "rows skipped for a reason (empty_chosen, identical_pair, response_too_long, ...)",
 }
 
 
 def is_known(name: str) -> bool:
-    """True if ``name`` is one of the names above, or a per-file / per-reason / per-estimator variant."""
+    """True if ``name`` is one of the names above, or a per-file / per-reason / per-estimator / per-split
+    variant."""
     if name in GLOSSARY:
         return True
     prefixes = (
@@ -186,7 +209,8 @@ def is_known(name: str) -> bool:
     )
     if name.startswith(prefixes):
         return True
-    return False
+    split, _, rest = name.partition("/")
+    return split in PREF_SPLITS and "{split}/" + rest in GLOSSARY
 
 
 def glossary_markdown() -> str:

@@ -134,7 +134,8 @@ register_stage(
         data="rlhf_lit.data.preference.PreferenceDataModule",
         planner_phase=None,
         export_kind="policy",
-        trains_on_pairs=True,
+        # pairs or unpaired rows, by loss_type (KTO): checked after the data is read (checks.lengths)
+        trains_on_pairs=False,
     )
 )
 

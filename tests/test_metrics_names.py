@@ -1,6 +1,6 @@
 """Every scalar the SFT and reward stages write to TensorBoard is a name defined in ``rlhf_lit.metrics``.
 
-The runs are the ``configs/{sft,reward}/tiny.yaml`` runs of ``tests.tiny_runs`` (2 training steps, one
+The runs are the ``configs/{sft,reward,dpo}/tiny.yaml`` runs of ``tests.tiny_runs`` (2 training steps, one
 validation, calibration and export). Lightning's own scalars (``epoch``, ``lr-*``, ``hp_metric``) are
 exempt.
 """
@@ -26,6 +26,20 @@ STAGES = {
         M.REWARD_TEMPERATURE,
         M.REWARD_LENGTH_RULE_ACCURACY,
     },
+    "configs/dpo/tiny.yaml": {
+        M.TRAIN_LOSS,
+        M.VAL_LOSS,
+        *(
+            name.format(split=split)
+            for split in M.PREF_SPLITS
+            for name in (
+                M.PREF_REWARDS_CHOSEN,
+                M.PREF_REWARDS_ACCURACIES,
+                M.PREF_LOGPS_CHOSEN,
+                M.PREF_NLL_LOSS,
+            )
+        ),
+    },
 }
 
 
@@ -43,3 +57,5 @@ def test_is_known_rejects_names_outside_the_glossary():
     assert not M.is_known("reward/acc")
     assert M.is_known("reward/accuracy/hh-rlhf_helpful-base_test")
     assert M.is_known("data/train/skipped_identical_pair")
+    assert M.is_known("train/rewards/accuracies") and M.is_known("val/logps/chosen")
+    assert not M.is_known("test/rewards/chosen") and not M.is_known("val/rewards/accuracy")

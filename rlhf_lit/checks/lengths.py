@@ -84,6 +84,10 @@ def check_data_fits_model(model: Any, datamodule: Any) -> None:
             "set data.init_args.pair_unpaired: true to pair each desirable completion with the undesirable ones "
             "of the same prompt"
         )
+    if getattr(datamodule, "unpaired", None) is not None and stage is not None and stage.name == "dpo":
+        from rlhf_lit.modules.dpo import check_data_kind
+
+        check_data_kind(model.loss_type, datamodule.unpaired)  # KTO needs unpaired rows, the others pairs
     sampling = getattr(model, "sampling", None)
     backbone = getattr(model, "backbone_cfg", None)
     dataset = getattr(datamodule, "train_dataset", None)

@@ -58,6 +58,15 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
         "head_init_std": _gt0(optional=True),
         "length_groups": _count(1),
     },
+    "dpo": {
+        **_OPTIMIZER,
+        "beta": _gt0(),
+        "label_smoothing": Range(low=0, high=0.5, high_open=True),
+        "simpo_gamma": Range(),
+        "nll_coef": _ge0(),
+        "desirable_weight": _ge0(),
+        "undesirable_weight": _ge0(),
+    },
     "ppo": {
         **_OPTIMIZER,
         # ppo.*, kl.*, reward.*, critic.*, ptx.*: to move onto their dataclasses (rlhf_lit.ranges.ranged) with the

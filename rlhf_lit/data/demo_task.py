@@ -131,6 +131,16 @@ def preference_rows(n: int, seed: int = 0, split: str = "train", beta: float = D
     return rows
 
 
+def unpaired_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """The ``n`` pairs of ``preference_rows`` as ``2 n`` unpaired (KTO-style) rows ``{"prompt", "completion",
+    "label"}``: the chosen response labelled desirable (True), the rejected one undesirable (False)."""
+    return [
+        {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+        for r in preference_rows(n, seed, split)
+        for side in ("chosen", "rejected")
+    ]
+
+
 def prompt_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     """``n`` prompts ``{"prompt", "reference"}`` (the reference is the ideal response)."""
     return [{"prompt": make_prompt(w), "reference": f"{w}."} for w in _words(n, seed, split)]
@@ -141,7 +151,12 @@ def label_noise_rate(rows: list[dict]) -> float:
     return sum(not r["label_agrees_with_gold"] for r in rows) / max(len(rows), 1)
 
 
-GENERATORS = {"sft": sft_rows, "preference": preference_rows, "prompts": prompt_rows}
+GENERATORS = {
+    "sft": sft_rows,
+    "preference": preference_rows,
+    "unpaired": unpaired_rows,
+    "prompts": prompt_rows,
+}
 
 
 def load_source(name: str, split: str):

@@ -29,6 +29,7 @@ STAGE_CONFIGS = {
     "sft": "configs/sft/tiny.yaml",
     "reward": "configs/reward/tiny.yaml",
     "ppo": "configs/ppo/tiny.yaml",
+    "dpo": "configs/dpo/tiny.yaml",
 }
 DATA_OF = {
     "SFTDataModule": "sft",

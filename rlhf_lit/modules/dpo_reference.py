@@ -1,0 +1,113 @@
+"""Where a preference stage's reference log-probs come from: nowhere (reference-free losses), the on-disk
+cache (``rlhf_lit.models.reference_cache``), or a no-grad forward of the reference per batch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from rlhf_lit.errors import ConfigError
+from rlhf_lit.models.reference_cache import (
+    ReferenceLogpCache,
+    data_fingerprint,
+    tensor_fingerprint,
+    tokenizer_fingerprint,
+)
+
+log = logging.getLogger("rlhf_lit")
+
+RunReference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ReferenceSource:
+    """The reference log-probs of a batch's sequences, and how many reference forwards were run.
+
+    Args:
+        run: ``(ids, mask, prompt_len, response_len) -> (N,)`` summed log-probs, one reference forward.
+        weights: the named tensors the reference reads (hashed into the cache key).
+        tokenizer: the policy's tokenizer (hashed into the cache key).
+        folder: the cache folder; None computes the reference every batch.
+        reference_free: the loss needs no reference (``logps`` returns None).
+        device: ``() -> torch.device`` where batches are moved for the cache's precomputation.
+        sequences: ``batch -> (ids, mask, prompt_len, response_len)``.
+    """
+
+    def __init__(
+        self,
+        run: RunReference,
+        weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        tokenizer: Any,
+        folder: str | None,
+        reference_free: bool,
+        device: Callable[[], torch.device],
+        sequences: Callable[[dict], tuple],
+    ) -> None:
+        self._run, self._weights, self._tokenizer = run, weights, tokenizer
+        self._device, self._sequences = device, sequences
+        self.folder = folder
+        self.reference_free = reference_free
+        self.cache: ReferenceLogpCache | None = None
+        self.forwards = 0  # reference forward passes run by this process
+        self._fingerprint: str | None = None
+
+    def fingerprint_start(self) -> None:
+        """Hash the reference weights now (call before a checkpoint is restored into them: with full
+        fine-tuning the reference is the weights at the start)."""
+        if self.folder and not self.reference_free and self._fingerprint is None:
+            self._fingerprint = tensor_fingerprint(self._weights())
+
+    def prepare(self, datamodule: Any, resumed: bool) -> None:
+        """Load the cache of this key, or compute it over the train and val splits and write it.
+
+        Raises:
+            ConfigError: if a resumed run needs a cache that is gone and the weights no longer are the
+                reference (full fine-tuning without ``reference_copy``).
+        """
+        if not self.folder or self.reference_free or self.cache is not None:
+            return
+        if datamodule is None or not hasattr(datamodule, "train_dataloader"):
+            raise ConfigError("model.init_args.reference_cache needs a data module (rlhf-lit fit --data ...)")
+        self.fingerprint_start()
+        parts = {
+            "data": data_fingerprint(datamodule),
+            "tokenizer": tokenizer_fingerprint(self._tokenizer),
+            "reference": self._fingerprint,
+        }
+        cache = ReferenceLogpCache(self.folder, parts)
+        if cache.load():
+            log.info("reference log-probs: %d sequences from %s", len(cache), cache.path)
+            self.cache = cache
+            return
+        if resumed:
+            raise ConfigError(
+                f"the reference cache {cache.path} is missing, and this resumed run's weights are no longer the "
+                "reference; start the run again, or restore the cache folder"
+            )
+        train = datamodule.train_dataloader()
+        loaders = [DataLoader(train.dataset, batch_size=train.batch_size, collate_fn=train.collate_fn)]
+        val = datamodule.val_dataloader()
+        loaders += [val] if isinstance(val, DataLoader) else list(val or [])
+        device = self._device()
+        for loader in loaders:
+            for batch in loader:
+                ids, mask, prompt_len, response_len = (t.to(device) for t in self._sequences(batch))
+                cache.add(ids, prompt_len, response_len, self._forward(ids, mask, prompt_len, response_len))
+        cache.save()
+        log.info("reference log-probs: %d sequences computed, written to %s", len(cache), cache.path)
+        self.cache = cache
+
+    def _forward(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
+        self.forwards += 1
+        return self._run(ids, mask, prompt_len, response_len)
+
+    def logps(self, ids, mask, prompt_len, response_len) -> torch.Tensor | None:
+        """``(N,)`` summed reference log-probs (nats) of the N sequences; None for a reference-free loss."""
+        if self.reference_free:
+            return None
+        if self.cache is not None:
+            return self.cache.lookup(ids, prompt_len, response_len)
+        return self._forward(ids, mask, prompt_len, response_len)

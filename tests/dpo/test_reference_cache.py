@@ -1,0 +1,115 @@
+"""Reference log-probs cached on disk: the first run computes them before training (no reference forward in
+any training or validation step), a second run reuses the file and runs none at all, and both give the same
+losses as a run without the cache, bit for bit on CPU when the cache saw the same batches as training
+(``shuffle: false``; with shuffled batches a sequence's reference log-prob can differ in the last bit, since
+CPU kernels sum in an order that depends on the batch's shape). Any change of the key's parts (data bytes, length
+limits, tokenizer, reference weights) gives another file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning as L
+import torch
+
+from rlhf_lit.models.reference_cache import data_fingerprint, tensor_fingerprint, tokenizer_fingerprint
+from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from tests.dpo.helpers import make_data, make_module, make_trainer, write_pairs
+
+
+class Record(L.Callback):
+    """Every training loss, and the module's reference-forward count when training starts and ends."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.forwards: dict[str, int] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.forwards["start"] = pl_module.reference.forwards
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().clone())
+
+    def on_train_end(self, trainer, pl_module):
+        self.forwards["end"] = pl_module.reference.forwards
+
+
+def _fit(tmp_path, data_path, cache=None, **data_kw):
+    torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
+    module = make_module(optimizer={"lr": 1e-2}, reference_cache=cache)
+    record = Record()
+    data = make_data(module, data_path, **data_kw)
+    make_trainer(tmp_path, callbacks=[record], max_epochs=2, limit_val_batches=2).fit(module, datamodule=data)
+    return module, record
+
+
+def test_cached_runs_never_run_the_reference_in_steps_and_match_an_uncached_run_bit_for_bit(tmp_path):
+    data_path = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    cache = str(tmp_path / "cache")
+    plain, plain_record = _fit(tmp_path / "plain", data_path, shuffle=False)
+    assert plain_record.forwards["end"] > 0  # without the cache the reference runs every step
+
+    first, first_record = _fit(tmp_path / "first", data_path, cache, shuffle=False)
+    files = os.listdir(cache)
+    assert len(files) == 1 and files[0].startswith("ref_logps-") and files[0].endswith(".pt")  # no temp left
+    # 8 train pairs / batch 4 + 4 val pairs / batch 4 = 3 batches, computed before training, none after
+    assert first_record.forwards == {"start": 3, "end": 3}
+
+    second, second_record = _fit(tmp_path / "second", data_path, cache, shuffle=False)
+    assert second_record.forwards == {
+        "start": 0,
+        "end": 0,
+    }  # the file was reused: no reference forward at all
+    assert os.listdir(cache) == files
+
+    assert len(plain_record.losses) == 4  # 2 epochs x 2 batches
+    for a, b, c in zip(plain_record.losses, first_record.losses, second_record.losses):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for (name, p), q, r in zip(plain.named_parameters(), first.parameters(), second.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r), name
+    # shuffled: the same file serves (the key holds no batch order), equal to float rounding
+    shuffled, shuffled_record = _fit(tmp_path / "shuffled", data_path, shuffle=True)
+    cached, cached_record = _fit(tmp_path / "shuffled_cached", data_path, cache, shuffle=True)
+    assert cached_record.forwards == {"start": 0, "end": 0}
+    torch.testing.assert_close(torch.stack(cached_record.losses), torch.stack(shuffled_record.losses))
+
+
+def test_changing_a_part_of_the_key_recomputes(tmp_path):
+    data_path = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    cache = str(tmp_path / "cache")
+    _fit(tmp_path / "a", data_path, cache)
+    _, record = _fit(tmp_path / "b", data_path, cache, max_length=48)  # another length limit
+    assert record.forwards["start"] > 0 and len(os.listdir(cache)) == 2
+    with open(data_path, "a") as f:  # the same file name, other bytes
+        f.write(json.dumps({"prompt": "Qx: hi", "chosen": " hi!", "rejected": " no"}) + "\n")
+    _, record = _fit(tmp_path / "c", data_path, cache)
+    assert record.forwards["start"] > 0 and len(os.listdir(cache)) == 3
+
+
+def test_the_key_parts_see_data_bytes_tokenizer_and_weights(tmp_path):
+    module = make_module()
+    path = write_pairs(tmp_path / "pairs.jsonl", n=4)
+    data = make_data(module, path)
+    before = data_fingerprint(data)
+    with open(path, "a") as f:
+        f.write("\n")
+    assert data_fingerprint(data) != before
+
+    tok = build_byte_tokenizer()
+    other = build_byte_tokenizer()
+    other.chat_template = "{{ messages }}"
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(build_byte_tokenizer())
+    assert tokenizer_fingerprint(tok) != tokenizer_fingerprint(other)
+
+    weights = module._reference_weights()
+    assert not any(".default." in name for name, _ in weights)  # the trained adapter is not the reference
+    fingerprint = tensor_fingerprint(weights)
+    with torch.no_grad():
+        for name, p in module.lm.named_parameters():
+            if "lora_B" in name:
+                p.add_(1.0)  # training the adapter does not change the reference
+    assert tensor_fingerprint(module._reference_weights()) == fingerprint
+    with torch.no_grad():
+        next(p for n, p in module.lm.named_parameters() if "wte" in n)[0, 0] += 1e-3
+    assert tensor_fingerprint(module._reference_weights()) != fingerprint
