@@ -507,6 +507,15 @@ def estimate_export_bytes(backbone: dict[str, Any] | None) -> int | None:
         return None
 
 
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def is_first_process() -> bool:
+    """True unless a launcher's environment says this process is not global rank 0 (Lightning's subprocess
+    launcher, torchrun, SLURM, MPI). Only that process locks the folders and writes the export."""
+    return all(os.environ.get(name, "0") in ("", "0") for name in RANK_VARIABLES)
+
+
 class RunOutputs:
     """The outputs of one ``fit`` run: the locks on its export folder and its log/checkpoint folders, and the
     export transaction. Opened before any model loads, closed after the run.
