@@ -165,3 +165,12 @@ def test_full_disk_at_export_keeps_the_earlier_export_loadable(first_export, tmp
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # and loadable
     assert sorted(e for e in os.listdir(tmp_path) if e.startswith(".")) == []
+
+
+def test_the_cli_writes_checkpoints_atomically(tmp_path):
+    from rlhf_lit.lightning_cli import cli_main
+    from rlhf_lit.outputs import AtomicCheckpointIO
+
+    with in_repo_root(), one_thread():
+        cli = cli_main(sft_args(tmp_path)[1:], run=False)
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
