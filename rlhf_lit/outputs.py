@@ -32,7 +32,6 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -391,25 +390,6 @@ class ExportFolder:
             self.abort()
             raise
         return result
-
-
-@contextmanager
-def export_transaction(folder: str, **kwargs):
-    """``with export_transaction(folder) as staging:`` -- :meth:`ExportFolder.write` as a context."""
-    export = ExportFolder(folder, **kwargs)
-    export.begin()
-    try:
-        yield export.staging
-        export.commit()
-    except OSError as err:
-        export.abort()
-        failure = write_failure(err, export.folder, export.needed_bytes, "export")
-        if failure is None:
-            raise
-        raise failure from err
-    except BaseException:
-        export.abort()
-        raise
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
