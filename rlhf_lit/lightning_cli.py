@@ -86,8 +86,9 @@ class RLHFCLI(LightningCLI):
         from rlhf_lit.models.export import check_export_kinds
 
         check_export_kinds(config.as_dict())  # a reward-model export as a policy base, and the reverse
-        if subcommand == "fit" and self.subcommand and os.environ.get("LOCAL_RANK", "0") == "0":
-            from rlhf_lit.outputs import RunOutputs
+        from rlhf_lit.outputs import RunOutputs, is_first_process
+
+        if subcommand == "fit" and self.subcommand and is_first_process():
 
             self.run_outputs = RunOutputs.from_config(config.as_dict(), self.overwrite)
             self.run_outputs.open()  # before any model loads: a locked or full folder stops the run now

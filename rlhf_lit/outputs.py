@@ -32,7 +32,6 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -393,25 +392,6 @@ class ExportFolder:
         return result
 
 
-@contextmanager
-def export_transaction(folder: str, **kwargs):
-    """``with export_transaction(folder) as staging:`` -- :meth:`ExportFolder.write` as a context."""
-    export = ExportFolder(folder, **kwargs)
-    export.begin()
-    try:
-        yield export.staging
-        export.commit()
-    except OSError as err:
-        export.abort()
-        failure = write_failure(err, export.folder, export.needed_bytes, "export")
-        if failure is None:
-            raise
-        raise failure from err
-    except BaseException:
-        export.abort()
-        raise
-
-
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -505,6 +485,15 @@ def estimate_export_bytes(backbone: dict[str, Any] | None) -> int | None:
         return int(model_shape(cfg).num_params * per_param)
     except Exception:  # noqa: BLE001 - an estimate only: unknown models are not checked
         return None
+
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def is_first_process() -> bool:
+    """True unless a launcher's environment says this process is not global rank 0 (Lightning's subprocess
+    launcher, torchrun, SLURM, MPI). Only that process locks the folders and writes the export."""
+    return all(os.environ.get(name, "0") in ("", "0") for name in RANK_VARIABLES)
 
 
 class RunOutputs:

@@ -14,7 +14,7 @@ import os
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lit import metrics as M
-from rlhf_lit.outputs import export_transaction, staged
+from rlhf_lit.outputs import ExportFolder, staged, write_failure
 
 __all__ = ["HFExport", "PPOCurves", "RolloutSamples", "unless_configured"]
 
@@ -29,8 +29,11 @@ def unless_configured(trainer, callbacks: list[Callback]) -> list[Callback]:
 class HFExport(Callback):
     """At the end of fit, the module writes its model in Hugging Face format (``module.export(folder)``).
 
-    The export is one transaction (``rlhf_lit.outputs``): written into a temporary sibling folder and renamed
-    into place when complete -- the CLI's for the whole run, else one opened here around ``export``.
+    The export folder is one transaction (``rlhf_lit.outputs``): everything written into it during the run (the
+    weights, plots, ``eval_results.json``) goes to a temporary sibling folder that is renamed into place when
+    the run ends (after every ``on_fit_end`` hook). Under the CLI the run-level transaction does this (and
+    refuses a folder holding an earlier export unless ``--overwrite``); outside it (``trainer.fit`` called
+    directly), this callback opens one at ``on_fit_start`` that replaces an earlier export whole.
     Every rank calls ``export`` (under FSDP2 gathering the parameters is a collective); rank 0 writes.
 
     Args:
@@ -39,17 +42,35 @@ class HFExport(Callback):
 
     def __init__(self, dirpath: str | None = None) -> None:
         self.dirpath = dirpath
+        self._own: ExportFolder | None = None
+
+    def _folder(self, pl_module) -> str | None:
+        return self.dirpath or getattr(pl_module, "export_dir", None)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        folder = self._folder(pl_module)
+        if folder and trainer.is_global_zero and staged(folder) == folder:  # no run-level transaction open
+            self._own = ExportFolder(folder, overwrite=True)
+            self._own.begin()
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        folder = self.dirpath or getattr(pl_module, "export_dir", None)
-        if not folder:
-            return
-        if staged(folder) != folder or not trainer.is_global_zero:  # the CLI's run-level transaction is open
-            pl_module.export(folder)
-            return
-        # outside the CLI: this export alone as a transaction (temporary sibling, renamed when complete)
-        with export_transaction(folder, overwrite=True):
-            pl_module.export(folder)
+        folder = self._folder(pl_module)
+        if folder:
+            pl_module.export(folder)  # into the staging folder (save_causal_lm writes to staged(folder))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        own, self._own = self._own, None
+        if own is not None:
+            try:
+                own.commit()
+            except OSError as err:
+                own.abort()
+                raise (write_failure(err, own.folder, None, "export") or err) from err
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        own, self._own = self._own, None
+        if own is not None:
+            own.abort()
 
 
 class RolloutSamples(Callback):

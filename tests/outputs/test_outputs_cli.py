@@ -165,3 +165,36 @@ def test_full_disk_at_export_keeps_the_earlier_export_loadable(first_export, tmp
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # and loadable
     assert sorted(e for e in os.listdir(tmp_path) if e.startswith(".")) == []
+
+
+def test_the_cli_writes_checkpoints_atomically(tmp_path):
+    from rlhf_lit.lightning_cli import cli_main
+    from rlhf_lit.outputs import AtomicCheckpointIO
+
+    with in_repo_root(), one_thread():
+        cli = cli_main(sft_args(tmp_path)[1:], run=False)
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_full_disk_at_a_checkpoint_is_one_line_naming_the_folder(first_export, tmp_path):
+    weights = os.path.getsize(first_export / "hf" / "model.safetensors")
+    args = [a for a in sft_args(tmp_path) if a != "--trainer.enable_checkpointing=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("RLHF_LIT_DEBUG", None)
+    result = subprocess.run(
+        [console_script(), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_limit_file_size(weights // 2),  # the checkpoint (weights + optimizer state) cannot fit
+    )
+    err = [line for line in result.stderr.splitlines() if line.strip() and "rlhf-lit: error" in line]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert_one_line_error(2, err, "checkpoint", f"{tmp_path}/run", "bytes")
+    assert not (tmp_path / "hf").exists()  # the run failed: no export, no staging folder left
+    assert sorted(e for e in os.listdir(tmp_path) if e.startswith(".")) == []
+    leftovers = [f for _, _, files in os.walk(tmp_path / "run") for f in files if ".tmp-" in f]
+    assert leftovers == []  # no half-written checkpoint
