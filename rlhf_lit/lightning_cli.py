@@ -16,7 +16,6 @@ and a model setting of the config that differs is named in a warning.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import warnings
 from argparse import ArgumentError
@@ -48,7 +47,7 @@ class RLHFCLI(LightningCLI):
 
     Outputs (``fit``): the export and log/checkpoint folders are locked and the export is written as one
     transaction (:class:`rlhf_lit.outputs.RunOutputs`, opened before any model loads, committed after the run);
-    checkpoints are written atomically (:class:`rlhf_lit.outputs.AtomicCheckpointIO`). ``overwrite``: replace an
+    checkpoints are written atomically (:class:`rlhf_lit.checkpoint_io.AtomicCheckpointIO`). ``overwrite``: replace an
     earlier export in ``export_dir`` instead of refusing (``--overwrite``).
     """
 
@@ -83,14 +82,11 @@ class RLHFCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         check_config(config.as_dict(), subcommand)
-        from rlhf_lit.models.export import check_export_kinds
-
-        check_export_kinds(config.as_dict())  # a reward-model export as a policy base, and the reverse
+        from rlhf_lit.models.architecture import estimate_export_bytes
         from rlhf_lit.outputs import RunOutputs, is_first_process
 
         if subcommand == "fit" and self.subcommand and is_first_process():
-
-            self.run_outputs = RunOutputs.from_config(config.as_dict(), self.overwrite)
+            self.run_outputs = RunOutputs.from_config(config.as_dict(), self.overwrite, estimate_export_bytes)
             self.run_outputs.open()  # before any model loads: a locked or full folder stops the run now
 
     def instantiate_classes(self) -> None:
@@ -139,7 +135,7 @@ class RLHFCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-            from rlhf_lit.outputs import AtomicCheckpointIO
+            from rlhf_lit.checkpoint_io import AtomicCheckpointIO
 
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
                 trainer.strategy.checkpoint_io = AtomicCheckpointIO()

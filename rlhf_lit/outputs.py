@@ -10,7 +10,7 @@
   earlier export is replaced whole at the commit (its files are never mixed with the new run's).
   While a transaction is open, :func:`staged` maps any path inside the export folder to the staging folder:
   every writer of the export (weights, reward head, ``eval_results.json``, plots) calls it.
-* :class:`AtomicCheckpointIO` — Lightning's checkpoint writer, writing ``<file>.tmp-<pid>`` in the target
+* :class:`rlhf_lit.checkpoint_io.AtomicCheckpointIO` — Lightning's checkpoint writer, writing ``<file>.tmp-<pid>`` in the target
   folder, fsync, then ``os.replace``. Lightning's own ``_atomic_save`` (lightning 2.6.6,
   ``lightning/fabric/utilities/cloud_io.py``) goes through an fsspec transaction whose temporary file is made
   by ``tempfile.mkstemp()`` in the system temp folder and moved with ``shutil.move``: when that folder is on
@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import shutil
@@ -38,7 +37,6 @@ from typing import Any
 from rlhf_lit.errors import UserError
 
 __all__ = [
-    "AtomicCheckpointIO",
     "ExportFolder",
     "FolderLock",
     "OutputError",
@@ -396,59 +394,11 @@ class ExportFolder:
 
 
 def write_file(path: str, data) -> None:
-    """Write ``data`` (bytes-like) to ``path`` and fsync it (the default writer of :class:`AtomicCheckpointIO`)."""
+    """Write ``data`` (bytes-like) to ``path`` and fsync it (the default writer of ``rlhf_lit.checkpoint_io.AtomicCheckpointIO``)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _checkpoint_io_base():
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    return TorchCheckpointIO
-
-
-class AtomicCheckpointIO(_checkpoint_io_base()):
-    """``TorchCheckpointIO`` whose ``save_checkpoint`` is atomic on a kill and a full disk: the checkpoint is
-    serialized, written to ``<file>.tmp-<pid>`` in the target folder, fsynced and renamed over ``<file>``.
-    Remote (``scheme://``) paths use Lightning's writer.
-
-    Args:
-        writer: ``writer(path, data)`` writes the bytes ``data`` to ``path`` (default :func:`write_file`;
-            tests pass one that fails part-way).
-    """
-
-    def __init__(self, writer: Callable[[str, Any], None] | None = None) -> None:
-        super().__init__()
-        self.writer = writer or write_file
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        path = str(path)
-        if "://" in path:
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        import torch
-
-        buffer = io.BytesIO()
-        torch.save(checkpoint, buffer)
-        data = buffer.getbuffer()
-        folder = os.path.dirname(os.path.abspath(path))
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            os.makedirs(folder, exist_ok=True)
-            self.writer(tmp, data)
-            os.replace(tmp, path)
-        except OSError as err:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            failure = write_failure(err, folder, len(data), "checkpoint")
-            if failure is None:
-                raise
-            raise failure from err
-        _fsync_dir(folder)
-        return None
 
 
 # ------------------------------------------------------------------------------------------------- one run
@@ -469,22 +419,6 @@ def disk_errno(err: BaseException) -> int | None:
                 return code
         current = current.__cause__ or current.__context__
     return None
-
-
-def estimate_export_bytes(backbone: dict[str, Any] | None) -> int | None:
-    """The merged export's size (parameters x bytes per parameter of the backbone's dtype), from the
-    architecture alone (no weights); None when it cannot be read or the base is 4-bit (adapter-only export)."""
-    if not backbone or backbone.get("load_in_4bit"):
-        return None
-    try:
-        from rlhf_lit.models.backbone import BackboneConfig
-        from rlhf_lit.planner.shapes import model_shape
-
-        cfg = BackboneConfig(**{k: v for k, v in backbone.items() if k != "lora"})
-        per_param = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.dtype, 4)
-        return int(model_shape(cfg).num_params * per_param)
-    except Exception:  # noqa: BLE001 - an estimate only: unknown models are not checked
-        return None
 
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
@@ -528,8 +462,15 @@ class RunOutputs:
                 self.locks.append(FolderLock(folder, role))
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], overwrite: bool = False) -> RunOutputs:
-        """From a parsed ``fit`` config (plain dicts, as ``check_config`` reads it)."""
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        overwrite: bool = False,
+        estimate_bytes: Callable[[dict[str, Any]], int | None] | None = None,
+    ) -> RunOutputs:
+        """From a parsed ``fit`` config (plain dicts, as ``check_config`` reads it); ``estimate_bytes`` maps the
+        model's ``backbone`` settings to the export's size in bytes (None: no free-space check), e.g.
+        ``rlhf_lit.models.architecture.estimate_export_bytes``."""
         model = config.get("model") or {}
         init = (model.get("init_args") or {}) if isinstance(model, dict) else {}
         trainer = config.get("trainer") or {}
@@ -541,7 +482,11 @@ class RunOutputs:
                     log_dirs.append(str(dirpath))
         export_dir = init.get("export_dir")
         backbone = init.get("backbone")
-        export_bytes = estimate_export_bytes(backbone) if export_dir and isinstance(backbone, dict) else None
+        export_bytes = (
+            estimate_bytes(backbone)
+            if estimate_bytes is not None and export_dir and isinstance(backbone, dict)
+            else None
+        )
         return cls(export_dir, log_dirs, overwrite, export_bytes)
 
     def open(self) -> None:

@@ -12,7 +12,6 @@ from rlhf_lit.outputs import holds_files, staged
 __all__ = ["StageProgressBar"]
 
 
-
 def _stage(pl_module):
     """The module's entry of the stage table (:mod:`rlhf_lit.stages`), or None for another LightningModule."""
     from rlhf_lit.stages import find_stage

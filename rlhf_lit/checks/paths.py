@@ -21,18 +21,23 @@ def config_roots(config: dict) -> list[Path]:
 
 def check_inputs(init: dict, data: dict, stage: object, roots: list[Path]) -> None:
     problems = []
-    for key in ("backbone", "reward_model.backbone"):
+    # a stage that exports a policy trains a policy, so its base must be one (the reward stage may start from
+    # either kind)
+    base_kind = "policy" if getattr(stage, "export_kind", None) == "policy" else None
+    for key, kind in (("backbone", base_kind), ("reward_model.backbone", None)):
         name = get(init, f"{key}.name_or_path")
         if name:
             problems.append(
                 _model_folder_problem(
-                    f"model.init_args.{key}.name_or_path", name, roots, get(init, f"{key}.gguf_file")
+                    f"model.init_args.{key}.name_or_path", name, roots, get(init, f"{key}.gguf_file"), kind
                 )
             )
     path = get(init, "reward_model.path")
     if path:
         problems.append(
-            _model_folder_problem("model.init_args.reward_model.path", path, roots, expect_kind="reward_model")
+            _model_folder_problem(
+                "model.init_args.reward_model.path", path, roots, expect_kind="reward_model"
+            )
         )
     problems = [p for p in problems if p]
     if problems:

@@ -133,6 +133,7 @@ TRAINER_RULES: dict[str, Range] = {
     "log_every_n_steps": _count(1, optional=True),
 }
 
+
 # ------------------------------------------------------------------------------------------- helpers
 def import_class(class_path: str | None) -> type | None:
     if not class_path:

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 from rlhf_lit.errors import UserError
 
-if TYPE_CHECKING:  # imported where rows are read: a config check or --help need not load datasets/pandas/pyarrow
+if (
+    TYPE_CHECKING
+):  # imported where rows are read: a config check or --help need not load datasets/pandas/pyarrow
     import datasets
 
 __all__ = [

@@ -92,6 +92,7 @@ def main(args: list[str]) -> None:
     if not seeds:
         parser.error("--seeds: give at least one seed")
     from rlhf_lit.demo.report import write_report, write_seeds_report
+
     summaries = []
     for seed in seeds:
         out = ns.out if len(seeds) == 1 else os.path.join(ns.out, f"seed_{seed}")

@@ -14,7 +14,7 @@ from typing import Any
 from rlhf_lit.models.backbone import BackboneConfig
 from rlhf_lit.models.model_files import resolve_path
 
-__all__ = ["KNOWN_ARCHITECTURES", "read_architecture"]
+__all__ = ["KNOWN_ARCHITECTURES", "estimate_export_bytes", "read_architecture"]
 
 # Architectures a hub id may name when its config cannot be read offline (published config.json values).
 _LLAMA3_8B: dict[str, Any] = {
@@ -108,3 +108,24 @@ def read_architecture(backbone: BackboneConfig, model_config: str | None = None)
         f"cannot read the config of {name!r} offline and it is not in the planner's table; "
         "pass --model-config <config.json>"
     )
+
+
+def estimate_export_bytes(backbone: dict[str, Any] | None) -> int | None:
+    """A merged export's size in bytes (parameters x bytes per parameter of the backbone's ``dtype``), counted
+    on the meta device from the architecture alone (no weights); None when the architecture cannot be read or
+    the base is 4-bit (its export holds only the adapter). For the free-space check before training
+    (:class:`rlhf_lit.outputs.RunOutputs`)."""
+    if not backbone or backbone.get("load_in_4bit"):
+        return None
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        cfg = BackboneConfig(**{k: v for k, v in backbone.items() if k != "lora"})
+        config, _ = read_architecture(cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        per_param = {"float32": 4, "bfloat16": 2, "float16": 2}.get(cfg.dtype, 4)
+        return int(sum(p.numel() for p in model.parameters()) * per_param)
+    except Exception:  # noqa: BLE001 - an estimate only: a model that cannot be read is not checked
+        return None

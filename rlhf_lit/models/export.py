@@ -227,31 +227,6 @@ def check_export_kind(path: str, expected: str, key: str) -> None:
         )
 
 
-def check_export_kinds(config: dict[str, Any]) -> None:
-    """The kinds of the exports a parsed stage config loads, before any model loads: a policy base
-    (``backbone.name_or_path`` of every stage but the reward model's, which may start from a policy or a reward
-    model) must be a ``policy`` export; ``reward_model.path`` (also the critic's init) a ``reward_model`` one.
-
-    Raises:
-        ExportKindError: naming the key, the path, the kind found and the kind expected.
-    """
-    model = config.get("model") or {}
-    if not isinstance(model, dict):
-        return
-    stage = str(model.get("class_path", "")).rsplit(".", 1)[-1]
-    init = model.get("init_args") or {}
-    backbone = init.get("backbone") or {}
-    if (
-        stage != "RewardModule"
-        and isinstance(backbone, dict)
-        and isinstance(backbone.get("name_or_path"), str)
-    ):
-        check_export_kind(backbone["name_or_path"], POLICY_KIND, "model.init_args.backbone.name_or_path")
-    reward_model = init.get("reward_model") or {}
-    if isinstance(reward_model, dict) and isinstance(reward_model.get("path"), str):
-        check_export_kind(reward_model["path"], REWARD_MODEL_KIND, "model.init_args.reward_model.path")
-
-
 def read_meta(path: str) -> dict[str, Any]:
     meta_path = os.path.join(path, META_FILE)
     if not os.path.exists(meta_path):

@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         if not os.path.isfile(config):
             from rlhf_lit.errors import ConfigError
 
-            raise ConfigError(f"plan: --config {config}: no such config file (resolved to {os.path.abspath(config)})")
+            raise ConfigError(
+                f"plan: --config {config}: no such config file (resolved to {os.path.abspath(config)})"
+            )
     est = plan(args.config, args.model_config, {"world_size": args.world_size} if args.world_size else None)
     if args.json:
         print(

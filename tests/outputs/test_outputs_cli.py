@@ -168,8 +168,8 @@ def test_full_disk_at_export_keeps_the_earlier_export_loadable(first_export, tmp
 
 
 def test_the_cli_writes_checkpoints_atomically(tmp_path):
+    from rlhf_lit.checkpoint_io import AtomicCheckpointIO
     from rlhf_lit.lightning_cli import cli_main
-    from rlhf_lit.outputs import AtomicCheckpointIO
 
     with in_repo_root(), one_thread():
         cli = cli_main(sft_args(tmp_path)[1:], run=False)

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
+from rlhf_lit.checkpoint_io import AtomicCheckpointIO
 from rlhf_lit.errors import UserError
 from rlhf_lit.outputs import (
-    AtomicCheckpointIO,
     ExportFolder,
     FolderLock,
     OutputError,
