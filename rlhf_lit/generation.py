@@ -59,10 +59,10 @@ class SamplingConfig:
             stops the run, when the mean |sampler log-prob - trainer log-prob| over an iteration's sampled
             tokens (``rollout/sampler_logprob_gap``, nats per token) exceeds this. The sampler's log-prob is
             that of the scores it drew from; the trainer's is the rollout's ``old_logprobs``. Default 1e-3:
-            float32 on CPU measures ~1e-7 (same weights, KV-cache decoding against one full forward; ~1e-6
-            with ``merge_adapter``), while sampling from weights one update stale moves it by ~lr-sized amounts
-            and from the base (adapters off) by far more once the actor has learned. bf16 or another engine
-            (vLLM, SGLang) needs more: ~1e-2 to 5e-2.
+            float32 on CPU measures ~2e-7 mean and ~1e-6 max, with or without ``merge_adapter`` (the same
+            weights, KV-cache decoding against one full forward); on the tiny test model one stale AdamW step
+            of learning rate lr moves the mean by ~2 lr, so a sampler one small step behind is caught by the
+            adapter fingerprint rather than the gap. bf16 or another engine (vLLM, SGLang) needs more: ~1e-2.
             ``min_new_tokens`` > 0 also raises it: the stop tokens are suppressed while sampling but not in the
             trainer's softmax (a true off-policy gap).
         strict_sync: stop the run (``SamplerSyncError``) instead of warning when the guard fires: the gap

@@ -31,7 +31,7 @@ from rlhf_lit.rl.sampler import adapter_fingerprint
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["check_sampler"]
+__all__ = ["check_sampler", "local_gap"]
 
 
 def check_sampler(
@@ -66,18 +66,7 @@ def check_sampler(
     """
     record, tolerance = getattr(sampler, "last_record", None), settings.logprob_gap_tolerance
     policy_fingerprint = adapter_fingerprint(policy.actor_parameters())
-    gap_sum = count = gap_max = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
-    if (
-        record is not None
-        and record.logprobs is not None
-        and record.logprobs.shape[0] == response_ids.shape[0]
-    ):
-        width = min(record.logprobs.shape[1], response_ids.shape[1])
-        drawn = record.response_ids[:, :width].to(response_ids.device)
-        # only the real tokens that are still the ones the sampler drew (a wrapper may have edited some)
-        mask = response_mask[:, :width] & (drawn == response_ids[:, :width])
-        sampler_logprobs = record.logprobs[:, :width].to(old_logprobs.device)
-        gap_sum, count, gap_max = logprob_gap(sampler_logprobs, old_logprobs[:, :width], mask)
+    gap_sum, count, gap_max = local_gap(record, response_ids, response_mask, old_logprobs)
     stale = record is not None and record.fingerprint is not None and record.fingerprint != policy_fingerprint
     totals = torch.stack(
         [gap_sum, count, torch.tensor(float(stale), dtype=torch.float64, device=count.device)]
@@ -115,3 +104,19 @@ def check_sampler(
         if trainer is None or getattr(trainer, "is_global_zero", True):
             log.warning("%s (sampling.strict_sync: true stops the run instead)", message)
     return stats
+
+
+def local_gap(
+    record, response_ids: torch.Tensor, response_mask: torch.Tensor, old_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logprob_gap``'s ``(sum, count, max)`` on this rank: the record's log-probs against ``old_logprobs`` on
+    the real response tokens that are still the tokens the sampler drew (a wrapper of a sampler may edit some);
+    zeros when the record holds no log-probs for these rows."""
+    zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
+    if record is None or record.logprobs is None or record.logprobs.shape[0] != response_ids.shape[0]:
+        return zero, zero, zero
+    width = min(record.logprobs.shape[1], response_ids.shape[1])
+    drawn = record.response_ids[:, :width].to(response_ids.device)
+    mask = response_mask[:, :width] & (drawn == response_ids[:, :width])
+    sampler_logprobs = record.logprobs[:, :width].to(old_logprobs.device)
+    return logprob_gap(sampler_logprobs, old_logprobs[:, :width], mask)
