@@ -11,7 +11,7 @@ No imports from the rest of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "NonFiniteError", "UserError"]
+__all__ = ["ConfigError", "NonFiniteError", "SamplerSyncError", "UserError"]
 
 
 class UserError(Exception):
@@ -26,3 +26,10 @@ class NonFiniteError(FloatingPointError):
     """A PPO run met an inf or nan where it must not go on: a reward-model score, or a gradient norm that
     stayed non-finite for ``ppo.max_consecutive_skips`` optimizer steps in a row. Not a user mistake: the
     run has diverged or the reward model is broken, and the traceback is kept."""
+
+
+class SamplerSyncError(UserError, RuntimeError):
+    """With ``sampling.strict_sync: true``, the rollout-policy guard found that the sampler is not the policy
+    being trained (``rlhf_lit.rl.guard``): its log-probs are further from the trainer's than
+    ``sampling.logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's. The user asked
+    for a stop, so the message (iteration, gap, tolerance, what to check) is printed as one line."""

@@ -4,6 +4,9 @@ Positions come from the attention mask inside ``generate`` (transformers derives
 for left-padded batches), which matches ``position_ids_from_mask`` used by every scoring forward (pitfall: left padding).
 Finished rows are padded with ``pad_token_id``; the real response is everything up to and including the
 first stop token (``stop_mask``), never ``ids != pad`` (pad may equal EOS; pitfall: score token).
+
+:class:`SampledLogprobs` records, while ``generate`` runs, the log-prob of each drawn token under the
+distribution it was drawn from (the rollout-policy guard of ``rlhf_lit.rl.guard`` compares it with the trainer's).
 """
 
 from __future__ import annotations
@@ -12,6 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlhf_lit.functional.sequence import truncate_after_stop
 from rlhf_lit.ranges import check_field_ranges, ranged
@@ -45,6 +55,19 @@ class SamplingConfig:
             group estimators ``grpo`` / ``rloo``). The rollout then holds prompts x n responses, the n of a
             prompt in consecutive rows on the rank that holds the prompt; ``ppo.ppo_minibatch_size`` counts
             responses. Validation samples one response per prompt.
+        logprob_gap_tolerance: the rollout-policy guard (``rlhf_lit.rl.guard``) warns, or with ``strict_sync``
+            stops the run, when the mean |sampler log-prob - trainer log-prob| over an iteration's sampled
+            tokens (``rollout/sampler_logprob_gap``, nats per token) exceeds this. The sampler's log-prob is
+            that of the scores it drew from; the trainer's is the rollout's ``old_logprobs``. Default 1e-3:
+            float32 on CPU measures ~2e-7 mean and ~1e-6 max, with or without ``merge_adapter`` (the same
+            weights, KV-cache decoding against one full forward); on the tiny test model one stale AdamW step
+            of learning rate lr moves the mean by ~2 lr, so a sampler one small step behind is caught by the
+            adapter fingerprint rather than the gap. bf16 or another engine (vLLM, SGLang) needs more: ~1e-2.
+            ``min_new_tokens`` > 0 also raises it: the stop tokens are suppressed while sampling but not in the
+            trainer's softmax (a true off-policy gap).
+        strict_sync: stop the run (``SamplerSyncError``) instead of warning when the guard fires: the gap
+            exceeds ``logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's
+            (fingerprint mismatch).
     """
 
     max_new_tokens: int = ranged(48, "int >= 1")
@@ -58,6 +81,8 @@ class SamplingConfig:
     do_sample: bool = True
     merge_adapter: bool = False
     num_samples_per_prompt: int = ranged(1, "int >= 1")
+    logprob_gap_tolerance: float = ranged(1e-3, "> 0")
+    strict_sync: bool = False
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "sampling.")  # the ranges declared above (ConfigError)
@@ -82,6 +107,54 @@ def resolve_stop_ids(cfg: SamplingConfig, tokenizer: PreTrainedTokenizerBase) ->
     return sorted(set(ids))
 
 
+class SampledLogprobs(LogitsProcessor):
+    """A logits processor that records the log-prob of each token ``generate`` draws, under the distribution
+    it was drawn from: ``log_softmax`` of the scores after every logits processor and warper, gathered at the
+    drawn token. Memory: one ``(B, V)`` step and a ``(B,)`` vector per step, never ``(B, R, V)`` (unlike
+    ``output_scores=True``, which keeps every step's scores until ``generate`` returns).
+
+    ``generate`` runs the processors it is given BEFORE its own warpers (temperature, top-k, top-p; checked
+    on transformers 5.24, ``GenerationMixin._get_logits_processor``), so this processor applies the same
+    warpers to its copy of the scores itself (the same operations, so the same numbers) and returns the
+    scores unchanged. It sees step t's drawn token in step t + 1's ``input_ids``; :meth:`finish` reads the last
+    one from the returned sequences. One instance per ``generate`` call.
+
+    Args:
+        cfg: the sampling settings ``generate`` is called with (temperature, top_k, top_p, do_sample).
+    """
+
+    def __init__(self, cfg: SamplingConfig) -> None:
+        warpers = []
+        if cfg.do_sample and cfg.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(cfg.temperature))
+        if cfg.do_sample and cfg.top_k:
+            warpers.append(TopKLogitsWarper(cfg.top_k))
+        if cfg.do_sample and cfg.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(cfg.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.steps: list[torch.Tensor] = []  # (B,) log-prob of the token drawn at each step
+        self.last: torch.Tensor | None = None  # (B, V) log-softmax of the latest step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # input_ids now ends with the token drawn from self.last
+            self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(self.warpers(input_ids, scores).float(), dim=-1)
+        return scores
+
+    def finish(self, response_ids: torch.Tensor) -> torch.Tensor | None:
+        """``(B, R)`` float32 log-probs of ``response_ids`` (the tokens ``generate`` appended, before any
+        truncation), or None if this processor did not see every step (``generate`` was given other
+        processors in its place). Frees the last step's scores."""
+        width = response_ids.shape[1]
+        steps = self.steps[:width]
+        if self.last is not None and len(steps) == width - 1:
+            steps.append(self.last.gather(-1, response_ids[:, -1:]).squeeze(-1))
+        self.last = None
+        if len(steps) != width or width == 0:
+            return None
+        return torch.stack(steps, dim=1)
+
+
 @torch.no_grad()
 def sample_responses(
     model: torch.nn.Module,
@@ -91,6 +164,7 @@ def sample_responses(
     stop_ids: list[int],
     pad_token_id: int,
     synced_gpus: bool = False,
+    logprobs: SampledLogprobs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one response per left-padded prompt.
 
@@ -102,6 +176,8 @@ def sample_responses(
         stop_ids: token ids that end a response (``resolve_stop_ids``); may be empty.
         pad_token_id: id written after a response's stop token.
         synced_gpus: keep stepping the forward until every rank has finished (FSDP; docs/pitfalls.md: FSDP generation).
+        logprobs: a :class:`SampledLogprobs` to record the drawn tokens' log-probs in (read them with its
+            ``finish(response_ids)``); None records nothing.
 
     Returns:
         ``(response_ids (B, R), response_mask (B, R) bool, has_stop (B,) bool)`` with R <= max_new_tokens;
@@ -128,6 +204,7 @@ def sample_responses(
             attention_mask=attention_mask,
             generation_config=gen_cfg,
             synced_gpus=synced_gpus,
+            **({"logits_processor": LogitsProcessorList([logprobs])} if logprobs is not None else {}),
         )
     finally:
         model.train(was_training)

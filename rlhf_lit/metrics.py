@@ -48,6 +48,8 @@ ROLLOUT_NON_SCORE_REWARD = "rollout/non_score_reward"
 ROLLOUT_RESPONSE_LEN = "rollout/response_len"
 ROLLOUT_NO_EOS_FRAC = "rollout/no_eos_frac"
 ROLLOUT_NON_FINITE_SCORES = "rollout/non_finite_scores"
+ROLLOUT_SAMPLER_LOGPROB_GAP = "rollout/sampler_logprob_gap"
+ROLLOUT_SAMPLER_LOGPROB_GAP_MAX = "rollout/sampler_logprob_gap_max"
 
 # PPO update (means over the iteration's minibatches)
 PPO_POLICY_LOSS = "ppo/policy_loss"
@@ -144,6 +146,12 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_NO_EOS_FRAC: "fraction of responses that reached max_new_tokens without a stop token",
     ROLLOUT_NON_FINITE_SCORES: "responses of the iteration (all ranks) whose reward-model score was inf or nan, "
     "dropped from the update (reward.skip_non_finite; without it such a score stops the run)",
+    ROLLOUT_SAMPLER_LOGPROB_GAP: "rollout-policy guard: mean |sampler log-prob - trainer log-prob| over the "
+    "sampled tokens of the iteration (all ranks), before the first update; the sampler's log-prob is that of "
+    "the scores it drew each token from, the trainer's the rollout's old log-prob (nats per token; ~0 when the "
+    "sampler runs the policy's weights; above sampling.logprob_gap_tolerance: a warning, or an error with "
+    "sampling.strict_sync)",
+    ROLLOUT_SAMPLER_LOGPROB_GAP_MAX: "the largest of those per-token differences (nats per token)",
     PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",
     PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2) (token-level mean)",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",

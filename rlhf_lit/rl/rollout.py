@@ -34,8 +34,10 @@ import torch
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.sequence import trim_left_padding
+from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.parallel.collectives import global_sum, is_distributed
 from rlhf_lit.reward_norm import ScoreShaper
+from rlhf_lit.rl.guard import check_sampler
 from rlhf_lit.rl.sampler import Sampler
 
 log = logging.getLogger("rlhf_lit")
@@ -93,6 +95,7 @@ class Rollout:
         generation_s: wall seconds of step 1.
         reward_components: ``{name: (B,)}`` each source's unweighted scores when ``reward_model`` is a list
             (``rlhf_lit.rewards.MixedReward``), else empty.
+        sampler_stats: the rollout-policy guard's figures (``rlhf_lit.rl.guard``), global over ranks.
     """
 
     prompt_ids: torch.Tensor
@@ -112,6 +115,7 @@ class Rollout:
     prompt_text: list[str] | None
     generation_s: float
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    sampler_stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -171,6 +175,7 @@ class RolloutSettings:
         skip_non_finite: drop responses with a non-finite score instead of raising (``reward.skip_non_finite``).
         seed: ``ppo.seed``, seeds validation sampling.
         reward_description: how error messages name the reward function.
+        logprob_gap_tolerance, strict_sync: the rollout-policy guard's (``sampling.*``; ``rlhf_lit.rl.guard``).
     """
 
     temperature: float
@@ -182,6 +187,8 @@ class RolloutSettings:
     skip_non_finite: bool = False
     seed: int = 0
     reward_description: str = "the reward model"
+    logprob_gap_tolerance: float = SamplingConfig.logprob_gap_tolerance
+    strict_sync: bool = False
 
 
 class RolloutCollector:
@@ -239,6 +246,9 @@ class RolloutCollector:
         ref_logprobs, old_logprobs, old_values = self.experience_forwards(
             input_ids, attention_mask, prompt_ids.shape[1]
         )
+        sampler_stats = check_sampler(  # the rollout-policy guard, before any update
+            self.sampler, self.policy, response_ids, response_mask, old_logprobs, s, iteration, trainer
+        )
         raw_scores = self.reward_fn.score(
             prompt_ids,
             prompt_mask,
@@ -267,6 +277,7 @@ class RolloutCollector:
             prompt_text=batch.get("prompt_text"),
             generation_s=generation_s,
             reward_components=dict(getattr(self.reward_fn, "last_components", None) or {}),
+            sampler_stats=sampler_stats,
         )
 
     @torch.no_grad()

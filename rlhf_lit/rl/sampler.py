@@ -6,25 +6,69 @@ weights have changed (``sync``, after each update), so an engine that holds its 
 ``generate`` on the policy itself (``rlhf_lit.generation.sample_responses``), which reads the live weights,
 so its ``sync`` does nothing.
 
+For the rollout-policy guard (``rlhf_lit.rl.guard``) a sampler keeps, after each ``sample``, a
+:class:`SampleRecord` in ``last_record``: the tokens it drew, each one's log-prob under the distribution it
+was drawn from, and the :func:`adapter_fingerprint` of the actor adapter weights that sampled.
+
 Notation: B rows, P prompt width (left padded), R response width (right padded).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from rlhf_lit.generation import SamplingConfig, sample_responses
+from rlhf_lit.generation import SampledLogprobs, SamplingConfig, sample_responses
 
-__all__ = ["HFSampler", "Sampler"]
+__all__ = ["HFSampler", "SampleRecord", "Sampler", "adapter_fingerprint"]
+
+
+def adapter_fingerprint(params: Iterable[torch.Tensor]) -> str:
+    """A checksum of adapter weights: sha256 (16 hex digits) of every tensor's shape, float64 sum and float64
+    sum of squares, in order. Any optimizer step changes it (the sums of a LoRA matrix that moved are not
+    the same to the last bit); the same weights give the same digest.
+
+    Cost: two reductions per tensor on its device and one ``(2 N,)`` float64 transfer (N tensors), no copy of
+    the weights (a hash of every byte would move the whole adapter to the host: ~80 MB for r = 16 on a 7B
+    model). Under FSDP2 each rank checksums its own shards, so compare digests on the same rank.
+    """
+    params = [p.detach() for p in params]
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # DTensor shards
+    digest = hashlib.sha256(repr([tuple(p.shape) for p in params]).encode())
+    if params:
+        sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in params]
+        digest.update(torch.cat([s.cpu() for s in sums]).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class SampleRecord:
+    """What a sampler saw when it drew a batch (``Sampler.last_record``), for the rollout-policy guard.
+
+    Attributes:
+        response_ids: ``(B, R)`` long, the tokens as drawn (a wrapper may edit what ``sample`` returns; the
+            guard compares only tokens that are still these).
+        logprobs: ``(B, R)`` float32, each drawn token's log-prob under the scores it was drawn from (after
+            every logits processor and the temperature; nats), or None if the sampler cannot tell.
+        fingerprint: :func:`adapter_fingerprint` of the actor adapter weights that sampled, or None.
+    """
+
+    response_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    fingerprint: str | None
 
 
 class Sampler(Protocol):
     """``sample(policy, prompt_ids, prompt_mask, *, synced_gpus, merge)`` -> ``(response_ids (B, R) long,
     response_mask (B, R) bool, has_stop (B,) bool)`` with the actor adapter of ``policy`` (an ``ActorCritic``);
-    ``sync(policy)`` after every update."""
+    ``sync(policy)`` after every update; ``last_record`` the :class:`SampleRecord` of the latest ``sample``
+    (None: the guard can check nothing)."""
+
+    last_record: SampleRecord | None
 
     def sample(
         self,
@@ -47,7 +91,8 @@ class HFSampler:
         sampling: the sampling settings (temperature, lengths, samples per prompt).
         stop_ids: token ids that end a response (``generation.resolve_stop_ids``).
         pad_token_id: the id responses are padded with after their stop token.
-        generate: the sampling function; default ``generation.sample_responses`` (or one with its signature).
+        generate: the sampling function; default ``generation.sample_responses`` (or one with its signature,
+            whose records then hold no log-probs).
     """
 
     def __init__(
@@ -60,12 +105,17 @@ class HFSampler:
         self.sampling = sampling
         self.stop_ids = stop_ids
         self.pad_token_id = pad_token_id
-        self.generate = generate or sample_responses
+        self.generate = generate
+        self.last_record: SampleRecord | None = None
 
     def sample(self, policy, prompt_ids, prompt_mask, *, synced_gpus=False, merge=False):
         lm = policy.lm
+        # the default records log-probs while it samples; an injected function is called as before
+        recorder = SampledLogprobs(self.sampling) if self.generate is None else None
+        generate = self.generate or sample_responses
         with lm.merged("actor") if merge else lm.adapter("actor"):
-            return self.generate(
+            fingerprint = adapter_fingerprint(policy.actor_parameters())  # the weights that sample
+            out = generate(
                 lm,  # AdaptedLM.generate: an FSDP forward method when sharded
                 prompt_ids,
                 prompt_mask,
@@ -73,7 +123,11 @@ class HFSampler:
                 self.stop_ids,
                 self.pad_token_id,
                 synced_gpus=synced_gpus,
+                **({"logprobs": recorder} if recorder is not None else {}),
             )
+        logprobs = recorder.finish(out[0]) if recorder is not None else None
+        self.last_record = SampleRecord(out[0], logprobs, fingerprint)
+        return out
 
     def sync(self, policy) -> None:
         """Nothing to do: ``generate`` runs on the policy's live weights."""

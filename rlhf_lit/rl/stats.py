@@ -107,6 +107,7 @@ def all_stats(
     stats = iteration_stats(rollout, adv, has_stop_token, is_distributed(trainer))
     stats = global_stats(trainer, {**stats, **update_stats}, rollout)
     stats[M.ROLLOUT_NON_FINITE_SCORES] = float(rollout.num_non_finite)
+    stats.update(rollout.sampler_stats)  # the rollout-policy guard's, already global (rl.guard)
     stats.update(perf_stats(times, rollout.response_ids.numel()))
     return stats
 
