@@ -32,7 +32,8 @@ def _one_thread():
 
 
 def _step_gradients(module: L.LightningModule, data, accumulate: int) -> dict[str, torch.Tensor]:
-    """The gradients the first optimizer step would apply (after the module's rescaling, before clipping)."""
+    """The gradients the first optimizer step would apply (after the module's rescaling, before clipping); taken
+    before that step, so the learning rate (which must be > 0) plays no part."""
     grads: dict[str, torch.Tensor] = {}
 
     def snapshot(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
@@ -73,7 +74,7 @@ def _sft_rows(path: Path) -> str:
 def _sft(tmp_path: Path, batch_size: int):
     torch.manual_seed(0)
     module = SFTModule(
-        BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", lora=LORA), optimizer=OptimizerConfig(lr=0.0)
+        BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", lora=LORA), optimizer=OptimizerConfig(lr=1e-3)
     )
     with torch.no_grad():  # lora_B = 0 would give the LoRA A matrices no gradient
         for name, p in module.lm.named_parameters():
@@ -105,16 +106,17 @@ def test_sft_accumulating_two_micro_batches_equals_one_batch_of_the_same_tokens(
     batches = list(data_two.train_dataloader())
     tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
     assert tokens[0] * 5 < tokens[1]
-    params = [p for p in two.parameters() if p.requires_grad]
+    fresh, _ = _sft(tmp_path, batch_size=2)  # the same seeded start: `two` has taken its optimizer step
+    params = [p for p in fresh.parameters() if p.requires_grad]
     means = []
     for b in batches:
-        loss, _ = sft_nll(two(b["input_ids"], b["attention_mask"]), b["labels"])
+        loss, _ = sft_nll(fresh(b["input_ids"], b["attention_mask"]), b["labels"])
         means.append(torch.autograd.grad(loss, params))
     mean_of_means = torch.cat([((g0 + g1) / 2).flatten() for g0, g1 in zip(*means)])
     token_mean = torch.cat(
         [((tokens[0] * g0 + tokens[1] * g1) / sum(tokens)).flatten() for g0, g1 in zip(*means)]
     )
-    full_flat = torch.cat([full[n].flatten() for n, p in two.named_parameters() if p.requires_grad])
+    full_flat = torch.cat([full[n].flatten() for n, p in fresh.named_parameters() if p.requires_grad])
     torch.testing.assert_close(full_flat, token_mean, rtol=1e-4, atol=1e-7)
     assert (mean_of_means - token_mean).norm() > 0.2 * token_mean.norm()
 
@@ -132,7 +134,7 @@ def _reward(tmp_path: Path, batch_size: int, n: int):
     torch.manual_seed(0)
     module = RewardModule(
         BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", lora=LORA),
-        optimizer=OptimizerConfig(lr=0.0),
+        optimizer=OptimizerConfig(lr=1e-3),
         calibrate=False,
     )
     data = PreferenceDataModule(
@@ -175,7 +177,7 @@ def test_ranked_pair_weights_survive_gradient_accumulation(tmp_path):
         torch.manual_seed(0)
         module = RewardModule(
             BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", lora=LORA),
-            optimizer=OptimizerConfig(lr=0.0),
+            optimizer=OptimizerConfig(lr=1e-3),
             calibrate=False,
         )
         data = PreferenceDataModule(
