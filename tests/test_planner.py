@@ -92,8 +92,15 @@ def test_producers_of_exports_are_scanned_for_model_packages():
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
 def test_plan_prints_a_breakdown_for_every_config(config, capsys):
     skip_without_model_packages(*_texts_with_producers(_stack(config)))
+    args = ["plan", *[a for c in _stack(config) for a in ("--config", c)], "--device-memory-gb", "24"]
+    if "configs/dpo/" in str(config):  # a stage the planner does not model yet: one line, exit 2
+        with in_repo_root(), pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_.value.code == 2 and len(err) == 1 and "DPO" in err[0] and "Traceback" not in err[0], err
+        return
     with in_repo_root():
-        main(["plan", *[a for c in _stack(config) for a in ("--config", c)], "--device-memory-gb", "24"])
+        main(args)
     out = capsys.readouterr().out
     for needle in ("base weights", "optimizer state", "estimated peak", "in 24 GiB"):
         assert needle in out, out
@@ -210,7 +217,7 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
 
         module.training_step = step
         sampler = getattr(module, "sampler", None)  # PPO: record the response width the sampler gives
-        sample = sampler.generate if sampler is not None else None
+        sample = sampler.sample if sampler is not None else None
 
         def sample_and_record(*a, **k):
             out = sample(*a, **k)
@@ -218,14 +225,14 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
             return out
 
         if sampler is not None:
-            sampler.generate = sample_and_record
+            sampler.sample = sample_and_record  # an instance attribute over the method
         tracker = TensorMemoryTracker(ignore=existing)
         try:
             with tracker:
                 cli.trainer.fit(module, datamodule=cli.datamodule)
         finally:
             if sampler is not None:
-                sampler.generate = sample
+                del sampler.sample  # the method again
         overrides = {"batch_size": dims["B"]}
         if stage == "ppo":
             overrides.update(prompt_len=dims["T"], response_len=dims["R"])
