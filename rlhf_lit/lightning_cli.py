@@ -48,15 +48,20 @@ class RLHFCLI(LightningCLI):
     Outputs (``fit``): the export and log/checkpoint folders are locked and the export is written as one
     transaction (:class:`rlhf_lit.outputs.RunOutputs`, opened before any model loads, committed after the run);
     checkpoints are written atomically (:class:`rlhf_lit.checkpoint_io.AtomicCheckpointIO`). ``overwrite``: replace an
-    earlier export in ``export_dir`` instead of refusing (``--overwrite``).
+    earlier export in ``export_dir`` instead of refusing (``--overwrite``, an argument of every subcommand).
     """
 
-    def __init__(self, *args, overwrite: bool = False, **kwargs) -> None:
-        self.overwrite = overwrite
+    def __init__(self, *args, **kwargs) -> None:
         self.run_outputs = None
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace an earlier export in export_dir (whole, once the new one is complete) instead of "
+            "refusing the run",
+        )
         parser.link_arguments("model.tokenizer", "data.init_args.tokenizer", apply_on="instantiate")
         parser.link_arguments(
             "data.init_args.batch_size", "model.init_args.rollout_batch_size", apply_on="parse"
@@ -81,12 +86,14 @@ class RLHFCLI(LightningCLI):
 
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
+        # taken out of the config, so the config.yaml saved beside the run never carries it to a later run
+        overwrite = bool(config.pop("overwrite", False)) if "overwrite" in config else False
         check_config(config.as_dict(), subcommand)
         from rlhf_lit.models.architecture import estimate_export_bytes
         from rlhf_lit.outputs import RunOutputs, is_first_process
 
         if subcommand == "fit" and self.subcommand and is_first_process():
-            self.run_outputs = RunOutputs.from_config(config.as_dict(), self.overwrite, estimate_export_bytes)
+            self.run_outputs = RunOutputs.from_config(config.as_dict(), overwrite, estimate_export_bytes)
             self.run_outputs.open()  # before any model loads: a locked or full folder stops the run now
 
     def instantiate_classes(self) -> None:
@@ -157,8 +164,6 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
     """
     quiet_third_party()
     args = list(sys.argv[1:] if args is None else args)
-    overwrite = "--overwrite" in args  # replace an earlier export in export_dir (rlhf_lit.outputs)
-    args = [a for a in args if a != "--overwrite"]
     parser_kwargs = dict(_PARSER_KWARGS, description=DESCRIPTION)
     parser_kwargs.update({name: dict(_PARSER_KWARGS) for name in SUBCOMMANDS})
     return RLHFCLI(
@@ -171,7 +176,6 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:
         parser_kwargs=parser_kwargs if run else dict(_PARSER_KWARGS),
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"callbacks": [StageProgressBar()]},
-        overwrite=overwrite,
     )
 
 

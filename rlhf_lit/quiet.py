@@ -1,7 +1,7 @@
 """What the ``rlhf-lit`` command does not print unless ``--verbose`` asks (``RLHF_LIT_VERBOSE=1``).
 
 Silenced: Lightning's "Tip" lines advertising other products (litlogger, litmodels), its GPU/TPU/HPU
-availability lines, its warning that an epoch has fewer batches than ``log_every_n_steps``, the bitsandbytes
+availability lines, its "Seed set to" line, its warning that an epoch has fewer batches than ``log_every_n_steps``, the bitsandbytes
 hint about an optional CPU kernel package, progress bars of the Hugging Face libraries, their log lines below
 WARNING, and a few warnings known to be harmless here (each is named below with why). Nothing is imported:
 the filters attach to loggers and the warnings registry by name, so this costs nothing at start-up.
@@ -19,8 +19,20 @@ __all__ = ["quiet_third_party", "verbose_requested"]
 _VERBOSE = {"on": False}  # what main() decided for this command
 
 # rank_zero_info lines of Lightning that advertise other products or state the obvious on every run
-_LIGHTNING_NOISE = ("💡 Tip:", "GPU available:", "TPU available:", "HPU available:", "IPU available:")
-_LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+# ("Seed set to N": the seed is in the config.yaml saved beside every run; before a one-line error it is noise)
+_LIGHTNING_NOISE = (
+    "💡 Tip:",
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",
+    "IPU available:",
+    "Seed set to",
+)
+_LIGHTNING_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.fabric.utilities.seed",
+)
 
 _HARMLESS_WARNINGS = (
     ".*does not have many workers.*",  # the data is tokenised in memory; worker processes would not help

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -131,6 +132,17 @@ def test_overwrite_replaces_the_earlier_export_whole_and_takes_over_a_stale_lock
     files = set(os.listdir(tmp_path / "hf"))
     assert "eval_results.json" not in files and "rlhf_lit.json" in files  # never two runs' files mixed
     assert sorted(e for e in os.listdir(tmp_path) if e.startswith(".")) == []  # no lock, no staging left
+    # --overwrite is an option of this command only: the config saved beside the run must not carry it into
+    # a later run started from that file
+    saved = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "run") for f in fs if f == "config.yaml"]
+    assert saved and not any(re.search(r"^\s*overwrite:", open(f).read(), re.M) for f in saved)
+
+
+def test_overwrite_is_listed_in_fit_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--help"])
+    assert exit_.value.code == 0
+    assert "--overwrite" in capsys.readouterr().out
 
 
 def _limit_file_size(limit: int):
