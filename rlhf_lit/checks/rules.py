@@ -1,9 +1,9 @@
 """The allowed ranges of numeric settings, and the helpers that read a parsed config as dicts.
 
 A stage module's ranges (:func:`model_ranges`) are those declared on the fields of its settings dataclasses
-(:mod:`rlhf_lit.ranges`: ``optimizer.lr``, ``backbone.lora.r``, ...), found by walking the module's ``__init__``
-annotations, plus :data:`MODEL_RULES` for the rest (plain ``__init__`` arguments, and settings whose
-dataclasses do not declare theirs yet), by stage name (:mod:`rlhf_lit.stages`).
+(:mod:`rlhf_lit.ranges`: ``optimizer.lr``, ``backbone.lora.r``, ``ppo.gamma``, ``kl.kl_coef``, ...), found by
+walking the module's ``__init__`` annotations, plus :data:`MODEL_RULES` for the rest (plain ``__init__``
+arguments and tuple items), by stage name (:mod:`rlhf_lit.stages`).
 """
 
 from __future__ import annotations
@@ -69,32 +69,6 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
     },
     "ppo": {
         **_OPTIMIZER,
-        # ppo.*, kl.*, reward.*, critic.*, ptx.*: to move onto their dataclasses (rlhf_lit.ranges.ranged) with the
-        # RL-core restructure of modules/ppo_config.py; sampling.*, optimizer.*, *.lora.* are declared there
-        "ppo.ppo_epochs": _count(1),
-        "ppo.ppo_minibatch_size": _count(1),
-        "ppo.micro_batch_size": _count(1, optional=True),
-        "ppo.gamma": Range(low=0, high=1, low_open=True),
-        "ppo.gae_lambda": Range(low=0, high=1),
-        "ppo.clip_range": _gt0(),
-        "ppo.dual_clip": Range(low=1, low_open=True, optional=True),
-        "ppo.value_clip_range": _gt0(optional=True),
-        "ppo.vf_coef": _ge0(),
-        "ppo.entropy_coef": _ge0(),
-        "ppo.max_grad_norm": _gt0(optional=True),
-        "ppo.total_iterations": _count(1, optional=True),
-        "ppo.rollout_forward_batch_size": _count(1, optional=True),
-        "ppo.logprob_chunk_size": _count(1, optional=True),
-        "kl.kl_coef": _ge0(),
-        "kl.target_kl": _gt0(optional=True),
-        "kl.horizon": _count(1),
-        "ppo.loss_norm_constant": _gt0(optional=True),
-        "reward.clip": _gt0(optional=True),
-        "reward.missing_eos_penalty": Range(optional=True),
-        "critic.lr": _gt0(optional=True),
-        "ptx.coef": _ge0(),
-        "ptx.batch_size": _count(1),
-        "ptx.max_length": _count(2),
         "log_samples_every": _count(0),
     },
 }

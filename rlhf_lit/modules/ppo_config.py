@@ -15,6 +15,7 @@ from typing import Literal
 
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.models.backbone import LoraSettings
+from rlhf_lit.ranges import check_field_ranges, ranged
 from rlhf_lit.rl.algorithms import AlgorithmSpec, get_algorithm
 
 
@@ -73,32 +74,31 @@ class PPOConfig:
             (and its controller) sets the weight either way.
     """
 
-    ppo_epochs: int = 4
-    ppo_minibatch_size: int = 4
-    micro_batch_size: int | None = None
-    gamma: float = 1.0
-    gae_lambda: float = 0.95
-    clip_range: float = 0.2
-    dual_clip: float | None = None
-    value_clip_range: float | None = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
+    ppo_epochs: int = ranged(4, "int >= 1")
+    ppo_minibatch_size: int = ranged(4, "int >= 1")
+    micro_batch_size: int | None = ranged(None, "int >= 1 or null")
+    gamma: float = ranged(1.0, "(0, 1]")
+    gae_lambda: float = ranged(0.95, "[0, 1]")
+    clip_range: float = ranged(0.2, "> 0")
+    dual_clip: float | None = ranged(None, "> 1 or null")
+    value_clip_range: float | None = ranged(0.2, "> 0 or null")
+    vf_coef: float = ranged(0.1, ">= 0")
+    entropy_coef: float = ranged(0.0, ">= 0")
     whiten_advantages: bool = True
-    max_grad_norm: float | None = 1.0
-    max_consecutive_skips: int = 5
-    total_iterations: int | None = None
-    rollout_forward_batch_size: int | None = None
-    logprob_chunk_size: int | None = None
+    max_grad_norm: float | None = ranged(1.0, "> 0 or null")
+    max_consecutive_skips: int = ranged(5, "int >= 1")
+    total_iterations: int | None = ranged(None, "int >= 1 or null")
+    rollout_forward_batch_size: int | None = ranged(None, "int >= 1 or null")
+    logprob_chunk_size: int | None = ranged(None, "int >= 1 or null")
     seed: int = 0
     advantage_estimator: str = "gae"
     scale_by_std: bool = True
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"] | None = None
-    loss_norm_constant: float | None = None
+    loss_norm_constant: float | None = ranged(None, "> 0 or null")
     kl_placement: Literal["reward", "loss"] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_consecutive_skips < 1:
-            raise ValueError(f"ppo.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        check_field_ranges(self, "ppo.")  # the ranges declared above (ConfigError)
         self.algorithm  # noqa: B018 -- an unknown advantage_estimator is a ConfigError here
 
     @property
@@ -141,11 +141,14 @@ class KLConfig:
         horizon: adaptive controller horizon, in episodes.
     """
 
-    kl_coef: float = 0.05
+    kl_coef: float = ranged(0.05, ">= 0")
     estimator: Literal["k1", "k2", "k3", "abs"] | None = None
     adaptive: bool = False
-    target_kl: float | None = None
-    horizon: int = 10000
+    target_kl: float | None = ranged(None, "> 0 or null")
+    horizon: int = ranged(10000, "int >= 1")
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "kl.")  # the ranges declared above (ConfigError)
 
     def resolved_estimator(self, kl_in_loss: bool) -> str:
         """``estimator``, or its default for the placement: ``k3`` in the loss, ``k1`` in the rewards."""
@@ -169,9 +172,12 @@ class RewardShapingConfig:
     """
 
     normalize: bool = False
-    clip: float | None = None
-    missing_eos_penalty: float | None = None
+    clip: float | None = ranged(None, "> 0 or null")
+    missing_eos_penalty: float | None = ranged(None, "any or null")
     skip_non_finite: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "reward.")  # the ranges declared above (ConfigError)
 
 
 @dataclass
@@ -191,11 +197,12 @@ class CriticConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     shared_trunk: bool = False
     init_from_reward: bool = False
-    lr: float | None = None
+    lr: float | None = ranged(None, "> 0 or null")
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
+        check_field_ranges(self, "critic.")  # the ranges declared above (ConfigError)
 
 
 @dataclass
@@ -213,11 +220,14 @@ class PTXConfig:
         max_length: token limit of a PTX sequence.
     """
 
-    coef: float = 0.0
+    coef: float = ranged(0.0, ">= 0")
     train_files: list[str] = field(default_factory=list)
     format: str = "auto"
-    batch_size: int = 4
-    max_length: int = 256
+    batch_size: int = ranged(4, "int >= 1")
+    max_length: int = ranged(256, "int >= 2")
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "ptx.")  # the ranges declared above (ConfigError)
 
 
 @dataclass
@@ -243,9 +253,12 @@ class MonitorConfig:
 
     enabled: bool = True
     heldout: list[str] = field(default_factory=list)
-    window: int = 8
-    num_se: float = 2.0
-    max_perplexity_ratio: float | None = 2.0
+    window: int = ranged(8, "int >= 3")
+    num_se: float = ranged(2.0, "> 0")
+    max_perplexity_ratio: float | None = ranged(2.0, "> 0 or null")
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "monitor.")  # the ranges declared above (ConfigError)
 
 
 def refuse_impossible_settings(backbone, sampling) -> None:

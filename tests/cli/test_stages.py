@@ -152,3 +152,31 @@ def test_field_ranges_refuse_a_value_built_in_python():
         check_field_ranges(ToySettings(rounds=0), prefix="toy.")
     with pytest.raises(ConfigError, match=r"strength must be a number in \(0, 1\], got nan"):
         check_field_ranges(ToySettings(strength=float("nan")))
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "key", "bad", "expected"),
+    [
+        ("PPOConfig", "ppo.gamma", 0.0, "a number in (0, 1]"),
+        ("PPOConfig", "ppo.ppo_epochs", 0, "a whole number >= 1"),
+        ("PPOConfig", "ppo.dual_clip", 1.0, "a number > 1 (or null)"),
+        ("KLConfig", "kl.kl_coef", -0.1, "a number >= 0"),
+        ("RewardShapingConfig", "reward.clip", 0.0, "a number > 0 (or null)"),
+        ("CriticConfig", "critic.lr", 0.0, "a number > 0 (or null)"),
+        ("PTXConfig", "ptx.max_length", 1, "a whole number >= 2"),
+        ("MonitorConfig", "monitor.window", 2, "a whole number >= 3"),
+    ],
+)
+def test_ppo_settings_declare_their_ranges_once_for_python_and_the_cli(cls_name, key, bad, expected):
+    """The PPO settings' ranges live on their dataclasses: building one in Python and the CLI's check of a
+    parsed config give the same message (the CLI finds the range through PPOModule's ``__init__``)."""
+    from rlhf_lit.modules import ppo_config
+    from rlhf_lit.modules.ppo import PPOModule
+
+    field = key.split(".", 1)[1]
+    message = f"{key} must be {expected}, got {bad!r}"
+    with pytest.raises(ConfigError) as built:
+        getattr(ppo_config, cls_name)(**{field: bad})
+    assert str(built.value) == message
+    rule = model_ranges(PPOModule, find_stage("ppo"))[key]
+    assert not rule.allows(bad) and rule.describe() == expected
