@@ -61,8 +61,8 @@ GLOBAL_STATS = (
 )
 
 
-# A cap, not a cost: a worker takes ~1 min on 2 quiet cores, but on a machine shared with other jobs the same
-# worker took over 240 s (the earlier cap) and the fixture errored though nothing was wrong.
+# A cap, not a cost: on a machine shared with other jobs a worker took over 240 s (the earlier cap) and the
+# fixture errored though nothing was wrong.
 WORKER_TIMEOUT_S = 900
 
 
