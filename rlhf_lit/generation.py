@@ -12,6 +12,7 @@ distribution it was drawn from (the rollout-policy guard of ``rlhf_lit.rl.guard`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -68,6 +69,16 @@ class SamplingConfig:
         strict_sync: stop the run (``SamplerSyncError``) instead of warning when the guard fires: the gap
             exceeds ``logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's
             (fingerprint mismatch).
+        backend: how ``generate`` keeps its KV cache. ``hf``: transformers' dynamic cache (the default).
+            ``static``: transformers' static cache (``cache_implementation="static"``), with the prompts
+            left-padded to a bucket length (:func:`bucket_length`: the next power of two, at least 16) so a
+            rollout's shapes repeat across iterations; on CUDA transformers then compiles the decoding step
+            with ``torch.compile`` (on CPU it does not, and ``static`` is no faster). Both draw from the same
+            distribution: same logits processors, temperature and stop tokens; the extra left padding is
+            masked. The adapter stays unmerged unless ``merge_adapter``. The rollout-policy guard checks
+            every backend. (transformers' continuous batching, ``generate_batch``, is not offered: it returns
+            generated ids per request without the per-step scores the guard records, and its paged cache
+            needs a paged attention implementation the adapted model does not declare.)
     """
 
     max_new_tokens: int = ranged(48, "int >= 1")
@@ -83,9 +94,19 @@ class SamplingConfig:
     num_samples_per_prompt: int = ranged(1, "int >= 1")
     logprob_gap_tolerance: float = ranged(1e-3, "> 0")
     strict_sync: bool = False
+    backend: Literal["hf", "static"] = "hf"
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "sampling.")  # the ranges declared above (ConfigError)
+
+
+def bucket_length(length: int, minimum: int = 16) -> int:
+    """The prompt length the ``static`` backend pads a batch of ``length``-token prompts to: the next power
+    of two >= ``length`` and >= ``minimum`` (a few distinct shapes, so a compiled decoding step is reused)."""
+    bucket = max(int(minimum), 1)
+    while bucket < length:
+        bucket *= 2
+    return bucket
 
 
 def resolve_stop_ids(cfg: SamplingConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -193,7 +214,12 @@ def sample_responses(
         eos_token_id=list(stop_ids),
         pad_token_id=pad_token_id,
         use_cache=True,
+        cache_implementation="static" if cfg.backend == "static" else None,
     )
+    if cfg.backend == "static" and (extra := bucket_length(input_ids.shape[1]) - input_ids.shape[1]) > 0:
+        # left padding, masked: the prompt rows stay left padded and their positions come from the mask
+        input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_token_id)
+        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
     was_training = model.training
     # eval() only for the KV cache (transformers refuses the cache under gradient checkpointing in train
     # mode); dropout is already 0, so this changes no number.

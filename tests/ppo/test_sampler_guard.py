@@ -18,7 +18,7 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import ConfigError, SamplerSyncError, UserError
 from rlhf_lit.functional.sampler_gap import logprob_gap
-from rlhf_lit.generation import SampledLogprobs, SamplingConfig
+from rlhf_lit.generation import SampledLogprobs, SamplingConfig, bucket_length, sample_responses
 from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import PPOConfig
@@ -90,9 +90,13 @@ def _guard_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if FIRES in r.getMessage()]
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
-def test_the_gap_is_zero_within_tolerance_on_every_iteration(tmp_path, caplog, merge):
-    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, merge_adapter=merge)
+@pytest.mark.parametrize(
+    ("merge", "backend"),
+    [(False, "hf"), (True, "hf"), (False, "static")],
+    ids=["adapter", "merged", "static"],
+)
+def test_the_gap_is_zero_within_tolerance_on_every_iteration(tmp_path, caplog, merge, backend):
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, merge_adapter=merge, backend=backend)
     with caplog.at_level(logging.WARNING, logger="rlhf_lit"):
         module = _run(tmp_path, lr=1e-2, sampling=sampling)  # a large lr: the actor moves every iteration
     assert len(module.history) == 3
@@ -143,9 +147,11 @@ def adapterless_sampler(sampling, stop_ids, pad_token_id):
     return Adapterless(sampling, stop_ids, pad_token_id)
 
 
-def test_a_stale_sampler_makes_the_guard_warn(tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_a_stale_sampler_makes_the_guard_warn(tmp_path, caplog, backend):
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, backend=backend)
     with caplog.at_level(logging.WARNING, logger="rlhf_lit"):
-        module = _run(tmp_path, lr=1e-2, sampler=stale_sampler)
+        module = _run(tmp_path, lr=1e-2, sampling=sampling, sampler=stale_sampler)
     warnings = _guard_warnings(caplog)
     # iteration 1 samples the weights it trains (the copy is fresh); iterations 2 and 3 the stale copy
     assert [w.split(":")[0] for w in warnings] == ["PPO iteration 2", "PPO iteration 3"]
@@ -186,6 +192,38 @@ def test_a_sampler_without_the_adapter_is_caught_by_the_gap(tmp_path, caplog):
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, strict_sync=True)
     with pytest.raises(SamplerSyncError, match="PPO iteration 2: "):
         _run(tmp_path, lr=1e-2, sampling=sampling, sampler=adapterless_sampler)
+
+
+# -------------------------------------------------------------------------------------------- the backends
+def test_bucket_length_by_hand():
+    assert [bucket_length(n) for n in (1, 16, 17, 31, 32, 33, 100)] == [16, 16, 32, 32, 32, 64, 128]
+    assert bucket_length(5, minimum=4) == 8 and bucket_length(4, minimum=4) == 4
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_the_static_backend_draws_what_hf_draws(do_sample):
+    """Same weights, same seed: the static cache (prompts padded from 11 to 16 tokens, masked) gives the hf
+    backend's responses token for token, and the log-probs it records are the trainer's."""
+    torch.manual_seed(0)
+    base = load_backbone(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
+    lm = AdaptedLM(base, {"actor": LoraSettings(r=4, alpha=8, target_modules=["c_attn", "c_fc"])})
+    with torch.no_grad():  # a non-zero adapter, so the adapter's path is exercised
+        for name, p in lm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.randint(3, 200, (3, 11))
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0  # one left-padded row
+    out, records = {}, {}
+    for backend in ("hf", "static"):
+        cfg = SamplingConfig(max_new_tokens=10, temperature=0.7, do_sample=do_sample, backend=backend)
+        recorder = SampledLogprobs(cfg)
+        torch.manual_seed(1)
+        with lm.adapter("actor"):
+            out[backend] = sample_responses(lm.model, ids, mask, cfg, [], 0, logprobs=recorder)
+        records[backend] = recorder.finish(out[backend][0])
+    assert torch.equal(out["hf"][0], out["static"][0]) and out["hf"][0].shape == (3, 10)
+    torch.testing.assert_close(records["static"], records["hf"], atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------------- the merged-adapter path
