@@ -45,6 +45,7 @@ import torch
 from torch.testing import assert_close
 
 from rlhf_lit import metrics as M
+from rlhf_lit.functional.aggregation import AGGREGATIONS
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import LoraSettings
 from rlhf_lit.modules.common import OptimizerConfig
@@ -88,7 +89,7 @@ class Case:
 # != value_clip_range, and so on); between the two configs of an estimator the KL placement, the loss
 # aggregation and the KL estimator change.
 CASES = {
-    "gae_reward_kl_token_mean": Case(
+    "gae_reward_kl_seq_mean": Case(
         "gae",
         prompts=6,
         n=1,
@@ -105,7 +106,7 @@ CASES = {
             entropy_coef=0.02,
             whiten_advantages=True,
             max_grad_norm=0.5,
-            loss_aggregation="token_mean",
+            loss_aggregation="seq_mean_token_mean",
             kl_placement="reward",
             logprob_chunk_size=2,
             seed=7,
@@ -219,10 +220,10 @@ CASES = {
             kl_placement="loss",
             seed=17,
         ),
-        kl=dict(kl_coef=0.12, estimator="k3"),
+        kl=dict(kl_coef=0.12, estimator="k2"),
         optimizer=dict(lr=0.04, weight_decay=0.01, betas=(0.85, 0.95), eps=1e-2, scheduler="cosine"),
     ),
-    "reinforce_pp_reward_kl_seq_mean": Case(
+    "reinforce_pp_reward_kl_token_sum": Case(
         "reinforce_pp",
         prompts=4,
         n=1,
@@ -232,17 +233,18 @@ CASES = {
             micro_batch_size=1,
             gamma=0.85,
             clip_range=0.16,
-            dual_clip=1.5,
+            dual_clip=1.4,
             entropy_coef=0.02,
-            max_grad_norm=0.5,
-            loss_aggregation="seq_mean_token_mean",
+            max_grad_norm=0.3,
+            loss_aggregation="token_sum_norm",
+            loss_norm_constant=7.0,
             kl_placement="reward",
             seed=19,
         ),
         kl=dict(kl_coef=0.2, estimator="k2"),
         optimizer=dict(lr=0.05, weight_decay=0.01, betas=(0.8, 0.95), eps=1e-2, scheduler="linear"),
     ),
-    "reinforce_pp_loss_kl_token_sum": Case(
+    "reinforce_pp_loss_kl_seq_mean": Case(
         "reinforce_pp",
         prompts=3,
         n=2,
@@ -251,12 +253,11 @@ CASES = {
             ppo_minibatch_size=3,
             micro_batch_size=1,
             gamma=0.75,
-            clip_range=0.2,
-            dual_clip=1.25,
+            clip_range=0.1,
+            dual_clip=1.12,
             entropy_coef=0.03,
             max_grad_norm=None,
-            loss_aggregation="token_sum_norm",
-            loss_norm_constant=3.0,
+            loss_aggregation="seq_mean_token_mean",
             kl_placement="loss",
             seed=23,
         ),
@@ -281,6 +282,11 @@ class RecordingObjective:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def _snapshot(batch):
+    """A copy of an ``UpdateBatch`` whose tensors are clones."""
+    return type(batch)(**{k: v.clone() if torch.is_tensor(v) else v for k, v in vars(batch).items()})
 
 
 def _record(case: Case, tmp_path):
@@ -315,7 +321,10 @@ def _record(case: Case, tmp_path):
 
     reward = RecordingReward(module.collector.reward_fn)
     module.collector.reward_fn = reward
-    module.updater = RecordingUpdater(module.updater)
+    # the update's input as it arrives (the update may not change it: a copy, not the object)
+    module.updater = RecordingUpdater(
+        module.updater, on_update=lambda b: rec.setdefault("batch", _snapshot(b))
+    )
     updater = module.updater.inner
     objective = RecordingObjective(updater.objective)
     updater.objective = objective
@@ -346,7 +355,6 @@ def _record(case: Case, tmp_path):
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=case.prompts))
     assert module.iteration == 1
     rec["scores"] = reward.calls[-1]
-    rec["batch"] = module.updater.calls[-1]
     rec["final"] = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     rec["logged"] = module.history[-1]
     return module, rec
@@ -744,23 +752,36 @@ def test_the_logged_update_figures_equal_the_oracle(replayed):
     assert logged[M.PPO_SKIPPED_STEPS] == 0.0
 
 
-def test_every_aggregation_placement_and_estimator_is_covered():
-    """The configs together cover what the acceptance asks: two or more per estimator, each loss aggregation,
-    both KL placements per estimator, dual clip everywhere, clip_range != value_clip_range."""
+def test_every_option_is_away_from_its_default_and_every_combination_is_covered():
+    """What the acceptance asks of the configs: two or more per estimator with both KL placements; every
+    option the update reads away from its default (the estimator's default aggregation and the placement's
+    default KL estimator included); each loss aggregation with each KL placement; every KL estimator."""
+    # switches whose two values both appear (one is then the default): placement, whitening, std scaling;
+    # sizes: the rollout's shape, not a setting of the arithmetic
+    variants = {"kl_placement", "whiten_advantages", "scale_by_std", "ppo_minibatch_size", "micro_batch_size"}
+    defaults, kl_default, opt_default = PPOConfig(), KLConfig(), OptimizerConfig()
     by_estimator: dict[str, list[Case]] = {}
-    for case in CASES.values():
+    for name, case in CASES.items():
         by_estimator.setdefault(case.estimator, []).append(case)
-        assert case.ppo["dual_clip"] is not None and case.ppo["entropy_coef"] != 0 and case.kl["kl_coef"] != 0
-        assert case.ppo["ppo_epochs"] >= 2 and case.prompts > case.n
+        ppo = PPOConfig(advantage_estimator=case.estimator, **case.ppo)
+        for key, value in case.ppo.items():
+            if key not in variants:
+                assert value != getattr(defaults, key), f"{name}: ppo.{key}"
+        assert ppo.dual_clip is not None and ppo.entropy_coef != 0, name
+        assert case.ppo["loss_aggregation"] != ppo.algorithm.default_aggregation(ppo), name
+        assert case.kl["estimator"] != KLConfig().resolved_estimator(ppo.kl_in_loss()), name
+        assert case.kl["kl_coef"] not in (0, kl_default.kl_coef), name
+        for key, value in case.optimizer.items():
+            assert value != getattr(opt_default, key) or key == "scheduler", f"{name}: optimizer.{key}"
+        assert ppo.ppo_epochs >= 2 and case.prompts > case.n, name
         if case.estimator == "gae":
-            assert case.ppo["clip_range"] != case.ppo["value_clip_range"]
+            assert ppo.clip_range != ppo.value_clip_range and {"gamma", "gae_lambda", "vf_coef"} <= set(
+                case.ppo
+            )
     assert {"gae", "grpo", "rloo", "reinforce_pp"} <= set(by_estimator)
     for cases in by_estimator.values():
         assert len(cases) >= 2
         assert {c.ppo["kl_placement"] for c in cases} == {"reward", "loss"}
-    assert {c.ppo["loss_aggregation"] for c in CASES.values()} == {
-        "token_mean",
-        "seq_mean_token_mean",
-        "token_sum_norm",
-    }
+    combinations = {(c.ppo["loss_aggregation"], c.ppo["kl_placement"]) for c in CASES.values()}
+    assert combinations == {(a, p) for a in AGGREGATIONS for p in ("reward", "loss")}
     assert {c.kl["estimator"] for c in CASES.values()} == {"k1", "k2", "k3", "abs"}
