@@ -96,7 +96,7 @@ CASES = {
         ppo=dict(
             ppo_epochs=2,
             ppo_minibatch_size=2,
-            micro_batch_size=1,
+            micro_batch_size=2,
             gamma=0.9,
             gae_lambda=0.8,
             clip_range=0.05,
@@ -251,7 +251,7 @@ CASES = {
         ppo=dict(
             ppo_epochs=2,
             ppo_minibatch_size=3,
-            micro_batch_size=1,
+            micro_batch_size=3,
             gamma=0.75,
             clip_range=0.1,
             dual_clip=1.12,
@@ -783,5 +783,8 @@ def test_every_option_is_away_from_its_default_and_every_combination_is_covered(
         assert len(cases) >= 2
         assert {c.ppo["kl_placement"] for c in cases} == {"reward", "loss"}
     combinations = {(c.ppo["loss_aggregation"], c.ppo["kl_placement"]) for c in CASES.values()}
+    for c in CASES.values():  # a response's weight 1 / its length differs from its neighbour's only in a
+        if c.ppo["loss_aggregation"] == "seq_mean_token_mean":  # micro-batch of two or more responses
+            assert (c.ppo["micro_batch_size"] or c.ppo["ppo_minibatch_size"]) >= 2
     assert combinations == {(a, p) for a in AGGREGATIONS for p in ("reward", "loss")}
     assert {c.kl["estimator"] for c in CASES.values()} == {"k1", "k2", "k3", "abs"}
