@@ -560,7 +560,7 @@ class Oracle:
             M.PPO_APPROX_KL: token_mean(stats["approx"]),
             M.PPO_RATIO_MEAN: token_mean(stats["ratio"]),
             M.PPO_ENTROPY: token_mean([e.detach() for e in ent]),
-            "dual_clipfrac": token_mean(stats["dual"]),
+            M.PPO_DUAL_CLIPFRAC: token_mean(stats["dual"]),
         }
         if self.kl_in_loss:
             out[M.PPO_KL_LOSS] = token_mean([k.detach() for k in kl])
@@ -651,9 +651,9 @@ def test_the_case_is_not_degenerate(replayed):
     assert len(set(rec["scores"].tolist())) == len(rows)
     assert len({len(row["response"]) for row in rows}) > 1
     assert sum(abs(k) for row in rows for k in row["kl"]) / sum(len(row["kl"]) for row in rows) > 0.01
-    assert steps[0][M.PPO_CLIPFRAC] == 0.0 and steps[0]["dual_clipfrac"] == 0.0  # ratio 1 at the start
+    assert steps[0][M.PPO_CLIPFRAC] == 0.0 and steps[0][M.PPO_DUAL_CLIPFRAC] == 0.0  # ratio 1 at the start
     assert any(0 < s[M.PPO_CLIPFRAC] < 1 for s in steps[1:])
-    assert any(s["dual_clipfrac"] > 0 for s in steps[1:])
+    assert any(s[M.PPO_DUAL_CLIPFRAC] > 0 for s in steps[1:])
     if case.estimator == "gae":
         assert steps[0][M.PPO_VALUE_CLIPFRAC] == 0.0
         assert any(0 < s[M.PPO_VALUE_CLIPFRAC] < 1 for s in steps[1:])
@@ -706,6 +706,7 @@ def test_every_minibatch_equals_the_oracle(replayed):
             M.PPO_APPROX_KL,
             M.PPO_RATIO_MEAN,
             M.PPO_ENTROPY,
+            M.PPO_DUAL_CLIPFRAC,
             M.PPO_KL_LOSS,
             M.PPO_VALUE_CLIPFRAC,
         ):
@@ -739,7 +740,8 @@ def test_the_logged_update_figures_equal_the_oracle(replayed):
     aggregated, the rest as token means), the mean gradient norm, no skipped step."""
     case, module, rec, oracle, schedule, steps = replayed
     logged = rec["logged"]
-    keys = [M.PPO_POLICY_LOSS, M.PPO_CLIPFRAC, M.PPO_APPROX_KL, M.PPO_RATIO_MEAN, M.PPO_ENTROPY]
+    keys = [M.PPO_POLICY_LOSS, M.PPO_CLIPFRAC, M.PPO_DUAL_CLIPFRAC, M.PPO_APPROX_KL, M.PPO_RATIO_MEAN]
+    keys += [M.PPO_ENTROPY]
     keys += [M.PPO_KL_LOSS] if oracle.kl_in_loss else []
     keys += [M.PPO_VALUE_LOSS, M.PPO_VALUE_CLIPFRAC] if case.estimator == "gae" else []
     for key in keys:
