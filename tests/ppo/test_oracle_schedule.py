@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -47,11 +47,11 @@ from torch.testing import assert_close
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.aggregation import AGGREGATIONS
 from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.models import LoraSettings
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig
 from rlhf_lit.rl.schedule import epoch_schedule
 from tests.ppo.helpers import (
+    LORA,
     RecordingReward,
     RecordingUpdater,
     make_data,
@@ -62,8 +62,7 @@ from tests.ppo.helpers import (
 from tests.ppo.test_oracle import _forward, _plain_gpt2
 
 TEMPERATURE = 0.7
-LORA = LoraSettings(r=4, alpha=8, target_modules=["c_attn", "c_fc"])
-SCALING = LORA.alpha / LORA.r
+SCALING = LORA.alpha / LORA.r  # peft's LoRA scaling
 PREFIX = "policy.lm.model.base_model.model."
 
 
@@ -82,7 +81,6 @@ class Case:
     shared_trunk: bool = False
     max_new_tokens: int = 6
     short_rows: tuple = ((1, 1), (2, 3))
-    extra: dict = field(default_factory=dict)
 
 
 # Every option the update reads differs from its default and from the other options of its kind (clip_range
@@ -321,7 +319,7 @@ def _record(case: Case, tmp_path):
 
     reward = RecordingReward(module.collector.reward_fn)
     module.collector.reward_fn = reward
-    # the update's input as it arrives (the update may not change it: a copy, not the object)
+    # the update's input as it arrives (a copy: the update sets the batch's token weights)
     module.updater = RecordingUpdater(
         module.updater, on_update=lambda b: rec.setdefault("batch", _snapshot(b))
     )
