@@ -57,6 +57,7 @@ PPO_VALUE_LOSS = "ppo/value_loss"
 PPO_PTX_LOSS = "ppo/ptx_loss"
 PPO_CLIPFRAC = "ppo/clipfrac"
 PPO_VALUE_CLIPFRAC = "ppo/value_clipfrac"
+PPO_DUAL_CLIPFRAC = "ppo/dual_clipfrac"
 PPO_APPROX_KL = "ppo/approx_kl"
 PPO_ENTROPY = "ppo/entropy"
 PPO_KL_LOSS = "ppo/kl_loss"
@@ -153,9 +154,12 @@ GLOSSARY: dict[str, str] = {
     "sampling.strict_sync)",
     ROLLOUT_SAMPLER_LOGPROB_GAP_MAX: "the largest of those per-token differences (nats per token)",
     PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",
-    PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2) (token-level mean)",
+    PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2), aggregated as ppo.loss_aggregation",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",
-    PPO_CLIPFRAC: "fraction of response tokens whose ratio fell outside [1-clip_range, 1+clip_range]",
+    PPO_CLIPFRAC: "fraction of update tokens where the clip binds (ratio > 1+clip_range with a positive advantage, "
+    "or < 1-clip_range with a negative one: the token's gradient is 0)",
+    PPO_DUAL_CLIPFRAC: "fraction of update tokens where the dual clip binds (negative advantage, loss capped at "
+    "-dual_clip * A; logged when ppo.dual_clip is set)",
     PPO_VALUE_CLIPFRAC: "fraction of tokens whose new value left old value +- value_clip_range",
     PPO_APPROX_KL: "mean (ratio - 1) - log(ratio) between the updated and the rollout policy (nats per token)",
     PPO_ENTROPY: "mean policy entropy per response token (nats)",

@@ -136,6 +136,8 @@ class PPOObjective:
             stats[M.PPO_CLIPFRAC] = pg_stats["clipfrac"]
             stats[M.PPO_APPROX_KL] = pg_stats["approx_kl"]
             stats[M.PPO_RATIO_MEAN] = pg_stats["ratio_mean"]
+            if self.dual_clip is not None:
+                stats[M.PPO_DUAL_CLIPFRAC] = pg_stats["dual_clipfrac"]
             if mb.ref_logprobs is not None:
                 kl = kl_per_token(out.logprobs, mb.ref_logprobs, self.kl_estimator)
                 stats[M.PPO_KL_LOSS] = masked_mean(kl, mb.mask)  # logged as a token mean
