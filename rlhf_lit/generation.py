@@ -76,9 +76,9 @@ class SamplingConfig:
             with ``torch.compile`` (on CPU it does not, and ``static`` is no faster). Both draw from the same
             distribution: same logits processors, temperature and stop tokens; the extra left padding is
             masked. The adapter stays unmerged unless ``merge_adapter``. The rollout-policy guard checks
-            every backend. (transformers' continuous batching, ``generate_batch``, is not offered: it returns
-            generated ids per request without the per-step scores the guard records, and its paged cache
-            needs a paged attention implementation the adapted model does not declare.)
+            every backend. (transformers' continuous batching, ``generate_batch``, is not offered yet: on this
+            project's CPU machine, transformers 5.24, it took 114 s for 4 prompts x 12 new tokens of a 2-layer
+            model against 0.5 s for ``generate``, so it cannot be tested here; docs/ppo.md.)
     """
 
     max_new_tokens: int = ranged(48, "int >= 1")
