@@ -253,7 +253,6 @@ def _stage_args(stage: str, root: Path) -> list[str]:
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={root / 'ck'}",
         "--trainer.callbacks.save_last=true",
-        "--trainer.callbacks.save_top_k=0",
     ]
 
 
