@@ -170,13 +170,19 @@ def straight_ppo(tmp_path_factory) -> Path:
 
 
 def draw_point(phase: str, seed: int) -> dict:
-    """A kill point of ``phase``, from ``random.Random(phase, seed)``: an iteration after the first (so a
-    checkpoint exists to resume from) and the token, micro-batch or written share within it."""
-    rng = random.Random(f"{phase}-{seed}")
-    if phase == "checkpoint":  # the k-th checkpoint write (after iteration k), part of its bytes
-        return {"phase": phase, "count": rng.randint(2, N_ITER), "fraction": round(rng.uniform(0.0, 0.99), 3)}
-    count = rng.randint(1, MAX_NEW_TOKENS - 2 if phase == "sampling" else BACKWARDS_PER_ITER)
-    return {"phase": phase, "batch": rng.randint(2, N_ITER), "count": count}
+    """Kill point number ``seed`` (0-5) of ``phase``, all six distinct, drawn by ``random.Random(phase)``: for
+    sampling / update an iteration after the first (so a checkpoint exists to resume from) and the generated
+    token or micro-batch within it; for a checkpoint write, which write (each of the 2nd to 4th twice) and the
+    share of its bytes on disk (``random.Random(phase-seed)``)."""
+    rng = random.Random(phase)
+    if phase == "checkpoint":
+        count = rng.sample(list(range(2, N_ITER + 1)) * 2, 6)[seed]
+        fraction = round(random.Random(f"{phase}-{seed}").uniform(0.0, 0.99), 3)
+        return {"phase": phase, "count": count, "fraction": fraction}
+    per_iteration = MAX_NEW_TOKENS - 2 if phase == "sampling" else BACKWARDS_PER_ITER
+    points = [(i, c) for i in range(2, N_ITER + 1) for c in range(1, per_iteration + 1)]
+    batch, count = rng.sample(points, 6)[seed]
+    return {"phase": phase, "batch": batch, "count": count}
 
 
 def _kill_args(point: dict) -> list[str]:
