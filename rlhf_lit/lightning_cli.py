@@ -155,7 +155,7 @@ class RLHFCLI(LightningCLI):
         from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
 
         every = getattr(getattr(self.model, "ppo", None), "checkpoint_every", None)
-        added = periodic_checkpoint(every, trainer)
+        added = periodic_checkpoint(every, trainer) if self.subcommand == "fit" else []  # validate writes none
         if not added:
             return
         listed = (config.get("trainer") or {}).get("callbacks") or []

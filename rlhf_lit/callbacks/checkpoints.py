@@ -43,11 +43,13 @@ class IterationCheckpoint(ModelCheckpoint):
 def periodic_checkpoint(every: int | None, trainer) -> list[IterationCheckpoint]:
     """The checkpoint callback ``ppo.checkpoint_every = every`` asks of ``trainer``, as a list (empty for none).
 
-    None when ``every`` is unset, when the trainer has no checkpoint callback at all (``enable_checkpointing:
-    false``), or when it already has one that keeps a ``last.ckpt`` (an ``IterationCheckpoint``, or the user's
-    ``ModelCheckpoint(save_last=...)``): those settings win.
+    None when ``every`` is unset, when the trainer runs anything but ``fit``, when it has no checkpoint callback
+    at all (``enable_checkpointing: false``), or when it already has one that keeps a ``last.ckpt`` (an
+    ``IterationCheckpoint``, or the user's ``ModelCheckpoint(save_last=...)``): those settings win.
     """
     callbacks = list(getattr(trainer, "checkpoint_callbacks", None) or [])
     if not every or not callbacks or any(getattr(c, "save_last", None) for c in callbacks):
         return []
+    if getattr(getattr(trainer, "state", None), "fn", None) not in (None, "fit"):
+        return []  # validate, test, predict: nothing is written (and the checkpoint's own callbacks stay)
     return [IterationCheckpoint(every, trainer.default_root_dir)]

@@ -37,6 +37,10 @@ def test_a_trainer_gets_one_unless_its_own_checkpointing_says_otherwise(tmp_path
     own = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True)])
     assert periodic_checkpoint(2, own) == []
     assert periodic_checkpoint(2, None) == []
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    default.state.fn = TrainerFn.VALIDATING  # validate writes nothing: the checkpoint's own callbacks stay
+    assert periodic_checkpoint(2, default) == []
 
 
 def test_last_ckpt_is_written_every_n_iterations_and_replaces_the_default_checkpoint(tmp_path):
