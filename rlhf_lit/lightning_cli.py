@@ -146,11 +146,29 @@ class RLHFCLI(LightningCLI):
 
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
                 trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+            self._add_periodic_checkpoint(trainer, config)
             return trainer
         except (ValueError, MisconfigurationException) as err:  # Lightning's checks of the trainer settings
             raise ConfigError(f"trainer: {str(err).strip().splitlines()[0]}") from err
         finally:
             self.trainer_defaults = defaults
+
+    def _add_periodic_checkpoint(self, trainer, config) -> None:
+        """PPO's ``ppo.checkpoint_every``: its ``IterationCheckpoint`` joins the trainer now, not when ``fit``
+        attaches the module's own callbacks, because Lightning resolves ``--ckpt_path last`` before that. It
+        replaces Lightning's default ``ModelCheckpoint`` (the config names none), so a run writes one kind."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
+
+        every = getattr(getattr(self.model, "ppo", None), "checkpoint_every", None)
+        added = periodic_checkpoint(every, trainer) if self.subcommand == "fit" else []  # validate writes none
+        if not added:
+            return
+        listed = (config.get("trainer") or {}).get("callbacks") or []
+        configured = any(str(getattr(c, "class_path", c)).endswith("ModelCheckpoint") for c in listed)
+        kept = [c for c in trainer.callbacks if configured or not isinstance(c, ModelCheckpoint)]
+        trainer.callbacks = kept + added
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:

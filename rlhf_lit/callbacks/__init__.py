@@ -3,6 +3,8 @@
 * :class:`StageProgressBar` (``progress``): the tqdm bar with the stage's name; the CLI adds it.
 * :class:`HFExport`, :class:`RolloutSamples`, :class:`PPOCurves` (``outputs``): the Hugging Face export,
   PPO's sample table and PPO's curves; the modules attach them as their settings ask.
+* :class:`IterationCheckpoint` (``checkpoints``): PPO's periodic resumable ``last.ckpt``
+  (``ppo.checkpoint_every``); :func:`periodic_checkpoint` decides whether a trainer gets one.
 * :class:`RewardHackingMonitor` (``monitor``): PPO's over-optimisation watch (``monitor.enabled``).
 * :class:`GoldScoreCallback` (``gold_score``): the demo's evaluation-only gold score of PPO's samples.
 
@@ -16,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rlhf_lit.callbacks.checkpoints import IterationCheckpoint, periodic_checkpoint
     from rlhf_lit.callbacks.gold_score import GoldScoreCallback
     from rlhf_lit.callbacks.monitor import RewardHackingMonitor, _shift_se
     from rlhf_lit.callbacks.outputs import HFExport, PPOCurves, RolloutSamples, unless_configured
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 # imported on first use (PEP 562): the CLI needs only the progress bar, not the data code the others import
 _LAZY = {
     "GoldScoreCallback": "rlhf_lit.callbacks.gold_score",
+    "IterationCheckpoint": "rlhf_lit.callbacks.checkpoints",
+    "periodic_checkpoint": "rlhf_lit.callbacks.checkpoints",
     "RewardHackingMonitor": "rlhf_lit.callbacks.monitor",
     "_shift_se": "rlhf_lit.callbacks.monitor",
     "HFExport": "rlhf_lit.callbacks.outputs",
@@ -36,11 +41,13 @@ _LAZY = {
 __all__ = [
     "GoldScoreCallback",
     "HFExport",
+    "IterationCheckpoint",
     "PPOCurves",
     "RewardHackingMonitor",
     "RolloutSamples",
     "StageProgressBar",
     "_shift_se",
+    "periodic_checkpoint",
     "unless_configured",
 ]
 

@@ -21,6 +21,7 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
+from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
 from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.backbone import BackboneConfig
@@ -186,11 +187,12 @@ class PPOModule(L.LightningModule):
         return configure_optimizer(self)  # actor and critic parameter groups, a per-step schedule
 
     def configure_callbacks(self):
-        """The outputs this module's settings ask for, added to the trainer's callbacks: the reward-hacking
-        monitor (``monitor.enabled``), the sample table (``log_samples_every``), the Hugging Face export and
-        the score / KL curves (``export_dir``). One of the same class in ``trainer.callbacks`` is kept instead."""
+        """The outputs the settings ask for: the periodic checkpoint (``ppo.checkpoint_every``), the reward-hacking
+        monitor (``monitor.enabled``), the sample table (``log_samples_every``), the Hugging Face export and the
+        score / KL curves (``export_dir``). One of the same class in ``trainer.callbacks`` is kept instead."""
         settings = {k: v for k, v in asdict(self.monitor_cfg).items() if k != "enabled"}
-        callbacks = [RewardHackingMonitor(**settings)] if self.monitor_cfg.enabled else []
+        callbacks = periodic_checkpoint(self.ppo.checkpoint_every, attached_trainer(self))
+        callbacks += [RewardHackingMonitor(**settings)] if self.monitor_cfg.enabled else []
         if self.hparams.log_samples_every:
             callbacks.append(RolloutSamples(every=self.hparams.log_samples_every))
         if self.export_dir:

@@ -72,6 +72,12 @@ class PPOConfig:
             default there, aggregated like the policy loss, added to it; GRPO, Shao et al. 2024 eq. 3-4).
             Default: the ``AlgorithmSpec``'s (``loss`` for ``grpo``, ``reward`` otherwise). ``kl.kl_coef``
             (and its controller) sets the weight either way.
+        checkpoint_every: write a resumable checkpoint, ``<trainer.default_root_dir>/last.ckpt`` (replaced
+            each time, atomically), after every this many iterations, so a run killed at any point
+            resumes with ``--ckpt_path last`` and loses at most this many iterations
+            (``rlhf_lit.callbacks.IterationCheckpoint``, Lightning's ``ModelCheckpoint``). Null: none, unless
+            the trainer's own checkpointing is configured. ``trainer.enable_checkpointing: false`` turns it off,
+            and a ``ModelCheckpoint`` with ``save_last`` in ``trainer.callbacks`` is used instead of it.
     """
 
     ppo_epochs: int = ranged(4, "int >= 1")
@@ -96,6 +102,7 @@ class PPOConfig:
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"] | None = None
     loss_norm_constant: float | None = ranged(None, "> 0 or null")
     kl_placement: Literal["reward", "loss"] | None = None
+    checkpoint_every: int | None = ranged(None, "int >= 1 or null")
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "ppo.")  # the ranges declared above (ConfigError)
