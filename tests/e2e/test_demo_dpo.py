@@ -16,9 +16,10 @@ from rlhf_lit.demo.stages import config_path
 from rlhf_lit.lightning_cli import parse_config
 from tests.tiny_runs import in_repo_root, one_thread
 
-# seed 1 runs by default too: the two seeds together took ~N min on the loaded 2-core machine
-SEEDS = (0, 1)
-pytestmark = pytest.mark.timeout(1800)
+# Seed 1 is marked heavy (left out of the default run, run with -m heavy): on the shared 2-core machine one
+# seed took ~15-19 min while other jobs loaded both cores (SFT 3-15 min, DPO 2-5 min, the report ~30 s).
+SEEDS = (0, pytest.param(1, marks=pytest.mark.heavy))
+pytestmark = pytest.mark.timeout(3600)  # one seed neared 30 min on the busy machine
 
 
 @pytest.mark.e2e
