@@ -16,8 +16,8 @@ from rlhf_lit.demo.stages import config_path
 from rlhf_lit.lightning_cli import parse_config
 from tests.tiny_runs import in_repo_root, one_thread
 
-# Seed 1 is marked heavy (left out of the default run, run with -m heavy): on the shared 2-core machine one
-# seed took ~15-19 min while other jobs loaded both cores (SFT 3-15 min, DPO 2-5 min, the report ~30 s).
+# Seed 1 is marked heavy (left out of the default run, run with -m heavy): on the shared 2-core machine, with
+# other jobs loading both cores, seed 0 took 937 s and seed 1 769 s (SFT 3-15 min, DPO 2-5 min, report ~30 s).
 SEEDS = (0, pytest.param(1, marks=pytest.mark.heavy))
 pytestmark = pytest.mark.timeout(3600)  # one seed neared 30 min on the busy machine
 
