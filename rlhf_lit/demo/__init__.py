@@ -1,4 +1,4 @@
-"""The embedded default: SFT -> reward model -> PPO on the echo task, offline, then a report that proves it.
+"""The embedded default: SFT -> reward model -> PPO (or SFT -> DPO) on the echo task, offline, then a report.
 
 ``rlhf-lit demo`` runs ``configs/demo/{sft,reward,ppo}.yaml`` as ordinary ``rlhf-lit fit`` stages (each also
 runs on its own) and then evaluates, on held-out prompts that no stage trained on:
@@ -10,8 +10,13 @@ runs on its own) and then evaluates, on held-out prompts that no stage trained o
 * the PPO run: gold and RM score of each iteration's samples against their KL (the over-optimisation
   frontier of Gao et al. 2022).
 
+``rlhf-lit demo --method dpo`` runs ``configs/demo/{sft,dpo}.yaml`` instead (DPO on the same kind of preference
+pairs the reward model trains on; no reward model, no PPO, no over-optimised run) and reports the DPO policy
+against the SFT policy the same way: gold score, KL to the SFT policy, the gain in standard errors, with
+responses sampled as PPO's are and PPO's KL budget.
+
 The gold scorer (``rlhf_lit.data.demo_task.gold_score``) is used here, for evaluation, and by
-``GoldScoreCallback`` (which only logs); never by the reward model or PPO.
+``GoldScoreCallback`` (which only logs); never by the reward model, PPO or DPO.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from typing import Any
 from rlhf_lit.demo.stages import (
     DEFAULT_OUT,
     FAST_OVERRIDES,
+    METHOD_OUT,
+    METHOD_STAGES,
+    METHODS,
     OVEROPTIMIZED,
     OVEROPTIMIZED_FAST_OVERRIDES,
     OVEROPTIMIZED_OVERRIDES,
@@ -48,6 +56,8 @@ _LAZY = {
 __all__ = [
     "DEFAULT_OUT",
     "FAST_OVERRIDES",
+    "METHODS",
+    "METHOD_STAGES",
     "OVEROPTIMIZED",
     "OVEROPTIMIZED_FAST_OVERRIDES",
     "OVEROPTIMIZED_OVERRIDES",
@@ -66,10 +76,18 @@ __all__ = [
 
 
 def main(args: list[str]) -> None:
-    """``rlhf-lit demo [--fast] [--seeds 0,1,2] [--report-only] [--no-overoptimized] [--out DIR]``."""
+    """``rlhf-lit demo [--method ppo|dpo] [--fast] [--seeds 0,1,2] [--report-only] [--no-overoptimized]
+    [--out DIR]``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="rlhf-lit demo", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="ppo",
+        help="ppo: SFT -> reward model -> PPO (default); dpo: SFT -> DPO on the same kind of preference pairs "
+        "(configs/demo/dpo.yaml), reported against SFT on the same held-out prompts and gold scorer",
+    )
     parser.add_argument("--fast", action="store_true", help="shortened stages (the CI test uses this)")
     parser.add_argument(
         "--seeds",
@@ -81,9 +99,15 @@ def main(args: list[str]) -> None:
     parser.add_argument(
         "--no-overoptimized",
         action="store_true",
-        help="skip the deliberately over-optimised PPO run (kl_coef 0) that shows the reward-hacking monitor",
+        help="skip the deliberately over-optimised PPO run (kl_coef 0) that shows the reward-hacking monitor "
+        "(--method ppo only)",
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, help="output folder of the stages and the report")
+    parser.add_argument(
+        "--out",
+        help="output folder of the stages and the report (default: "
+        + ", ".join(f"{folder} for --method {m}" for m, folder in METHOD_OUT.items())
+        + ")",
+    )
     ns = parser.parse_args(args)
     try:
         seeds = [int(k) for k in ns.seeds.split(",") if k.strip()]
@@ -94,24 +118,32 @@ def main(args: list[str]) -> None:
     from rlhf_lit.demo.report import write_report, write_seeds_report
 
     summaries = []
+    root = ns.out or METHOD_OUT[ns.method]
     for seed in seeds:
-        out = ns.out if len(seeds) == 1 else os.path.join(ns.out, f"seed_{seed}")
+        out = root if len(seeds) == 1 else os.path.join(root, f"seed_{seed}")
         seconds = None
         if not ns.report_only:
-            seconds = run_stages(out, fast=ns.fast, seed=seed, overoptimized=not ns.no_overoptimized)
-        summary = write_report(out, seed=seed, stage_seconds=seconds)
+            seconds = run_stages(
+                out,
+                fast=ns.fast,
+                stages=METHOD_STAGES[ns.method],
+                seed=seed,
+                overoptimized=ns.method == "ppo" and not ns.no_overoptimized,
+            )
+        summary = write_report(out, seed=seed, stage_seconds=seconds, method=ns.method)
         summaries.append(summary)
         print(open(os.path.join(out, "report.md")).read())
         print(f"report: {os.path.join(out, 'report.md')}")
         if summary["gold_gain_in_se"] <= 3 or not summary["kl_under_target"]:
             log.warning(
-                "seed %d: the PPO policy did not beat the SFT policy by > 3 standard errors within the KL budget",
+                "seed %d: the %s policy did not beat the SFT policy by > 3 standard errors within the KL budget",
                 seed,
+                ns.method.upper(),
             )
     if len(seeds) > 1:
-        write_seeds_report(ns.out, summaries)
-        print(open(os.path.join(ns.out, "seeds.md")).read())
-        print(f"across seeds: {os.path.join(ns.out, 'seeds.md')}")
+        write_seeds_report(root, summaries)
+        print(open(os.path.join(root, "seeds.md")).read())
+        print(f"across seeds: {os.path.join(root, 'seeds.md')}")
 
 
 def __getattr__(name: str) -> Any:

@@ -59,7 +59,7 @@ def _response_logprob_sums(
 def evaluate_policy(
     policy_dir: str,
     reference_dir: str,
-    reward_dir: str,
+    reward_dir: str | None,
     prompts: list[str],
     sampling: SamplingConfig,
     seed: int = 0,
@@ -67,6 +67,7 @@ def evaluate_policy(
 ) -> PolicyEval:
     """Sample one response per prompt from an exported policy; score it with gold, the RM and KL.
 
+    ``reward_dir`` None (a method without a reward model, e.g. DPO): no RM scores (``PolicyEval.rm`` empty).
     KL is the sampled estimate of KL(policy || reference) per response, in nats (sum over its tokens of
     ``log pi(y_t) - log pi_ref(y_t)`` at the sampling temperature).
     """
@@ -77,7 +78,7 @@ def evaluate_policy(
     reference = (
         AutoModelForCausalLM.from_pretrained(reference_dir).eval() if reference_dir != policy_dir else None
     )
-    scorer = load_reward_model(reward_dir)
+    scorer = load_reward_model(reward_dir) if reward_dir is not None else None
     stop_ids = resolve_stop_ids(sampling, tokenizer)
     out = PolicyEval([], [], [], [])
     state = torch.random.get_rng_state()
@@ -97,7 +98,8 @@ def evaluate_policy(
             out.responses += responses
             out.gold += [gold_score(p, r) for p, r in zip(texts, responses)]
             full = torch.cat([ids, response_ids], 1)
-            out.rm += scorer.score(full, torch.cat([mask, response_mask.long()], 1)).tolist()
+            if scorer is not None:
+                out.rm += scorer.score(full, torch.cat([mask, response_mask.long()], 1)).tolist()
             if reference is None:
                 out.kl += [0.0] * len(texts)
             else:

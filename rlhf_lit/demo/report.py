@@ -9,7 +9,14 @@ import shutil
 
 from rlhf_lit.data.demo_task import prompt_rows
 from rlhf_lit.demo.evaluate import PolicyEval, evaluate_policy, mean_se, reward_model_accuracy
-from rlhf_lit.demo.stages import DEFAULT_OUT, OVEROPTIMIZED, STAGES
+from rlhf_lit.demo.stages import (
+    DEFAULT_OUT,
+    METHOD_STAGES,
+    METHOD_TITLES,
+    METHODS,
+    OVEROPTIMIZED,
+    config_path,
+)
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.export import read_meta
 
@@ -21,55 +28,71 @@ def write_report(
     n_prompts: int = 256,
     seed: int = 0,
     stage_seconds: dict[str, float] | None = None,
+    method: str = "ppo",
 ) -> dict:
-    """Evaluate the demo's exports and write ``report.md``, ``report.json`` and PNGs into ``out_dir``."""
-    sft_dir, rm_dir, ppo_dir = (os.path.join(out_dir, s, "hf") for s in STAGES)
+    """Evaluate the demo's exports and write ``report.md``, ``report.json`` and PNGs into ``out_dir``.
+
+    ``method`` (``METHOD_STAGES``): ``ppo`` compares the PPO policy with the SFT policy and evaluates the reward
+    model; ``dpo`` compares the DPO policy with the SFT policy, sampled as PPO samples and held to PPO's KL
+    budget (``configs/demo/ppo.yaml``'s ``sampling`` and ``kl.target_kl``), so the two methods' reports compare.
+
+    Raises:
+        ValueError: for an unknown ``method``.
+    """
+    if method not in METHOD_STAGES:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    policy = _policy_stage(method)
+    sft_dir, policy_dir = os.path.join(out_dir, "sft", "hf"), os.path.join(out_dir, policy, "hf")
+    rm_dir = os.path.join(out_dir, "reward", "hf") if "reward" in METHOD_STAGES[method] else None
     no_kl_dir = os.path.join(out_dir, OVEROPTIMIZED, "hf")
-    ppo_meta = read_meta(ppo_dir)
-    rm_meta = read_meta(rm_dir)
-    sampling = SamplingConfig(**{k: v for k, v in ppo_meta["sampling"].items()})
+    sampling, target_kl = _evaluation_settings(method, policy_dir)
     prompts = [r["prompt"] for r in prompt_rows(n_prompts, seed=seed, split="test")]
     evals = {"sft": evaluate_policy(sft_dir, sft_dir, rm_dir, prompts, sampling, seed)}
-    evals["ppo"] = evaluate_policy(ppo_dir, sft_dir, rm_dir, prompts, sampling, seed)
-    if os.path.isdir(no_kl_dir):
+    evals[policy] = evaluate_policy(policy_dir, sft_dir, rm_dir, prompts, sampling, seed)
+    if method == "ppo" and os.path.isdir(no_kl_dir):
         evals[OVEROPTIMIZED] = evaluate_policy(no_kl_dir, sft_dir, rm_dir, prompts, sampling, seed)
-    with open(os.path.join(rm_dir, "eval_results.json")) as f:
-        rm_eval = json.load(f)
-    target_kl = ppo_meta.get("target_kl")
 
-    summary = {
-        "seed": seed,
-        "held_out_prompts": n_prompts,
-        "target_kl": target_kl,
-        "reward_model": {
+    summary = {"method": method, "seed": seed, "held_out_prompts": n_prompts, "target_kl": target_kl}
+    if rm_dir is not None:
+        rm_meta = read_meta(rm_dir)
+        with open(os.path.join(rm_dir, "eval_results.json")) as f:
+            rm_eval = json.load(f)
+        summary["reward_model"] = {
             **reward_model_accuracy(rm_dir, seed=seed),
             **{
                 key: rm_eval["metrics"].get(f"reward/{key}")
                 for key in ("ece", "ece_calibrated", "nll", "nll_calibrated")
             },
             "temperature": rm_meta.get("temperature"),
-        },
-        "stage_seconds": stage_seconds or {},
-    }
+        }
+    summary["stage_seconds"] = stage_seconds or {}
     for name, ev in evals.items():
-        summary[name] = {"gold": mean_se(ev.gold), "rm": mean_se(ev.rm), "kl": mean_se(ev.kl)}
+        summary[name] = {
+            "gold": mean_se(ev.gold),
+            **({"rm": mean_se(ev.rm)} if ev.rm else {}),
+            "kl": mean_se(ev.kl),
+        }
         if name != "sft":
             summary[name].update(_change_from_sft(ev, evals["sft"]))
-            summary[name]["monitor_flagged_iterations"] = _flagged_iterations(os.path.join(out_dir, name))
-    ppo = summary["ppo"]
-    summary["gold_gain"], summary["gold_gain_in_se"] = ppo["gold_change"], ppo["gold_change_in_se"]
-    summary["kl_under_target"] = target_kl is None or ppo["kl"][0] < target_kl
-    # the reward-hacking guard: PPO must not raise the RM score while the gold score falls
-    summary["reward_hacking"] = ppo["rm_change"] > 0 and ppo["gold_change"] < 0
+            if method == "ppo":
+                summary[name]["monitor_flagged_iterations"] = _flagged_iterations(os.path.join(out_dir, name))
+    trained = summary[policy]
+    summary["gold_gain"], summary["gold_gain_in_se"] = trained["gold_change"], trained["gold_change_in_se"]
+    summary["kl_under_target"] = target_kl is None or trained["kl"][0] < target_kl
+    # the reward-hacking guard: the policy must not raise the RM score while the gold score falls (None: no RM)
+    summary["reward_hacking"] = (
+        trained["rm_change"] > 0 and trained["gold_change"] < 0 if "rm_change" in trained else None
+    )
 
     os.makedirs(out_dir, exist_ok=True)
     # the figures the runs wrote: the reward-hacking monitor's frontiers (RM and gold score against KL)
     # and the reward model's reliability diagram
     figures = {
-        os.path.join(ppo_dir, "score_kl_frontier.png"): "frontier.png",
+        os.path.join(policy_dir, "score_kl_frontier.png"): "frontier.png",
         os.path.join(no_kl_dir, "score_kl_frontier.png"): "frontier_no_kl.png",
-        os.path.join(rm_dir, "reliability.png"): "reliability.png",
     }
+    if rm_dir is not None:
+        figures[os.path.join(rm_dir, "reliability.png")] = "reliability.png"
     for source, name in figures.items():
         if os.path.exists(source):
             shutil.copyfile(source, os.path.join(out_dir, name))
@@ -80,16 +103,36 @@ def write_report(
     return summary
 
 
+def _policy_stage(method: str) -> str:
+    """The stage that trains the method's policy (its last): ``ppo`` or ``dpo``."""
+    return METHOD_STAGES[method][-1]
+
+
+def _evaluation_settings(method: str, policy_dir: str) -> tuple[SamplingConfig, float | None]:
+    """How the held-out responses are sampled, and the KL budget (nats per response) they are held to: PPO's,
+    from its export (the values it trained with); for another method, from the PPO demo config, so both
+    methods are sampled alike and judged against one budget."""
+    if method == "ppo":
+        meta = read_meta(policy_dir)
+        return SamplingConfig(**meta["sampling"]), meta.get("target_kl")
+    from rlhf_lit.lightning_cli import parse_config
+
+    init = parse_config([config_path("ppo")])["model"]["init_args"]
+    return SamplingConfig(**init["sampling"]), init["kl"]["target_kl"]
+
+
 def _change_from_sft(policy: PolicyEval, sft: PolicyEval) -> dict[str, float]:
-    """Gold and RM score change from the SFT policy on the same prompts; the gold change in standard errors
-    (independent samples: se = hypot(se_policy, se_sft))."""
+    """Gold (and, with a reward model, RM) score change from the SFT policy on the same prompts; the gold change
+    in standard errors (independent samples: se = hypot(se_policy, se_sft))."""
     (gold, gold_se), (sft_gold, sft_se) = mean_se(policy.gold), mean_se(sft.gold)
     se = math.hypot(gold_se, sft_se)
-    return {
+    change = {
         "gold_change": gold - sft_gold,
         "gold_change_in_se": (gold - sft_gold) / se if se > 0 else float("inf"),
-        "rm_change": mean_se(policy.rm)[0] - mean_se(sft.rm)[0],
     }
+    if policy.rm and sft.rm:
+        change["rm_change"] = mean_se(policy.rm)[0] - mean_se(sft.rm)[0]
+    return change
 
 
 def _flagged_iterations(run_dir: str) -> list[int]:
@@ -106,33 +149,53 @@ def _fmt(pair) -> str:
 
 
 def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool) -> str:
-    rm = s["reward_model"]
-    labels = {"sft": "SFT", "ppo": "PPO", OVEROPTIMIZED: "PPO without KL penalty (kl_coef 0, lr 1e-3)"}
+    method = s["method"]
+    policy = _policy_stage(method)
+    name = policy.upper()
+    rm = s.get("reward_model")
+    labels = {"sft": "SFT", policy: name, OVEROPTIMIZED: "PPO without KL penalty (kl_coef 0, lr 1e-3)"}
+    budget = "kl.target_kl" if method == "ppo" else f"the PPO demo's kl.target_kl, {config_path('ppo')}"
     lines = [
-        f"# rlhf_lit demo report: echo task, SFT -> reward model -> PPO (seed {s.get('seed', 0)})",
+        f"# rlhf_lit demo report: echo task, {METHOD_TITLES[method]} (seed {s.get('seed', 0)})",
         "",
-        f"Held-out prompts: {s['held_out_prompts']} (none seen in training). Mean ± standard error.",
+        f"Method: **{method}**. Held-out prompts: {s['held_out_prompts']} (none seen in training). "
+        "Mean ± standard error.",
         "",
-        "| policy | gold score | RM score (calibrated) | KL to reference (nats/response) |",
-        "|---|---|---|---|",
     ]
-    for name in evals:
-        lines.append(
-            f"| {labels[name]} | {_fmt(s[name]['gold'])} | {_fmt(s[name]['rm'])} | {_fmt(s[name]['kl'])} |"
-        )
-    lines += [
-        "",
-        f"Gold gain of PPO over SFT: **{s['gold_gain']:+.3f}** ({s['gold_gain_in_se']:.1f} standard errors). "
-        f"KL budget (kl.target_kl): {s['target_kl']} nats; PPO's KL is "
-        f"{'under' if s['kl_under_target'] else 'OVER'} it. "
-        + (
-            "**Reward hacking: the RM score rose while the gold score fell.**"
+    if rm is None:
+        lines += [
+            f"{name} trained on the task's noisy preference pairs ({config_path(policy)}); no reward model. Its "
+            f"responses are sampled as PPO's are ({config_path('ppo')}'s sampling) and judged by the same gold "
+            "scorer.",
+            "",
+            "| policy | gold score | KL to reference (nats/response) |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {labels[k]} | {_fmt(s[k]['gold'])} | {_fmt(s[k]['kl'])} |" for k in evals]
+    else:
+        lines += [
+            "| policy | gold score | RM score (calibrated) | KL to reference (nats/response) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {labels[k]} | {_fmt(s[k]['gold'])} | {_fmt(s[k]['rm'])} | {_fmt(s[k]['kl'])} |" for k in evals
+        ]
+    gain = (
+        f"Gold gain of {name} over SFT: **{s['gold_gain']:+.3f}** ({s['gold_gain_in_se']:.1f} standard errors). "
+        f"KL budget ({budget}): {s['target_kl']} nats; {name}'s KL is "
+        f"{'under' if s['kl_under_target'] else 'OVER'} it."
+    )
+    if s["reward_hacking"] is not None:
+        gain += (
+            " **Reward hacking: the RM score rose while the gold score fell.**"
             if s["reward_hacking"]
-            else "The gold score did not fall while the RM score rose (no reward hacking)."
-        ),
-        f"The reward-hacking monitor flagged {len(s['ppo']['monitor_flagged_iterations'])} of PPO's iterations.",
-        "",
-    ]
+            else " The gold score did not fall while the RM score rose (no reward hacking)."
+        )
+    lines += ["", gain]
+    if "monitor_flagged_iterations" in s[policy]:
+        flagged = s[policy]["monitor_flagged_iterations"]
+        lines.append(f"The reward-hacking monitor flagged {len(flagged)} of {name}'s iterations.")
+    lines.append("")
     if OVEROPTIMIZED in evals:
         no_kl = s[OVEROPTIMIZED]
         flagged = no_kl["monitor_flagged_iterations"]
@@ -149,34 +212,35 @@ def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool
             "![frontier without KL penalty](frontier_no_kl.png)",
             "",
         ]
-    lines += [
-        "## Reward model",
-        "",
-        f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
-        f"labels (their disagreement with gold: {rm['label_noise_rate']:.1%}), **{rm['accuracy_gold']:.3f}** "
-        f"against the gold scorer ({rm['gold_decided_pairs']} pairs with a gold difference)",
-        (
-            f"- temperature scaling (T = {rm['temperature']:.3f}, fitted on the validation pairs): ECE "
-            f"{rm['ece']:.4f} -> {rm['ece_calibrated']:.4f}, NLL {rm['nll']:.4f} -> {rm['nll_calibrated']:.4f} nats"
-        )
-        if rm["ece_calibrated"] is not None
-        else f"- ECE {rm['ece']} (temperature 1: no calibration)",
-        "",
-        "![reliability diagram](reliability.png)",
-        "",
-    ]
+    if rm is not None:
+        lines += [
+            "## Reward model",
+            "",
+            f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
+            f"labels (their disagreement with gold: {rm['label_noise_rate']:.1%}), **{rm['accuracy_gold']:.3f}** "
+            f"against the gold scorer ({rm['gold_decided_pairs']} pairs with a gold difference)",
+            (
+                f"- temperature scaling (T = {rm['temperature']:.3f}, fitted on the validation pairs): ECE "
+                f"{rm['ece']:.4f} -> {rm['ece_calibrated']:.4f}, NLL {rm['nll']:.4f} -> {rm['nll_calibrated']:.4f} nats"
+            )
+            if rm["ece_calibrated"] is not None
+            else f"- ECE {rm['ece']} (temperature 1: no calibration)",
+            "",
+            "![reliability diagram](reliability.png)",
+            "",
+        ]
     if has_frontier:
-        lines += ["## PPO: gold and RM score against KL", "", "![frontier](frontier.png)", ""]
-    sft, ppo = evals["sft"], evals["ppo"]
+        lines += [f"## {name}: gold and RM score against KL", "", "![frontier](frontier.png)", ""]
+    sft, trained = evals["sft"], evals[policy]
     lines += [
         "## Samples (same prompts, same seed)",
         "",
-        "| prompt | SFT | gold | PPO | gold |",
+        f"| prompt | SFT | gold | {name} | gold |",
         "|---|---|---|---|---|",
     ]
     for i in range(min(8, len(prompts))):
         lines.append(
-            f"| `{prompts[i]}` | `{sft.responses[i]}` | {sft.gold[i]:.2f} | `{ppo.responses[i]}` | {ppo.gold[i]:.2f} |"
+            f"| `{prompts[i]}` | `{sft.responses[i]}` | {sft.gold[i]:.2f} | `{trained.responses[i]}` | {trained.gold[i]:.2f} |"
         )
     if s["stage_seconds"]:
         lines += [
@@ -186,20 +250,26 @@ def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool
     return "\n".join(lines) + "\n"
 
 
-# Figures of a demo report that are summarised across seeds: (label, getter)
+def _trained(s: dict) -> dict:
+    """A report's figures of the method's trained policy (``s["ppo"]`` or ``s["dpo"]``)."""
+    return s[_policy_stage(s.get("method", "ppo"))]
+
+
+# Figures of a demo report that are summarised across seeds: (label, getter); ``{policy}`` in a label is the
+# trained policy's name (PPO, DPO); a figure the method has not (None) is left out
 _ACROSS_SEEDS = (
     ("SFT gold score", lambda s: s["sft"]["gold"][0]),
-    ("PPO gold score", lambda s: s["ppo"]["gold"][0]),
-    ("gold gain (PPO - SFT)", lambda s: s["gold_gain"]),
+    ("{policy} gold score", lambda s: _trained(s)["gold"][0]),
+    ("gold gain ({policy} - SFT)", lambda s: s["gold_gain"]),
     ("gold gain in standard errors", lambda s: s["gold_gain_in_se"]),
-    ("PPO KL to reference (nats/response)", lambda s: s["ppo"]["kl"][0]),
-    ("SFT RM score", lambda s: s["sft"]["rm"][0]),
-    ("PPO RM score", lambda s: s["ppo"]["rm"][0]),
-    ("RM accuracy vs noisy labels", lambda s: s["reward_model"]["accuracy_noisy_labels"]),
-    ("RM accuracy vs gold", lambda s: s["reward_model"]["accuracy_gold"]),
-    ("calibration temperature T", lambda s: s["reward_model"]["temperature"]),
-    ("ECE before calibration", lambda s: s["reward_model"]["ece"]),
-    ("ECE after calibration", lambda s: s["reward_model"]["ece_calibrated"]),
+    ("{policy} KL to reference (nats/response)", lambda s: _trained(s)["kl"][0]),
+    ("SFT RM score", lambda s: s["sft"].get("rm", [None])[0]),
+    ("{policy} RM score", lambda s: _trained(s).get("rm", [None])[0]),
+    ("RM accuracy vs noisy labels", lambda s: s.get("reward_model", {}).get("accuracy_noisy_labels")),
+    ("RM accuracy vs gold", lambda s: s.get("reward_model", {}).get("accuracy_gold")),
+    ("calibration temperature T", lambda s: s.get("reward_model", {}).get("temperature")),
+    ("ECE before calibration", lambda s: s.get("reward_model", {}).get("ece")),
+    ("ECE after calibration", lambda s: s.get("reward_model", {}).get("ece_calibrated")),
     ("no-KL run: gold change", lambda s: s.get(OVEROPTIMIZED, {}).get("gold_change")),
     ("no-KL run: RM score change", lambda s: s.get(OVEROPTIMIZED, {}).get("rm_change")),
     ("no-KL run: KL (nats/response)", lambda s: s.get(OVEROPTIMIZED, {}).get("kl", [None])[0]),
@@ -208,18 +278,24 @@ _ACROSS_SEEDS = (
 
 def seeds_summary(summaries: list[dict]) -> dict:
     """Mean and sample standard deviation across seeds of each figure in ``_ACROSS_SEEDS``, plus per-seed values."""
-    out = {"seeds": [s["seed"] for s in summaries], "figures": {}}
+    methods = {s.get("method", "ppo") for s in summaries}
+    if len(methods) != 1:
+        raise ValueError(f"the reports are of different methods: {sorted(methods)}")
+    method = methods.pop()
+    out = {"method": method, "seeds": [s["seed"] for s in summaries], "figures": {}}
     for label, get in _ACROSS_SEEDS:
         values = [get(s) for s in summaries]
         if any(v is None for v in values):
             continue
+        label = label.format(policy=_policy_stage(method).upper())
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
         out["figures"][label] = {"mean": mean, "std": std, "values": values}
     out["every_seed_gains_over_3_se_within_kl_budget"] = all(
         s["gold_gain_in_se"] > 3 and s["kl_under_target"] for s in summaries
     )
-    out["any_reward_hacking"] = any(s["reward_hacking"] for s in summaries)
+    hacking = [s["reward_hacking"] for s in summaries]
+    out["any_reward_hacking"] = None if None in hacking else any(hacking)  # None: no reward model
     return out
 
 
@@ -229,7 +305,7 @@ def write_seeds_report(out_dir: str, summaries: list[dict], machine: str | None 
     summary["machine"] = machine or _machine()
     seeds = summary["seeds"]
     lines = [
-        f"# rlhf_lit demo across seeds {', '.join(map(str, seeds))}",
+        f"# rlhf_lit demo ({METHOD_TITLES[summary['method']]}) across seeds {', '.join(map(str, seeds))}",
         "",
         f"Machine: {summary['machine']}. Each seed changes the generated data, the initialisation and the "
         "sampling; 256 held-out prompts per seed. Spread = sample standard deviation across seeds.",
@@ -240,12 +316,16 @@ def write_seeds_report(out_dir: str, summaries: list[dict], machine: str | None 
     for label, fig in summary["figures"].items():
         cells = " | ".join(f"{v:.3f}" for v in fig["values"])
         lines.append(f"| {label} | {cells} | {fig['mean']:.3f} ± {fig['std']:.3f} |")
-    lines += [
-        "",
+    verdict = (
         "Every seed: gold gain > 3 standard errors within the KL budget: "
-        f"**{'yes' if summary['every_seed_gains_over_3_se_within_kl_budget'] else 'NO'}**; reward hacking "
-        f"(RM up while gold down) on any seed: **{'yes' if summary['any_reward_hacking'] else 'no'}**.",
-    ]
+        f"**{'yes' if summary['every_seed_gains_over_3_se_within_kl_budget'] else 'NO'}**"
+    )
+    if summary["any_reward_hacking"] is not None:
+        verdict += (
+            f"; reward hacking (RM up while gold down) on any seed: "
+            f"**{'yes' if summary['any_reward_hacking'] else 'no'}**"
+        )
+    lines += ["", verdict + "."]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "seeds.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -1,5 +1,8 @@
-"""The demo's stages: ``configs/demo/{sft,reward,ppo}.yaml`` run as ordinary ``rlhf-lit fit`` commands, with
-every output under one folder, an optional other seed, and the deliberately over-optimised PPO run."""
+"""The demo's stages: ``configs/demo/{sft,reward,ppo,dpo}.yaml`` run as ordinary ``rlhf-lit fit`` commands,
+with every output under one folder, an optional other seed, and the deliberately over-optimised PPO run.
+
+Two methods (``METHOD_STAGES``): ``ppo`` (SFT -> reward model -> PPO, the default) and ``dpo`` (SFT -> DPO on
+the same kind of preference pairs the reward model trains on; no reward model, no RL)."""
 
 from __future__ import annotations
 
@@ -13,27 +16,40 @@ log = logging.getLogger("rlhf_lit")
 __all__ = [
     "DEFAULT_OUT",
     "FAST_OVERRIDES",
+    "METHODS",
+    "METHOD_OUT",
+    "METHOD_STAGES",
+    "METHOD_TITLES",
     "OVEROPTIMIZED",
     "OVEROPTIMIZED_FAST_OVERRIDES",
     "OVEROPTIMIZED_OVERRIDES",
     "STAGES",
+    "config_path",
     "run_stages",
     "stage_args",
 ]
 
-STAGES = ("sft", "reward", "ppo")
 DEFAULT_OUT = "checkpoints/demo"  # where configs/demo/*.yaml write
+STAGES = ("sft", "reward", "ppo")  # the default method's stages (PPO)
+# the stages of each method, in order; the last one trains the policy the report compares with SFT's
+METHOD_STAGES = {"ppo": STAGES, "dpo": ("sft", "dpo")}
+METHODS = tuple(METHOD_STAGES)
+METHOD_TITLES = {"ppo": "SFT -> reward model -> PPO", "dpo": "SFT -> DPO"}
+# where ``rlhf-lit demo --method <m>`` writes by default: apart, so one method's report never replaces the other's
+METHOD_OUT = {"ppo": DEFAULT_OUT, "dpo": "checkpoints/demo_dpo"}
 
 
-def _config(name: str) -> str:
+def config_path(name: str) -> str:
+    """The config of a demo stage: ``configs/demo/<name>.yaml`` (relative to the repository root)."""
     return os.path.join("configs", "demo", f"{name}.yaml")
 
 
-# The CI test's shortened pipeline: fewer SFT epochs and PPO iterations, the same data and models.
+# The CI test's shortened pipeline: fewer SFT epochs, PPO iterations and DPO epochs, the same data and models.
 FAST_OVERRIDES = {
     "sft": ["--trainer.max_epochs=6"],
     "reward": [],
     "ppo": ["--model.init_args.ppo.total_iterations=20"],
+    "dpo": [],
 }
 
 
@@ -41,7 +57,7 @@ def _reseeded_data_args(stage: str, seed: int) -> list[str]:
     """``--data`` overrides that give the stage config's ``demo:...`` data specs another ``seed=``."""
     from rlhf_lit.lightning_cli import parse_config
 
-    data = parse_config([_config(stage)])["data"]["init_args"]  # the config as fit reads it
+    data = parse_config([config_path(stage)])["data"]["init_args"]  # the config as fit reads it
     args = []
     for key in ("train_files", "val_files"):
         if data.get(key):
@@ -73,7 +89,7 @@ def stage_args(
     noise).
     """
     folder = folder or stage
-    args = ["fit", "--config", _config(stage)]
+    args = ["fit", "--config", config_path(stage)]
     if seed != 0:
         args += [f"--seed_everything={seed}", *_reseeded_data_args(stage, seed)]
     if out != DEFAULT_OUT or folder != stage:
@@ -83,7 +99,7 @@ def stage_args(
             f"--trainer.logger.init_args.save_dir={root}",
             f"--model.init_args.export_dir={root}/hf",
         ]
-        if stage in ("reward", "ppo"):
+        if stage != "sft":  # every later stage starts from the SFT export
             args.append(f"--model.init_args.backbone.name_or_path={out}/sft/hf")
         if stage == "ppo":
             args.append(f"--model.init_args.reward_model.path={out}/reward/hf")
@@ -122,7 +138,7 @@ def run_stages(
     seconds = {}
     for stage, folder in runs:
         t0 = time.perf_counter()
-        log.info("demo: %s (%s), seed %d", folder, _config(stage), seed)
+        log.info("demo: %s (%s), seed %d", folder, config_path(stage), seed)
         # --overwrite: the demo rebuilds its outputs on every run (each export is still replaced whole)
         cli_main(
             stage_args(stage, out, fast, seed, folder) + list((extra or {}).get(stage, [])) + ["--overwrite"]
