@@ -8,6 +8,7 @@ Run from the repository root (``../shared`` beside it); see bench/README.md:
     python bench/run.py --vs-trl                     # TRL, ours, TRL, ours, ... then the ratios
     python bench/run.py --workload memory            # SmolLM2-135M PPO peak RSS: ours vs TRL + peft
     python bench/run.py --vs-trl --workload grpo     # GRPO: TRL's GRPOTrainer, ours, TRL, ours, ...
+    python bench/run.py --vs-trl --workload dpo      # DPO: TRL's DPOTrainer (LoRA, full), ours, ...
 
 Progress goes to stderr, one JSON line per workload (the TRL harness's format, ``system: "rlhf_lit"``) to
 stdout; ``--out FILE`` appends them to FILE too. Each repetition is a fresh process (``--_child``).
@@ -41,10 +42,13 @@ from bench.common import (  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory", "grpo"], default="all")
+    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory", "grpo", "dpo"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per workload and system")
     p.add_argument("--ppo-iterations", type=int, default=W.PPO["iterations"], choices=[1, 2, 3, 4],
                    help="PPO and GRPO iterations per run")
+    p.add_argument("--dpo-trl-variants", default="lora,full",
+                   help="dpo --vs-trl: TRL variants (lora = peft, reference = adapter off; full = no peft, "
+                        "a second model copy as the reference)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads in each run")
     p.add_argument("--vs-trl", action="store_true",
                    help="alternate TRL and rlhf_lit runs (TRL, ours, TRL, ours, ...) and print the ratios")
@@ -75,6 +79,14 @@ def run_in_child(args) -> None:
         from bench.grpo_trl import child_grpo_trl
 
         emit_child_result(child_grpo_trl(args.threads, args.ppo_iterations))
+    elif kind == "dpo":
+        from bench.dpo import child_dpo
+
+        emit_child_result(child_dpo(args.threads))
+    elif kind.startswith("dpo_trl_"):
+        from bench.dpo_trl import child_dpo_trl
+
+        emit_child_result(child_dpo_trl(args.threads, kind.removeprefix("dpo_trl_")))
     elif kind == "matmul":
         from bench.flops import matmul_throughput
 
@@ -120,6 +132,10 @@ def main(argv=None) -> None:
         from bench import compare_grpo
 
         compare_grpo.main(args, fingerprint)
+    elif args.vs_trl and args.workload == "dpo":
+        from bench import compare_dpo
+
+        compare_dpo.main(args, fingerprint)
     elif args.vs_trl:
         from bench import compare
 
