@@ -148,6 +148,42 @@ def _fmt(pair) -> str:
     return f"{pair[0]:.3f} ± {pair[1]:.3f}"
 
 
+def _overoptimized_lines(no_kl: dict) -> list[str]:
+    """The report's section on the PPO run without its KL penalty."""
+    flagged = no_kl["monitor_flagged_iterations"]
+    return [
+        "## Over-optimisation on purpose: PPO without its KL penalty",
+        "",
+        f"The same PPO config with `kl.kl_coef: 0` and `optimizer.lr: 1e-3`: RM score {no_kl['rm_change']:+.3f} from SFT, gold "
+        f"{no_kl['gold_change']:+.3f} ({no_kl['gold_change_in_se']:.1f} standard errors), KL "
+        f"{no_kl['kl'][0]:.2f} nats. The reward-hacking monitor flagged "
+        + (f"{len(flagged)} iterations, first at iteration {flagged[0]}." if flagged else "no iteration."),
+        "",
+        "![frontier without KL penalty](frontier_no_kl.png)",
+        "",
+    ]
+
+
+def _reward_model_lines(rm: dict) -> list[str]:
+    """The report's section on the reward model."""
+    return [
+        "## Reward model",
+        "",
+        f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
+        f"labels (their disagreement with gold: {rm['label_noise_rate']:.1%}), **{rm['accuracy_gold']:.3f}** "
+        f"against the gold scorer ({rm['gold_decided_pairs']} pairs with a gold difference)",
+        (
+            f"- temperature scaling (T = {rm['temperature']:.3f}, fitted on the validation pairs): ECE "
+            f"{rm['ece']:.4f} -> {rm['ece_calibrated']:.4f}, NLL {rm['nll']:.4f} -> {rm['nll_calibrated']:.4f} nats"
+        )
+        if rm["ece_calibrated"] is not None
+        else f"- ECE {rm['ece']} (temperature 1: no calibration)",
+        "",
+        "![reliability diagram](reliability.png)",
+        "",
+    ]
+
+
 def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool) -> str:
     method = s["method"]
     policy = _policy_stage(method)
@@ -197,38 +233,9 @@ def _markdown(s: dict, prompts, evals: dict[str, PolicyEval], has_frontier: bool
         lines.append(f"The reward-hacking monitor flagged {len(flagged)} of {name}'s iterations.")
     lines.append("")
     if OVEROPTIMIZED in evals:
-        no_kl = s[OVEROPTIMIZED]
-        flagged = no_kl["monitor_flagged_iterations"]
-        lines += [
-            "## Over-optimisation on purpose: PPO without its KL penalty",
-            "",
-            f"The same PPO config with `kl.kl_coef: 0` and `optimizer.lr: 1e-3`: RM score {no_kl['rm_change']:+.3f} from SFT, gold "
-            f"{no_kl['gold_change']:+.3f} ({no_kl['gold_change_in_se']:.1f} standard errors), KL "
-            f"{no_kl['kl'][0]:.2f} nats. The reward-hacking monitor flagged "
-            + (
-                f"{len(flagged)} iterations, first at iteration {flagged[0]}." if flagged else "no iteration."
-            ),
-            "",
-            "![frontier without KL penalty](frontier_no_kl.png)",
-            "",
-        ]
+        lines += _overoptimized_lines(s[OVEROPTIMIZED])
     if rm is not None:
-        lines += [
-            "## Reward model",
-            "",
-            f"- accuracy on {rm['pairs']} held-out pairs: **{rm['accuracy_noisy_labels']:.3f}** against the noisy "
-            f"labels (their disagreement with gold: {rm['label_noise_rate']:.1%}), **{rm['accuracy_gold']:.3f}** "
-            f"against the gold scorer ({rm['gold_decided_pairs']} pairs with a gold difference)",
-            (
-                f"- temperature scaling (T = {rm['temperature']:.3f}, fitted on the validation pairs): ECE "
-                f"{rm['ece']:.4f} -> {rm['ece_calibrated']:.4f}, NLL {rm['nll']:.4f} -> {rm['nll_calibrated']:.4f} nats"
-            )
-            if rm["ece_calibrated"] is not None
-            else f"- ECE {rm['ece']} (temperature 1: no calibration)",
-            "",
-            "![reliability diagram](reliability.png)",
-            "",
-        ]
+        lines += _reward_model_lines(rm)
     if has_frontier:
         lines += [f"## {name}: gold and RM score against KL", "", "![frontier](frontier.png)", ""]
     sft, trained = evals["sft"], evals[policy]
