@@ -40,3 +40,27 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """``a`` equals ``b`` exactly, through nested dicts, lists and tuples: tensors by dtype and
+    ``torch.equal`` (bit for bit), everything else by ``==``; ``where`` names the first difference."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def without_timings(history: list[dict]) -> list[dict]:
+    """A PPO history without its ``perf/`` wall-time figures (the only ones that differ between equal runs)."""
+    return [{k: v for k, v in h.items() if not k.startswith("perf/")} for h in history]

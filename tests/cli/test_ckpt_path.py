@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.cli.helpers import run_cli
+from tests.cli.helpers import assert_same, run_cli, without_timings
 from tests.tiny_runs import read_scalars
 
 STEPS_PER_ITERATION = 2  # ppo_epochs 1 x (4 prompts / minibatch 2)
@@ -54,25 +54,6 @@ def _fit(root, *extra: str):
     return torch.load(root / "ck" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def _without_timings(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in h.items() if not k.startswith("perf/")} for h in history]
-
-
 @pytest.mark.slow
 def test_ppo_stopped_at_3_and_resumed_to_5_equals_an_uninterrupted_run(tmp_path):
     straight = _fit(tmp_path / "straight")
@@ -82,21 +63,19 @@ def test_ppo_stopped_at_3_and_resumed_to_5_equals_an_uninterrupted_run(tmp_path)
 
     assert straight["ppo_state"]["iteration"] == resumed["ppo_state"]["iteration"] == 5
     assert straight["global_step"] == resumed["global_step"] == 5 * STEPS_PER_ITERATION
-    _assert_same(straight["state_dict"], resumed["state_dict"], "state_dict")  # adapters and value head
+    assert_same(straight["state_dict"], resumed["state_dict"], "state_dict")  # adapters and value head
     assert straight["state_dict"].keys() and all(
         "lora_" in k or "value_head" in k for k in straight["state_dict"]
     )
-    _assert_same(
-        straight["optimizer_states"], resumed["optimizer_states"], "optimizer"
-    )  # AdamW moments, step
-    _assert_same(straight["lr_schedulers"], resumed["lr_schedulers"], "scheduler")
+    assert_same(straight["optimizer_states"], resumed["optimizer_states"], "optimizer")  # AdamW moments, step
+    assert_same(straight["lr_schedulers"], resumed["lr_schedulers"], "scheduler")
     kl_straight, kl_resumed = straight["ppo_state"]["kl_controller"], resumed["ppo_state"]["kl_controller"]
-    _assert_same(kl_straight, kl_resumed, "kl_controller")
+    assert_same(kl_straight, kl_resumed, "kl_controller")
     assert kl_straight != first["ppo_state"]["kl_controller"]  # the adaptive coefficient kept moving
-    _assert_same(straight["ppo_state"]["score_stats"], resumed["ppo_state"]["score_stats"], "score_stats")
-    _assert_same(straight["ppo_state"]["rng"], resumed["ppo_state"]["rng"], "rng")
-    _assert_same(
-        _without_timings(straight["ppo_state"]["history"]), _without_timings(resumed["ppo_state"]["history"])
+    assert_same(straight["ppo_state"]["score_stats"], resumed["ppo_state"]["score_stats"], "score_stats")
+    assert_same(straight["ppo_state"]["rng"], resumed["ppo_state"]["rng"], "rng")
+    assert_same(
+        without_timings(straight["ppo_state"]["history"]), without_timings(resumed["ppo_state"]["history"])
     )
     # and the parameters did move away from the interrupted run's: the comparison is not of two copies
     assert any(

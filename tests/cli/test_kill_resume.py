@@ -39,7 +39,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.cli.helpers import run_cli
+from tests.cli.helpers import assert_same, run_cli, without_timings
 from tests.cli.kill_points import run_main
 from tests.conftest import REPO_ROOT
 
@@ -80,21 +80,6 @@ def _tail(log: Path) -> str:
     return log.read_text()[-3000:] if log.exists() else "(no log)"
 
 
-def _same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -114,15 +99,12 @@ def _locks(root: Path) -> list[Path]:
 def _assert_same_run(straight: dict, resumed: dict, what: str) -> None:
     assert straight["global_step"] == resumed["global_step"] > 0
     for key in ("state_dict", "optimizer_states", "lr_schedulers"):
-        _same(straight[key], resumed[key], f"{what}.{key}")
+        assert_same(straight[key], resumed[key], f"{what}.{key}")
     if "ppo_state" in straight:
-        history = [
-            [{k: v for k, v in h.items() if not k.startswith("perf/")} for h in run["ppo_state"]["history"]]
-            for run in (straight, resumed)
-        ]
-        _same(history[0], history[1], f"{what}.history")
+        history = [without_timings(run["ppo_state"]["history"]) for run in (straight, resumed)]
+        assert_same(history[0], history[1], f"{what}.history")
         rest = [{k: v for k, v in run["ppo_state"].items() if k != "history"} for run in (straight, resumed)]
-        _same(rest[0], rest[1], f"{what}.ppo_state")
+        assert_same(rest[0], rest[1], f"{what}.ppo_state")
 
 
 def _assert_same_export(straight: Path, resumed: Path) -> None:
@@ -131,7 +113,7 @@ def _assert_same_export(straight: Path, resumed: Path) -> None:
     weights = sorted(str(p.relative_to(straight)) for p in straight.rglob("*.safetensors"))
     assert weights
     for name in weights:  # the merged model and, for PPO, the adapter alone
-        _same(load_file(straight / name), load_file(resumed / name), name)
+        assert_same(load_file(straight / name), load_file(resumed / name), name)
 
 
 # ---------------------------------------------------------------------------------------------------- PPO
