@@ -87,7 +87,7 @@ class RLHFCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         # taken out of the config, so the config.yaml saved beside the run never carries it to a later run
-        overwrite = bool(config.pop("overwrite", False)) if "overwrite" in config else False
+        overwrite = bool(config.pop("overwrite", False))
         check_config(config.as_dict(), subcommand)
         from rlhf_lit.models.architecture import estimate_export_bytes
         from rlhf_lit.outputs import RunOutputs, is_first_process
