@@ -23,7 +23,7 @@ checkpoint (docs/resume.md).
 Processes: the fits run ``rlhf_lit.cli.main`` -- the console script's entry point -- in child processes of a
 ``multiprocessing`` fork server that has imported torch, Lightning and transformers once (on 2 cores a fresh
 interpreter spends ~15 s importing them); the PPO checkpoint-write case runs the ``rlhf-lit`` console script
-itself. The default run kills PPO once per phase and SFT and reward once each; ``-m heavy`` adds 5 more
+itself. The ``-m slow`` run kills PPO once per phase and SFT and reward once each; ``-m heavy`` adds 5 more
 points per PPO phase (different seeds).
 """
 
