@@ -11,6 +11,8 @@ import math
 import sys
 from pathlib import Path
 
+from rlhf_lit.functional.summary import mean_se
+
 NUM_SE = 3.0  # the acceptance bar: the pass rate must rise by more than this many standard errors
 
 
@@ -22,18 +24,6 @@ def passes(text: str, has_stop: bool, max_words: int) -> bool:
     """A response meets "answer in at most N words" when it ended (a stop token, not cut at
     ``max_new_tokens``) and has at most N whitespace-separated words."""
     return bool(has_stop) and len(text.split()) <= max_words
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error (sample std / sqrt(n); 0 for fewer than two values)."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 def _models(config: dict, adapter_dir: Path | None):

@@ -12,8 +12,8 @@ import torch
 from experiments.heldout_rm.report import FIELDS, summarize, write_report
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.kl import kl_per_token
-from rlhf_lit.functional.length_bias import mean_and_se
 from rlhf_lit.functional.sequence import trim_left_padding
+from rlhf_lit.functional.summary import mean_se
 from rlhf_lit.generation import sample_responses
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 
@@ -183,7 +183,7 @@ class HeldOutRewardCallback(L.Callback):
             "held-out RM, %s PPO: %d prompts, RM-A %.3f, RM-B %.3f, KL(k3) %.3f nats, length %.1f tokens",
             when,
             len(ev["rm_b"]),
-            *(mean_and_se(torch.tensor(ev[k]))[0] for k in ("rm_a", "rm_b", "kl_k3", "length")),
+            *(mean_se(torch.tensor(ev[k]))[0] for k in ("rm_a", "rm_b", "kl_k3", "length")),
         )
 
     # ------------------------------------------------------------------ report

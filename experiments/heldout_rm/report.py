@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from rlhf_lit.functional.length_bias import length_adjusted_change, mean_and_se, score_length_spearman
+from rlhf_lit.functional.length_bias import length_adjusted_change, score_length_spearman
+from rlhf_lit.functional.summary import mean_se
 
 log = logging.getLogger("rlhf_lit")
 
@@ -44,8 +45,8 @@ def summarize(before: dict[str, list[float]], after: dict[str, list[float]], num
     metrics = {}
     for key in FIELDS:
         b, a = t["before"][key], t["after"][key]
-        diff = mean_and_se(a - b)
-        metrics[key] = {"before": mean_and_se(b), "after": mean_and_se(a), "change": diff}
+        diff = mean_se(a - b)
+        metrics[key] = {"before": mean_se(b), "after": mean_se(a), "change": diff}
     control = {}
     for key in ("rm_a", "rm_b"):
         change = length_adjusted_change(

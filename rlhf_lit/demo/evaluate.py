@@ -7,7 +7,6 @@ Prompts are left-padded with ``data.collate.pad_sequences`` and the response log
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_respons
 from rlhf_lit.models.export import load_reward_model
 from rlhf_lit.models.tokenizer import load_tokenizer
 
-__all__ = ["PolicyEval", "evaluate_policy", "mean_se", "reward_model_accuracy"]
+__all__ = ["PolicyEval", "evaluate_policy", "reward_model_accuracy"]
 
 
 @dataclass
@@ -28,13 +27,6 @@ class PolicyEval:
     rm: list[float]
     kl: list[float]
     responses: list[str]
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
-    return mean, math.sqrt(var / n)
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

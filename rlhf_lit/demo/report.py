@@ -8,7 +8,7 @@ import os
 import shutil
 
 from rlhf_lit.data.demo_task import prompt_rows
-from rlhf_lit.demo.evaluate import PolicyEval, evaluate_policy, mean_se, reward_model_accuracy
+from rlhf_lit.demo.evaluate import PolicyEval, evaluate_policy, reward_model_accuracy
 from rlhf_lit.demo.stages import (
     DEFAULT_OUT,
     METHOD_STAGES,
@@ -17,6 +17,7 @@ from rlhf_lit.demo.stages import (
     OVEROPTIMIZED,
     config_path,
 )
+from rlhf_lit.functional.summary import mean_se
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.export import read_meta
 

@@ -4,7 +4,7 @@ Notation: N pairs; ``chosen``, ``rejected`` ``(N,)`` uncalibrated scores; ``len_
 ``(N,)`` response lengths in the scorer's tokens (EOS included); margin ``m = chosen - rejected``.
 
 * **accuracy**: the mean credit ``1[m > 0] + 0.5 * 1[m = 0]`` (a tie counts 1/2), with its standard error
-  ``sd / sqrt(N)`` (``functional.length_bias.mean_and_se``).
+  ``sd / sqrt(N)`` (``functional.summary.mean_se``).
 * **length rules**: "longer wins" credits a pair 1 when the chosen response is longer, 0 when shorter, 1/2 for
   equal lengths; "shorter wins" is its complement. The **paired difference** is the model's credit minus the
   better rule's, pair by pair, mean and SE (``paired_difference``): > 0 means the model beats both rules.
@@ -38,12 +38,12 @@ from rlhf_lit.functional.length_bias import (
     LENGTH_MATCH_TOLERANCE,
     length_matched,
     length_rule_wins,
-    mean_and_se,
     pair_credit,
     paired_difference,
     score_length_spearman,
 )
 from rlhf_lit.functional.shift import standardized_mean_difference
+from rlhf_lit.functional.summary import mean_se
 from rlhf_lit.modules.reward_eval import TEMPERATURE_BOUNDS, response_summary
 
 __all__ = ["ECE_BINS", "SHIFT_THRESHOLD", "evaluate_scores", "markdown_table", "shift_warnings"]
@@ -54,7 +54,7 @@ SHIFT_THRESHOLD = 0.5
 
 
 def _subset(credit: torch.Tensor, keep: torch.Tensor) -> dict:
-    accuracy, se = mean_and_se(credit[keep])
+    accuracy, se = mean_se(credit[keep])
     return {"pairs": int(keep.sum()), "accuracy": accuracy, "accuracy_se": se}
 
 
@@ -99,9 +99,9 @@ def evaluate_scores(
     credit = pair_credit(margins)
     longer = length_rule_wins(len_chosen, len_rejected)
     shorter = 1.0 - longer
-    accuracy, accuracy_se = mean_and_se(credit)
+    accuracy, accuracy_se = mean_se(credit)
     rules = {"longer_wins": longer, "shorter_wins": shorter}
-    rule_stats = {name: dict(zip(("accuracy", "accuracy_se"), mean_and_se(v))) for name, v in rules.items()}
+    rule_stats = {name: dict(zip(("accuracy", "accuracy_se"), mean_se(v))) for name, v in rules.items()}
     # the better rule on this file; "longer wins" on a tie
     better = max(rules, key=lambda name: (rule_stats[name]["accuracy"], name == "longer_wins"))
     difference, difference_se = paired_difference(credit, rules[better])

@@ -78,19 +78,13 @@ def length_rule_wins(len_chosen: torch.Tensor, len_rejected: torch.Tensor) -> to
     return (c > r).double() + 0.5 * (c == r).double()
 
 
-def mean_and_se(values: torch.Tensor) -> tuple[float, float]:
-    """Mean and its standard error of ``(N,)`` values (``functional.summary.mean_se``: NaN for N = 0, SE NaN
-    for N = 1)."""
-    return mean_se(values)
-
-
 def paired_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """Mean of ``a_i - b_i`` and its paired standard error: the comparison of two scorers on the SAME items
     (e.g. a reward model's correctness against the length rule's credit, pair by pair). Pairing removes the
     between-item variance, so the error is far smaller than that of two independent accuracies when the two
     agree on most items. Example: a = [1, 1, 0, 1], b = [1, 0, 0, 0]: d = [0, 1, 0, 1], mean 0.5,
     SE = sqrt(1/3) / 2 = 0.2887."""
-    return mean_and_se(a.double() - b.double())
+    return mean_se(a.double() - b.double())
 
 
 def score_length_spearman(scores: torch.Tensor, lengths: torch.Tensor) -> float:
@@ -126,8 +120,8 @@ def length_bias_report(
     """
     correct = pair_correct(margins)
     rule = length_rule_wins(len_chosen, len_rejected)
-    acc, acc_se = mean_and_se(correct)
-    rule_acc, rule_se = mean_and_se(rule)
+    acc, acc_se = mean_se(correct)
+    rule_acc, rule_se = mean_se(rule)
     diff, diff_se = paired_difference(correct, rule)
     if math.isnan(diff_se):
         z = math.nan
@@ -142,8 +136,8 @@ def length_bias_report(
         return {
             "pairs": k,
             "fraction": k / n if n else math.nan,
-            "accuracy": mean_and_se(correct[keep])[0],
-            "length_rule_accuracy": mean_and_se(rule[keep])[0],
+            "accuracy": mean_se(correct[keep])[0],
+            "length_rule_accuracy": mean_se(rule[keep])[0],
         }
 
     buckets = length_diff_bucket(len_chosen, len_rejected)

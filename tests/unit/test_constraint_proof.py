@@ -53,13 +53,6 @@ def test_a_response_passes_only_when_it_ended_within_the_word_limit(ev):
     assert ev.passes("", True, 3)
 
 
-def test_mean_and_standard_error_by_hand(ev):
-    mean, se = ev.mean_se([1.0, 0.0, 1.0, 1.0])
-    # sample variance ((3 x 0.25^2) + 0.75^2) / 3 = 0.25, se = sqrt(0.25 / 4) = 0.25
-    assert mean == 0.75 and se == pytest.approx(0.25)
-    assert ev.mean_se([2.0]) == (2.0, 0.0)
-
-
 def test_summary_compares_against_three_standard_errors_and_the_kl_budget(ev, tmp_path):
     config = {"model": {"init_args": {"ppo": {"advantage_estimator": "grpo"}, "kl": {"target_kl": 1.0}}}}
     before = dict(pass_rate=0.5, pass_rate_se=0.03, per_prompt_pass=[0.5, 0.5])
