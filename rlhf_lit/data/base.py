@@ -173,6 +173,8 @@ class RLHFDataModule(L.LightningDataModule):
         self.skip_counter: SkipCounter | None = None
         self.train_dataset: ExampleDataset | None = None
         self.val_dataset: ExampleDataset | None = None
+        self._train_generator: torch.Generator | None = None
+        self._resume_generator: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------- subclass hooks
     def _convert(self, rows: Any, fmt: str, source: int, where: str):  # pragma: no cover - abstract
@@ -329,10 +331,43 @@ class RLHFDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Training batches, shuffled with a generator seeded from ``seed`` when ``shuffle``."""
+        """Training batches, shuffled with a generator seeded from ``seed`` when ``shuffle``.
+
+        Every epoch draws its order from that one generator, whose state is in :meth:`state_dict`: a run
+        resumed from an end-of-epoch checkpoint draws the orders an uninterrupted run draws.
+        """
         self._require_setup()
-        generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(self.train_dataset, self.batch_size, shuffle=self.shuffle, generator=generator)
+        self._train_generator = torch.Generator().manual_seed(self.seed)
+        if self._resume_generator is not None:
+            self._train_generator.set_state(self._resume_generator)
+            self._resume_generator = None
+        return self._loader(
+            self.train_dataset, self.batch_size, shuffle=self.shuffle, generator=self._train_generator
+        )
+
+    # ------------------------------------------------------------------------------ resumption
+    def state_dict(self) -> dict[str, Any]:
+        """``{"train_generator": (5056,) uint8 tensor}``: the state of the training order's generator after
+        the epochs drawn so far (``{}`` before the first training loader). Lightning saves it in checkpoints.
+        """
+        if self._train_generator is None:
+            return {}
+        return {"train_generator": self._train_generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training order: the next epoch draws what the saved run's next epoch drew.
+
+        Exact from an end-of-epoch checkpoint (Lightning's ``ModelCheckpoint`` default); a mid-epoch
+        checkpoint restarts its epoch on the next order (docs/resume.md). Ignored outside ``fit``.
+        """
+        state = state_dict.get("train_generator")
+        trainer = getattr(self, "trainer", None)
+        if state is None or (trainer is not None and trainer.state.fn not in (None, "fit")):
+            return
+        if self._train_generator is not None:
+            self._train_generator.set_state(state)
+        else:
+            self._resume_generator = state
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches in file order (an empty list when there is no validation split)."""

@@ -16,9 +16,9 @@ checkpoint write (part of the bytes on disk). Then:
   exact (``tests/cli/test_ckpt_path.py``), so the uninterrupted run from that checkpoint is the whole run.
 
 The SFT and reward stages are killed once each in their update, in their second epoch, and resume from the
-end-of-epoch ``last.ckpt`` of a ``ModelCheckpoint``; their loaders do not resume mid-epoch (the PPO prompt
-loader does) and reshuffle from their seed on every fit, so these runs use ``shuffle: false`` and an epoch-end
-checkpoint (docs/resume.md).
+end-of-epoch ``last.ckpt`` of a ``ModelCheckpoint``, with shuffling on: their loaders do not resume mid-epoch
+(the PPO prompt loader does), but the checkpoint carries the state of the generator their epoch orders come
+from, so the second epoch sees the uninterrupted run's order (docs/resume.md).
 
 Processes: the fits run ``rlhf_lit.cli.main`` -- the console script's entry point -- in child processes of a
 ``multiprocessing`` fork server that has imported torch, Lightning and transformers once (on 2 cores a fresh
@@ -237,7 +237,6 @@ def _stage_args(stage: str, root: Path) -> list[str]:
         "--trainer.limit_val_batches=1",
         "--data.init_args.val_size=8",
         "--data.init_args.batch_size=4",
-        "--data.init_args.shuffle=false",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={root / 'ck'}",
         "--trainer.callbacks.save_last=true",

@@ -70,7 +70,6 @@ def _fit(root, *extra: str) -> dict:
         "--data.init_args.val_size=4",
         "--data.init_args.batch_size=4",
         "--data.init_args.max_length=256",
-        "--data.init_args.shuffle=false",  # the preference loader reshuffles from its seed on every fit
         # a schedule over the run's length would differ between a 1-epoch and a 2-epoch run by design
         "--model.init_args.optimizer.scheduler=constant",
         "--trainer.limit_val_batches=1",
