@@ -232,6 +232,7 @@ class _ChunkedEntropy(torch.autograd.Function):
             log_total = total.log()
             out[rows, cols] = log_total - weighted / total
             lse[rows, cols] = log_total + peak.squeeze(-1)
+            del z, e, peak, total, weighted, log_total  # freed before the next piece is made
         ctx.save_for_backward(logits, out, lse)
         ctx.temperature, ctx.pieces = temperature, pieces
         return out
@@ -250,7 +251,9 @@ class _ChunkedEntropy(torch.autograd.Function):
             logp = (z.sub_(shift) if own else z - shift).clamp_(min=lowest)  # temporary 1
             p = logp.exp()  # temporary 2
             logp.add_(entropy[rows, cols].unsqueeze(-1)).mul_(p)
+            del p  # temporary 2 is no longer needed: free it before the scaling and the copy
             grad[rows, cols] = logp.mul_(grad_out[rows, cols].unsqueeze(-1).to(lse.dtype) * (-1.0 / T))
+            del z, logp  # freed before the next piece is made
         return grad, None, None
 
 

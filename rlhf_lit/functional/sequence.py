@@ -183,6 +183,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             piece_lse = e.exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
             lse[rows, cols] = piece_lse
             out[rows, cols] = picked - piece_lse
+            del z, e, picked, peak, piece_lse  # freed before the next piece is made, not when rebound
         ctx.save_for_backward(logits, tokens, lse)
         ctx.temperature, ctx.pieces = temperature, pieces
         return out
@@ -201,6 +202,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             g = grad_out[rows, cols].unsqueeze(-1).to(lse.dtype)
             p.mul_(-g).scatter_add_(-1, tokens[rows, cols].unsqueeze(-1), g)
             grad[rows, cols] = p.div_(T) if T != 1.0 else p
+            del z, p, g  # freed before the next piece is made
         return grad, None, None, None
 
 
