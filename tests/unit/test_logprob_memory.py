@@ -166,9 +166,9 @@ def test_default_pieces_extra_peak_is_under_the_documented_bounds(shape, dtype, 
     lp = _extra_peaks(lambda x: gather_logprobs(x, tokens, temperature), logits, [tokens])
     ent = _extra_peaks(lambda x: entropy_from_logits(x, temperature), logits, [])
     for name, peak in zip(("no_grad", "forward", "backward beyond the gradient"), lp):
-        assert peak < LOGPROB_BOUND * one_brv, f"log-probs {name}: {peak / one_brv:.2%} of one (B, R, V) tensor"
+        assert peak < LOGPROB_BOUND * one_brv, f"log-probs {name}: {peak / one_brv:.2%} of (B, R, V)"
     for name, peak in zip(("no_grad", "forward", "backward beyond the gradient"), ent):
-        assert peak < ENTROPY_BOUND * one_brv, f"entropy {name}: {peak / one_brv:.2%} of one (B, R, V) tensor"
+        assert peak < ENTROPY_BOUND * one_brv, f"entropy {name}: {peak / one_brv:.2%} of (B, R, V)"
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
