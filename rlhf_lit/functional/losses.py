@@ -213,7 +213,8 @@ class _ChunkedEntropy(torch.autograd.Function):
     (= ``-sum_v p_v log p_v``), piece by piece; the backward recomputes the softmax piece by piece.
 
     Saves only the logits (already alive) and the (B, R) entropies; holds two float32 temporaries of one
-    piece at a time. A -inf logit (probability 0) contributes 0, not 0 * inf.
+    piece at a time (``sum_v e_v z_v`` needs ``z`` and ``exp(z)`` together), freed before the next piece is
+    made. A -inf logit (probability 0) contributes 0, not 0 * inf.
     """
 
     @staticmethod
@@ -232,6 +233,7 @@ class _ChunkedEntropy(torch.autograd.Function):
             log_total = total.log()
             out[rows, cols] = log_total - weighted / total
             lse[rows, cols] = log_total + peak.squeeze(-1)
+            del z, e, peak, total, weighted, log_total  # freed before the next piece is made
         ctx.save_for_backward(logits, out, lse)
         ctx.temperature, ctx.pieces = temperature, pieces
         return out
@@ -250,7 +252,9 @@ class _ChunkedEntropy(torch.autograd.Function):
             logp = (z.sub_(shift) if own else z - shift).clamp_(min=lowest)  # temporary 1
             p = logp.exp()  # temporary 2
             logp.add_(entropy[rows, cols].unsqueeze(-1)).mul_(p)
+            del p  # temporary 2 is no longer needed: free it before the scaling and the copy
             grad[rows, cols] = logp.mul_(grad_out[rows, cols].unsqueeze(-1).to(lse.dtype) * (-1.0 / T))
+            del z, logp  # freed before the next piece is made
         return grad, None, None
 
 
@@ -265,8 +269,11 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: in
     Args:
         logits: (B, R, V) logits; any strides.
         temperature: T > 0, the sampling temperature.
-        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions (extra memory
-            under 7% of one float32 (B, R, V) tensor of 8 MiB or more; ``chunk_views``).
+        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions
+            (``chunk_views``). The extra memory is two float32 pieces plus the (B, R) results, in the forward
+            and again on top of the logits' gradient in the backward: under 7% of one float32 (B, R, V)
+            tensor once it holds 8 MiB, B * R >= 32 and V >= 1024, and never above 32 MiB plus the (B, R)
+            results. With rows, a piece is one float32 tensor of shape (chunk_size, R, V).
 
     Returns:
         (B, R) entropies in nats, in [0, log V]; float32 (float64 for float64 logits);

@@ -109,11 +109,12 @@ def last_real_index(mask: Tensor) -> Tensor:
     return last
 
 
-# The default (``chunk_size=None``) path cuts the B x R positions into AUTO_CHUNK_PARTS pieces, each of at
-# least AUTO_CHUNK_MIN_ELEMENTS logits (256 KiB in float32: smaller pieces only add per-op overhead) and at
-# most AUTO_CHUNK_MAX_ELEMENTS (16 MiB). The functions below hold at most two float32 temporaries of one piece
-# at a time, so their extra memory stays under 7% of one (B, R, V) tensor once that tensor holds 32 minimum
-# pieces (8 MiB), and under 32 MiB however large it is.
+# The default (``chunk_size=None``) path cuts the B x R positions into pieces of ``B * R // AUTO_CHUNK_PARTS``
+# positions, raised to ``AUTO_CHUNK_MIN_ELEMENTS // V`` (256 KiB of float32 logits: smaller pieces only add
+# per-op overhead), lowered to ``AUTO_CHUNK_MAX_ELEMENTS // V`` (16 MiB), and at least one position. Rounding
+# down keeps every piece within 1 / AUTO_CHUNK_PARTS of the (B, R, V) tensor once that tensor holds 8 MiB
+# (32 minimum pieces) and B * R >= 32 positions (rounding up gave 2 of 48 positions at V = 50257). The
+# memory each function keeps per piece, and the bound that gives, are in its docstring.
 AUTO_CHUNK_PARTS = 32
 AUTO_CHUNK_MIN_ELEMENTS = 1 << 16
 AUTO_CHUNK_MAX_ELEMENTS = 1 << 22
@@ -126,8 +127,8 @@ def chunk_views(shape: torch.Size, chunk_size: int | None) -> list[tuple[slice, 
 
     Args:
         shape: ``(B, R, V)``.
-        chunk_size: batch rows per piece; ``None`` picks ``ceil(B * R / AUTO_CHUNK_PARTS)`` positions per
-            piece, raised to ``AUTO_CHUNK_MIN_ELEMENTS / V`` and lowered to ``AUTO_CHUNK_MAX_ELEMENTS / V``
+        chunk_size: batch rows per piece; ``None`` picks ``B * R // AUTO_CHUNK_PARTS`` positions per
+            piece, raised to ``AUTO_CHUNK_MIN_ELEMENTS // V`` and lowered to ``AUTO_CHUNK_MAX_ELEMENTS // V``
             (at least 1; whole rows when that is at least R).
 
     Returns:
@@ -140,7 +141,7 @@ def chunk_views(shape: torch.Size, chunk_size: int | None) -> list[tuple[slice, 
         step = chunk_size * R
     else:
         V = max(V, 1)
-        step = max(-(-(B * R) // AUTO_CHUNK_PARTS), -(-AUTO_CHUNK_MIN_ELEMENTS // V))
+        step = max((B * R) // AUTO_CHUNK_PARTS, AUTO_CHUNK_MIN_ELEMENTS // V)
         step = max(1, min(step, AUTO_CHUNK_MAX_ELEMENTS // V))
     if step >= R:
         rows = step // R
@@ -166,8 +167,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     softmax piece by piece.
 
     Saves only the logits (already alive) and the (B, R) log-sum-exp, and holds one float32 temporary of one
-    piece at a time (in-place arithmetic on it), so neither pass holds a second (B, R, V) tensor: the only
-    full-size tensor made is the gradient of the logits itself.
+    piece at a time (in-place arithmetic on it, freed before the next piece is made), so neither pass holds a
+    second (B, R, V) tensor: the only full-size tensor made is the gradient of the logits itself.
     """
 
     @staticmethod
@@ -183,6 +184,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             piece_lse = e.exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
             lse[rows, cols] = piece_lse
             out[rows, cols] = picked - piece_lse
+            del z, e, picked, peak, piece_lse  # freed before the next piece is made, not when rebound
         ctx.save_for_backward(logits, tokens, lse)
         ctx.temperature, ctx.pieces = temperature, pieces
         return out
@@ -201,6 +203,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             g = grad_out[rows, cols].unsqueeze(-1).to(lse.dtype)
             p.mul_(-g).scatter_add_(-1, tokens[rows, cols].unsqueeze(-1), g)
             grad[rows, cols] = p.div_(T) if T != 1.0 else p
+            del z, p, g  # freed before the next piece is made
         return grad, None, None, None
 
 
@@ -223,9 +226,11 @@ def gather_logprobs(
             ``tokens[:, i]`` (the caller slices the model output at positions P-1 .. T-2); any strides.
         tokens: (B, R) long token ids.
         temperature: Sampling temperature T > 0.
-        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions, so the
-            extra memory is under 4% of one float32 (B, R, V) tensor of 8 MiB or more, and never above
-            16 MiB (``chunk_views``). With rows, it is one float32 tensor of shape (chunk_size, R, V).
+        chunk_size: Batch rows per piece; None (the default) picks pieces of a few positions
+            (``chunk_views``). The extra memory is one float32 piece plus the (B, R) results, in the forward
+            and again on top of the logits' gradient in the backward: under 4% of one float32 (B, R, V)
+            tensor once it holds 8 MiB, B * R >= 32 and V >= 1024, and never above 16 MiB plus the (B, R)
+            results. With rows, the piece is one float32 tensor of shape (chunk_size, R, V).
 
     Returns:
         (B, R) log-probabilities in nats (<= 0), float32 (float64 for float64 logits);

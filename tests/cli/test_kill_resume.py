@@ -10,7 +10,8 @@ checkpoint write (part of the bytes on disk). Then:
   (``ppo.checkpoint_every: 1``: the iteration before the killed one); the export folder does not exist (the
   export is one transaction, committed only at the end); the folder locks of the dead run are still there;
 * the same command plus ``--ckpt_path last`` resumes from that ``last.ckpt`` (its log says so), takes over
-  the stale locks, finishes, releases them and leaves no staging folder behind;
+  the stale locks, finishes, releases them and leaves no staging folder behind (nor the killed checkpoint
+  write's temporary file: its first save removes it, in one log line);
 * its final checkpoint (adapters, value head, optimizer and scheduler state, KL controller, reward statistics,
   RNG, iteration history) and its export equal those of one uninterrupted run with ``torch.equal``: resume is
   exact (``tests/cli/test_ckpt_path.py``), so the uninterrupted run from that checkpoint is the whole run.
@@ -188,6 +189,9 @@ def kill_and_resume_ppo(root: Path, straight: Path, point: dict, console: bool =
     assert _fit([*args, "--ckpt_path", "last"], log) == 0, f"{point}\n{_tail(log)}"
     assert re.search(r"Restoring states from the checkpoint path at .*last\.ckpt", log.read_text()), point
     assert _locks(root) == [] and not list(root.glob(".hf.partial-*")), point
+    if point["phase"] == "checkpoint":  # the resumed run's first save removed the killed run's temporary file
+        assert not list(root.glob("*.tmp-*")), point
+        assert "temporary file(s) of killed runs" in log.read_text(), point
     _checkpoints_load(root)
     _assert_same_run(_load(straight / "last.ckpt"), _load(root / "last.ckpt"), str(point))
     _assert_same_export(straight / "hf", root / "hf")

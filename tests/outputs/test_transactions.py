@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -157,6 +158,22 @@ def test_checkpoint_write_replaces_atomically(tmp_path):
     io.save_checkpoint({"step": 1}, path)
     io.save_checkpoint({"step": 2}, path)
     assert torch.load(path)["step"] == 2 and os.listdir(tmp_path) == ["c.ckpt"]
+
+
+def test_a_save_removes_temporary_files_of_dead_processes_only(tmp_path, caplog):
+    # a run killed (kill -9) mid-write left last.ckpt.tmp-<its pid>; a live process's file may be being written
+    stale = tmp_path / f"last.ckpt.tmp-{dead_pid()}"
+    live = tmp_path / f"epoch=1.ckpt.tmp-{os.getpid()}"
+    stale.write_bytes(b"half a checkpoint")
+    live.write_bytes(b"being written")
+    io = AtomicCheckpointIO()
+    with caplog.at_level(logging.INFO, logger="rlhf_lit"):
+        io.save_checkpoint({"step": 1}, str(tmp_path / "last.ckpt"))
+        io.save_checkpoint({"step": 2}, str(tmp_path / "last.ckpt"))  # the folder is swept once
+    assert sorted(os.listdir(tmp_path)) == sorted(["last.ckpt", live.name])
+    assert torch.load(tmp_path / "last.ckpt")["step"] == 2
+    lines = [r.getMessage() for r in caplog.records if "temporary" in r.getMessage()]
+    assert lines == [f"checkpoint: removed 1 temporary file(s) of killed runs from {tmp_path}: {stale.name}"]
 
 
 def test_free_space_is_checked_before_training(tmp_path):
