@@ -15,6 +15,7 @@ caller takes the mean. Pure functions: nothing is edited in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -33,6 +34,8 @@ __all__ = [
     "kto_loss",
     "preference_loss",
     "response_logps",
+    "response_logps_from_hidden",
+    "response_scoring_mask",
     "reward_accuracy",
 ]
 
@@ -43,15 +46,33 @@ LOSS_TYPES = (*PAIRED_LOSS_TYPES, "kto")
 REFERENCE_FREE_LOSS_TYPES = ("simpo",)
 
 
-def response_logps(
-    logits: Tensor, input_ids: Tensor, prompt_len: Tensor, response_len: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Summed log-probabilities of each row's response tokens, read at the right positions.
+def response_scoring_mask(prompt_len: Tensor, response_len: Tensor, T: int) -> Tensor:
+    """``(B, T - 1)`` bool: True at the logit positions that score a response token.
 
     Rows are right padded, each with its own prompt length: row ``b`` holds ``P_b`` prompt tokens, then
     ``R_b`` response tokens, then padding. Token ``x[i]`` gets its log-prob from the logits at ``i - 1``
     (DESIGN.md), so the response tokens ``P_b .. P_b + R_b - 1`` are scored by logits ``P_b - 1 ..
-    P_b + R_b - 2``; prompt and padding positions contribute nothing.
+    P_b + R_b - 2``; entry ``j`` of the mask is True when token ``j + 1`` is a response token.
+    E.g. ``P = [2], R = [2], T = 5``: tokens 2, 3 are the response, so ``[False, True, True, False]``.
+
+    Raises:
+        ValueError: if a row has no prompt token, no response token, or overflows T.
+    """
+    if (
+        bool((prompt_len < 1).any())
+        or bool((response_len < 1).any())
+        or bool((prompt_len + response_len > T).any())
+    ):
+        raise ValueError("every row needs >= 1 prompt token and >= 1 response token within the T columns")
+    token_index = torch.arange(1, T, device=prompt_len.device)[None, :]
+    return (token_index >= prompt_len[:, None]) & (token_index < (prompt_len + response_len)[:, None])
+
+
+def response_logps(
+    logits: Tensor, input_ids: Tensor, prompt_len: Tensor, response_len: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Summed log-probabilities of each row's response tokens, read at the right positions
+    (``response_scoring_mask``); prompt and padding positions contribute nothing.
 
     Args:
         logits: ``(B, T, V)`` model outputs for ``input_ids``.
@@ -67,18 +88,45 @@ def response_logps(
     """
     if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be input_ids {tuple(input_ids.shape)} + (V,)")
-    T = input_ids.shape[1]
-    if (
-        bool((prompt_len < 1).any())
-        or bool((response_len < 1).any())
-        or bool((prompt_len + response_len > T).any())
-    ):
-        raise ValueError("every row needs >= 1 prompt token and >= 1 response token within the T columns")
+    mask = response_scoring_mask(prompt_len, response_len, input_ids.shape[1])
     token_logps = gather_logprobs(logits[:, :-1], input_ids[:, 1:])  # (B, T-1): entry j scores token j+1
-    token_index = torch.arange(1, T, device=input_ids.device)[None, :]
-    mask = (token_index >= prompt_len[:, None]) & (token_index < (prompt_len + response_len)[:, None])
     logps = torch.where(mask, token_logps, torch.zeros_like(token_logps)).sum(-1)
     return logps, response_len.long()
+
+
+def response_logps_from_hidden(
+    hidden: Tensor, head: Callable[[Tensor], Tensor], input_ids: Tensor, prompt_len: Tensor, response_len: Tensor
+) -> Tensor:
+    """``response_logps`` from the last hidden states, making vocabulary logits for response positions only.
+
+    The ``N = sum_b R_b`` hidden states that score a response token (``response_scoring_mask``) are
+    packed into one ``(N, H)`` tensor and only they go through ``head``: the ``(B, T, V)`` logits of
+    prompts and padding are never made, nor their gradient. With DPO's long prompts and a 50k vocabulary
+    that tensor and its gradient are most of a step's memory. Equal to ``response_logps(head(hidden), ...)``
+    up to float summation order.
+
+    Args:
+        hidden: ``(B, T, H)`` last-layer hidden states for ``input_ids``.
+        head: maps ``(N, H)`` hidden states to ``(N, V)`` logits (the LM head).
+        input_ids: ``(B, T)`` long.
+        prompt_len: ``(B,)`` long, ``P_b >= 1``.
+        response_len: ``(B,)`` long, ``R_b >= 1`` and ``P_b + R_b <= T``.
+
+    Returns:
+        ``(B,)`` float32 sums in nats (<= 0).
+
+    Raises:
+        ValueError: if shapes disagree or a row has no prompt token, no response token, or overflows T.
+    """
+    if hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be input_ids {tuple(input_ids.shape)} + (H,)")
+    mask = response_scoring_mask(prompt_len, response_len, input_ids.shape[1])
+    logits = head(hidden[:, :-1][mask])  # (N, V)
+    token_logps = gather_logprobs(logits[None], input_ids[:, 1:][mask][None])[0]  # (N,)
+    rows = mask.nonzero()[:, 0]
+    return torch.zeros(mask.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
+        0, rows, token_logps
+    )
 
 
 def _check_beta(beta: float) -> None:

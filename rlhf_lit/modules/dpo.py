@@ -3,7 +3,8 @@
 Each training step (the losses are pure functions in ``rlhf_lit.functional.preference``):
 
 1. stack chosen and rejected (or the KTO completions) into one batch and run the policy once;
-2. sum the log-probs of each response's tokens (``response_logps``: token ``x[i]`` scored at ``i - 1``);
+2. sum the log-probs of each response's tokens (``response_logps_from_hidden``: token ``x[i]`` scored at ``i - 1``,
+   logits made for response positions only);
 3. the same sums under the reference: from the on-disk cache (``reference_cache``; then no reference forward
    runs at all), else from one no-grad forward of the reference (none for the reference-free ``simpo``);
 4. the loss (``dpo_loss`` / ``kto_loss``), plus ``nll_coef`` times the chosen responses' NLL per token;
@@ -36,7 +37,7 @@ from rlhf_lit.functional.preference import (
     chosen_nll,
     dpo_loss,
     kto_loss,
-    response_logps,
+    response_logps_from_hidden,
     reward_accuracy,
 )
 from rlhf_lit.models.adapters import AdaptedLM
@@ -73,12 +74,9 @@ def sequences(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 def lm_response_logps(lm: AdaptedLM, ids, mask, prompt_len, response_len) -> torch.Tensor:
-    """``(N,)`` summed response log-probs of ``lm`` (its current adapter setting). Columns before the
-    shortest prompt's last token are dropped first (they predict no response token)."""
-    start = int(prompt_len.min()) - 1
-    hidden = lm.hidden_states(ids, mask)[:, start:]
-    logps, _ = response_logps(lm.logits(hidden), ids[:, start:], prompt_len - start, response_len)
-    return logps
+    """``(N,)`` summed response log-probs of ``lm`` (its current adapter setting); only the response
+    positions' hidden states reach the LM head (``response_logps_from_hidden``)."""
+    return response_logps_from_hidden(lm.hidden_states(ids, mask), lm.logits, ids, prompt_len, response_len)
 
 
 class DPOModule(L.LightningModule):

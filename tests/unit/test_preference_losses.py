@@ -23,6 +23,8 @@ from rlhf_lit.functional.preference import (
     kto_loss,
     preference_loss,
     response_logps,
+    response_logps_from_hidden,
+    response_scoring_mask,
     reward_accuracy,
 )
 
@@ -235,6 +237,40 @@ def test_response_logps_reads_each_rows_response_at_the_previous_positions():
     assert n.tolist() == [2, 2]
     with pytest.raises(ValueError):  # P + R > T
         response_logps(logits, ids, torch.tensor([4, 3]), torch.tensor([2, 2]))
+
+
+def test_response_scoring_mask_marks_the_positions_before_each_response_token():
+    # P = [2, 3], R = [2, 1], T = 5: row 0 scores tokens 2, 3 at positions 1, 2; row 1 token 3 at position 2
+    mask = response_scoring_mask(torch.tensor([2, 3]), torch.tensor([2, 1]), 5)
+    assert mask.tolist() == [[False, True, True, False], [False, False, True, False]]
+    for prompt_len, response_len in (([0, 3], [2, 1]), ([2, 3], [0, 1]), ([2, 3], [2, 3])):
+        with pytest.raises(ValueError):  # no prompt token / no response token / 3 + 3 > T
+            response_scoring_mask(torch.tensor(prompt_len), torch.tensor(response_len), 5)
+
+
+def test_logps_from_hidden_equal_the_full_logits_path_and_the_head_sees_response_rows_only():
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, V = 3, 7, 4, 11
+    hidden = torch.randn(B, T, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    prompt_len, response_len = torch.tensor([1, 3, 2]), torch.tensor([2, 4, 1])
+    seen = []
+
+    def head(h):
+        seen.append(tuple(h.shape))
+        return h @ weight.T
+
+    packed = response_logps_from_hidden(hidden, head, ids, prompt_len, response_len)
+    assert seen == [(7, H)]  # 2 + 4 + 1 response tokens, not B * (T - 1) = 18 positions
+    full, _ = response_logps(hidden @ weight.T, ids, prompt_len, response_len)
+    assert_close(packed, full, atol=1e-12, rtol=1e-12)
+    g_packed = torch.autograd.grad(packed.sum(), (hidden, weight))
+    g_full = torch.autograd.grad(full.sum(), (hidden, weight))
+    for a, b in zip(g_packed, g_full):
+        assert_close(a, b, atol=1e-12, rtol=1e-12)
+    # the hidden states of prompt and padding positions get no gradient
+    assert g_packed[0][0, 2:].abs().sum() == 0 and g_packed[1].abs().sum() > 0
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.1])
