@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -513,7 +513,8 @@ def _nothing(_ctx: Ctx) -> Iterator[Prepared]:
 @pytest.fixture(scope="module")
 def outcomes(request, files, tmp_path_factory) -> Iterator[dict[str, Future]]:
     """Every selected case without a file-size limit, started two at a time when the first is reached
-    (``preexec_fn``, which applies a limit, is not safe beside running threads: those run alone)."""
+    (``preexec_fn``, which applies a limit, is not safe beside threads starting processes: those run alone, in
+    their tests, once the others are done)."""
     export = run_tiny(SFT, tmp_path_factory).export_dir
     selected = [
         item.callspec.params["case"]
@@ -538,7 +539,11 @@ def outcomes(request, files, tmp_path_factory) -> Iterator[dict[str, Future]]:
 )
 def test_catalogue(case: Case, outcomes):
     pending = outcomes[case.id]
-    outcome = pending.result() if isinstance(pending, Future) else _run(case, pending)
+    if isinstance(pending, Future):
+        outcome = pending.result()
+    else:  # a file-size limit: once no other case is running (their results wait for their tests)
+        wait([f for f in outcomes.values() if isinstance(f, Future)])
+        outcome = _run(case, pending)
     assert_outcome(case, outcome.result, outcome.prepared, outcome.before)
     if outcome.after_error is not None:  # the case's own check of what the run left behind
         raise outcome.after_error
