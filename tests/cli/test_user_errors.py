@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import lightning.pytorch  # noqa: F401 - Lightning gives its loggers a handler on the stderr of the moment it is
 import pytest  # imported: import it here, not inside a test whose captured stderr is closed afterwards
-import yaml
 
 from rlhf_lit.cli import main
 from tests.cli.helpers import run_cli, stderr_lines
@@ -59,23 +58,11 @@ def files(tmp_path_factory):
         ),
     )
     write("a_file", "x")
-    write("unclosed.yaml", "model:\n  init_args: {optimizer: {lr: 0.001}\n")
-    write("tabs.yaml", "trainer:\n\tmax_epochs: 1\n")
     write(
         "boring.yaml",
         "model:\n  class_path: lightning.pytorch.demos.boring_classes.BoringModel\n"
         "data:\n  class_path: lightning.pytorch.demos.boring_classes.BoringDataModule\n",
     )
-    (root / "sft_export").mkdir()  # what the SFT stage writes: a policy export
-    (root / "sft_export" / "config.json").write_text("{}")
-    (root / "sft_export" / "rlhf_lit.json").write_text(json.dumps({"kind": "policy", "stage": "sft"}))
-    paths["sft_export"] = str(root / "sft_export")
-    ppo = yaml.safe_load((REPO_ROOT / PPO).read_text())
-    ppo["model"]["init_args"]["reward_model"] = {"path": paths["sft_export"]}
-    write("ppo_with_sft_export_as_rm.yaml", yaml.safe_dump(ppo))
-    sft = yaml.safe_load((REPO_ROOT / SFT).read_text())
-    sft["model"]["init_args"]["backbone"] = {"name_or_path": "no-such-org/no-such-model"}
-    write("sft_hub_id.yaml", yaml.safe_dump(sft))
     (root / "a_folder").mkdir()
     paths["a_folder"] = str(root / "a_folder")
     paths["root"] = str(root)
@@ -196,51 +183,24 @@ CATALOGUE = [
         lambda f: ["fitt", "--config", SFT],
         ["unknown subcommand 'fitt' (did you mean 'fit'?)"],
     ),
-    ("no_subcommand", lambda f: [], ["give a subcommand: fit, validate, test, predict, demo, plan, evaluate"]),
+    (
+        "no_subcommand",
+        lambda f: [],
+        ["give a subcommand: fit, validate, test, predict, demo, plan, evaluate"],
+    ),
     (
         "plan_missing_config",
         lambda f: ["plan", "--config", "configs/ppo/nope.yaml"],
         ["plan: --config configs/ppo/nope.yaml: no such config file"],
     ),
-    # errors raised while building the modules, and config-file syntax, go through the same one line
-    (
-        "ppo_top_k_refused_by_the_module",
-        lambda f: ["fit", "--config", PPO, "--model.init_args.sampling.top_k=5"],
-        ["PPO refuses sampling.top_k=5"],
-    ),
-    (
-        "ppo_reward_model_is_an_sft_export",
-        lambda f: [
-            "fit",
-            "--config",
-            f["ppo_with_sft_export_as_rm.yaml"],
-        ],
-        ["model.init_args.reward_model.path:", "sft_export holds a 'policy' export (written by the SFT", "reward"],
-    ),
-    (
-        "hub_id_offline",
-        lambda f: ["fit", "--config", f["sft_hub_id.yaml"]],
-        ["model.init_args.backbone.name_or_path: no-such-org/no-such-model is not a local folder", "HF_HUB_OFFLINE"],
-    ),
-    (
-        "yaml_unclosed_brace",
-        lambda f: ["fit", "--config", SFT, "--config", f["unclosed.yaml"]],
-        ["unclosed.yaml: line 3, column 1: invalid YAML: while parsing a flow mapping"],
-    ),
-    (
-        "yaml_tab_indentation",
-        lambda f: ["fit", "--config", f["tabs.yaml"]],
-        ["tabs.yaml: line 2, column 1: invalid YAML", "'\\t'"],
-    ),
-    (
-        "plan_yaml_unclosed_brace",
-        lambda f: ["plan", "--config", SFT, "--config", f["unclosed.yaml"]],
-        ["unclosed.yaml: line 3, column 1: invalid YAML: while parsing a flow mapping"],
-    ),
+    # errors raised while building the modules, YAML syntax, wrong export kinds, a hub id offline: in
+    # tests/cli/test_catalogue.py, through the console script
     (
         "plan_unknown_stage",
         lambda f: ["plan", "--config", f["boring.yaml"]],
-        ["model.class_path: lightning.pytorch.demos.boring_classes.BoringModel is not an rlhf_lit stage module"],
+        [
+            "model.class_path: lightning.pytorch.demos.boring_classes.BoringModel is not an rlhf_lit stage module"
+        ],
     ),
     (
         "bad_accelerator",

@@ -61,24 +61,3 @@ def test_reward_model_export_as_sft_policy_base_is_refused(tmp_path, capsys):
     )
     assert code == 2 and 1 <= len(err) <= 3 and "Traceback" not in "\n".join(err), err
     assert rm in err[0] and "'reward_model' export" in err[0] and "not a 'policy' export" in err[0], err
-
-
-def test_policy_export_as_ppo_reward_model_is_refused(tmp_path, capsys):
-    policy = fake_export(tmp_path / "sft", "policy")
-    text = (REPO_ROOT / "configs" / "ppo" / "tiny.yaml").read_text()
-    block = text[text.index("    reward_model:\n") : text.index("    sampling:")]
-    assert "seed: 1" in block
-    config = tmp_path / "ppo_rm_is_policy.yaml"
-    config.write_text(text.replace(block, f"    reward_model: {{path: {policy}}}\n"))
-    code, err = run(
-        [
-            "fit",
-            "--config",
-            str(config),
-            f"--trainer.default_root_dir={tmp_path}/run",
-            f"--model.init_args.export_dir={tmp_path}/hf",
-        ],
-        capsys,
-    )
-    assert code == 2 and 1 <= len(err) <= 3 and "Traceback" not in "\n".join(err), err
-    assert "reward_model.path" in err[0] and policy in err[0] and "'policy' export" in err[0], err
