@@ -176,3 +176,20 @@ def test_glossary_in_docs_metrics_is_generated_from_metrics():
     text = (DOCS / "metrics.md").read_text()
     block = text.split("<!-- glossary:start", 1)[1].split("\n", 1)[1].split("<!-- glossary:end -->", 1)[0]
     assert block.strip() == glossary_markdown().strip()
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_test_a_page_names_exists(page):
+    # a claim names the test that would fail if it were false: a renamed or removed test must take the name
+    # with it. `test_<name>` is a test function; in the README's "What is never lost", a bare case name is a
+    # case of tests/cli/test_catalogue.py.
+    sources = "\n".join(p.read_text() for p in (REPO_ROOT / "tests").rglob("*.py"))
+    defined = set(re.findall(r"^\s*def (test_\w+)", sources, re.M))
+    text = page.read_text()
+    missing = [n for n in re.findall(r"`(?:[\w/.]+::)?(test_\w+)(?:\[[^\]`]*\])?`", text) if n not in defined]
+    if page == README:
+        section = text.split("## What is never lost", 1)[1].split("\n## ", 1)[0]
+        cases = set(re.findall(r'Case\(\s*"(\w+)"', (REPO_ROOT / "tests/cli/test_catalogue.py").read_text()))
+        named = re.findall(r"`([a-z0-9]+(?:_[a-z0-9]+){2,})`", section)
+        missing += [n for n in named if not n.startswith("test_") and n not in cases]
+    assert not missing, f"{page.name} names tests that do not exist: {missing}"
