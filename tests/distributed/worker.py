@@ -15,6 +15,8 @@ Scenarios:
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
     equality_grpo  the same with GRPO and 2 responses per prompt (``run_equality(group=True)``).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
+    sharded_sft  FSDP2 only: one SFT step with the base loaded whole on every rank, then built on meta and
+                 loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from tests.distributed import scenarios as S  # noqa: E402
+from tests.distributed.sharded_load import sharded_sft  # noqa: E402
 
 
 def _cli_fit(config: str, root: Path, strategy: str, *extra: str) -> object:
@@ -159,6 +162,7 @@ SCENARIOS = {
     "equality": equality,
     "equality_grpo": equality_grpo,
     "resume": resume,
+    "sharded_sft": sharded_sft,
 }
 
 
