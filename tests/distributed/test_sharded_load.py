@@ -1,12 +1,13 @@
 """FSDP2 without any rank holding the whole base: 2 CPU processes (gloo), SFT on a saved ~6 MB tiny Llama.
 
 One worker launch (``worker.py fsdp2 <out> sharded_sft``; ``sharded_load.py`` says what runs and exactly
-what is measured) runs one optimizer step twice: with the base loaded whole on every rank and then sharded
-(how a module built outside ``trainer.init_module(empty_init=True)`` loads), and built on the meta device and
-filled shard by shard. Checked:
+what is measured) runs one SFT optimizer step twice: with the base loaded whole on every rank and then
+sharded (how a module built outside ``trainer.init_module(empty_init=True)`` loads), and built on the meta
+device and filled shard by shard; then one reward-model step built on the meta device. Checked:
 
-* each rank's peak parameter bytes stay below the whole base when built on meta, and reach it when loaded
-  whole (the measurement sees the whole-base case);
+* each rank's peak parameter bytes stay below the whole base when built on meta (SFT and reward), and reach
+  it when loaded whole (the measurement sees the whole-base case);
+* the reward model's first scores equal the whole, unsharded model's;
 * the rank's first loss equals the whole, unsharded model's on the same rows (no FSDP, this process);
 * after the step, every parameter equals the one of the run that loaded the base whole.
 """
@@ -38,6 +39,10 @@ def test_no_rank_holds_the_whole_base_when_built_on_meta(result):
     for rank in result["ranks"]:
         empty, whole = rank["empty"], rank["whole"]
         assert empty["world_size"] == 2
+        reward = rank["reward_empty"]  # the reward model: the same base, plus a (sharded) head
+        hidden = SL.TINY_LLAMA["hidden_size"]
+        assert reward["samples"]["init"] == (hidden + 1) * 4  # only the head, float32: built for real
+        assert reward["peak_param_bytes"] < full, reward["samples"]
         assert empty["samples"]["init"] == 0  # nothing materialised before sharding
         # the rank's shards are about half the base (FSDP2 pads dim 0 to a multiple of 2 ranks)
         assert 0.45 * full < empty["shard_bytes"] < 0.55 * full
@@ -48,6 +53,15 @@ def test_no_rank_holds_the_whole_base_when_built_on_meta(result):
         # the measurement sees a whole base: loaded whole, each rank held all of it before sharding
         assert whole["samples"]["init"] == full
         assert whole["peak_param_bytes"] >= full
+
+
+def test_reward_model_built_on_meta_scores_as_the_whole_unsharded_one(result):
+    for rank in result["ranks"]:
+        first = rank["reward_empty"]["first_loss"]
+        chosen, rejected = SL.reference_scores(result["base"], first["input_ids"])
+        torch.testing.assert_close(first["chosen"], chosen, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(first["rejected"], rejected, rtol=1e-5, atol=1e-6)
+        assert first["chosen"] != first["rejected"]
 
 
 def test_sharded_loading_gives_the_same_loss_and_update(result):
