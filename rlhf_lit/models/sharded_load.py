@@ -4,7 +4,8 @@
 before ``configure_model`` shards it (8 ranks x an 8B bf16 base = 128 GB of host memory). Here:
 
 1. ``build_lm`` (in a module's ``__init__``, when it is built on the meta device: Lightning's
-   ``trainer.init_module(empty_init=True)`` under ``ModelParallelStrategy``, or ``torch.device("meta")``)
+   ``trainer.init_module(empty_init=True)`` under ``ModelParallelStrategy``, or ``torch.device("meta")``; or
+   inside ``deferred_weights()``, which ``rlhf-lit fit`` uses when the strategy is FSDP2)
    builds the backbone from its ``config.json`` with every *parameter* on meta; buffers (rotary
    frequencies) are computed for real, by the model's own ``_init_weights``; LoRA adapters get their usual
    initialisation (peft's ``reset_lora_parameters``: A Kaiming-uniform, B zero) on CPU. Tokenizer, heads
@@ -37,7 +38,9 @@ import json
 import logging
 import math
 import os
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -56,13 +59,37 @@ from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["build_lm", "building_on_meta", "checkpoint_files", "empty_backbone", "fill_from_checkpoint"]
+__all__ = [
+    "build_lm",
+    "checkpoint_files",
+    "deferred_weights",
+    "empty_backbone",
+    "fill_from_checkpoint",
+    "weights_deferred",
+]
 
 
-def building_on_meta() -> bool:
-    """True inside a meta-device context (``trainer.init_module(empty_init=True)`` under
-    ``ModelParallelStrategy``, or ``with torch.device("meta")``): the caller wants weights loaded later."""
-    return torch.empty(()).device.type == "meta"
+_DEFERRED: ContextVar[bool] = ContextVar("rlhf_lit_deferred_weights", default=False)
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Modules built inside leave their base's weights for ``configure_model`` (``weights_deferred``); what
+    ``RLHFCLI`` wraps the building of the model in when the trainer's strategy is a
+    ``ModelParallelStrategy`` (FSDP2). Unlike a meta-device context, nothing else built inside (data
+    module, trainer, callbacks) is affected."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def weights_deferred() -> bool:
+    """True when a module being built should put its base on meta and read the weights in ``configure_model``:
+    inside a meta-device context (``trainer.init_module(empty_init=True)`` under ``ModelParallelStrategy``, or
+    ``with torch.device("meta")``) or inside ``deferred_weights()``."""
+    return _DEFERRED.get() or torch.empty(()).device.type == "meta"
 
 
 def checkpoint_files(cfg: BackboneConfig) -> list[str] | None:
@@ -146,7 +173,7 @@ def build_lm(
     empty: bool,
 ) -> tuple[AdaptedLM, list[str] | None]:
     """``AdaptedLM(load_backbone(cfg), adapters)``, or, with ``empty`` (the caller is built on the meta
-    device: ``building_on_meta``) and a backbone that can be loaded shard by shard, the same with its base
+    device: ``weights_deferred``) and a backbone that can be loaded shard by shard, the same with its base
     parameters on meta and the checkpoint files to fill them from (``fill_from_checkpoint``, after FSDP2 is
     applied). Without ``empty``: exactly ``load_backbone``. Returns ``(lm, files)``; ``files`` is None when
     the weights are loaded already."""

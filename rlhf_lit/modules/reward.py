@@ -41,7 +41,7 @@ from rlhf_lit.functional.losses import bt_pairwise_loss, sft_nll
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import POOLINGS, ScalarHead, score_pooled
-from rlhf_lit.models.sharded_load import build_lm, building_on_meta, fill_from_checkpoint
+from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
 from rlhf_lit.models.trunk import freeze_lower_layers, hidden_size, model_is_encoder
 from rlhf_lit.modules.common import (
     AccumulatedMean,
@@ -155,9 +155,10 @@ class RewardModule(L.LightningModule):
         )
         self.backbone_cfg = backbone
         self.optim_cfg = optimizer
-        # Built on the meta device (trainer.init_module(empty_init=True) under FSDP2): the base's weights are
-        # read shard by shard in configure_model, after sharding (rlhf_lit.models.sharded_load).
-        empty = building_on_meta()
+        # Built on the meta device (trainer.init_module(empty_init=True) under FSDP2, or rlhf-lit fit with
+        # FSDP2Strategy): the base's weights are read shard by shard in configure_model, after sharding
+        # (rlhf_lit.models.sharded_load).
+        empty = weights_deferred()
         with torch.device("cpu") if empty else nullcontext():
             self.tokenizer = load_backbone_tokenizer(backbone)
             adapters = {"default": backbone.lora} if backbone.lora is not None else None

@@ -22,7 +22,7 @@ from rlhf_lit.callbacks import HFExport, unless_configured
 from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
-from rlhf_lit.models.sharded_load import build_lm, building_on_meta, fill_from_checkpoint
+from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
@@ -71,9 +71,10 @@ class SFTModule(L.LightningModule):
         self.optim_cfg = optimizer
         self.export_dir = export_dir
         self.export_mode = export_mode
-        # Built on the meta device (trainer.init_module(empty_init=True) under FSDP2): the base's weights are
-        # read shard by shard in configure_model, after sharding (rlhf_lit.models.sharded_load).
-        empty = building_on_meta()
+        # Built on the meta device (trainer.init_module(empty_init=True) under FSDP2, or rlhf-lit fit with
+        # FSDP2Strategy): the base's weights are read shard by shard in configure_model, after sharding
+        # (rlhf_lit.models.sharded_load).
+        empty = weights_deferred()
         with torch.device("cpu") if empty else nullcontext():
             self.tokenizer = load_backbone_tokenizer(backbone)
             adapters = {"default": backbone.lora} if backbone.lora is not None else None

@@ -14,10 +14,14 @@ device and filled shard by shard; then one reward-model step built on the meta d
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
+from tests.conftest import REPO_ROOT
 from tests.distributed import sharded_load as SL
 from tests.distributed.test_two_processes import _launch
 
@@ -28,9 +32,29 @@ pytestmark = pytest.mark.distributed
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sharded_sft")
     full_bytes = SL.save_base(out / "base")
-    _launch("fsdp2", out, ["sharded_sft"])
+    config = yaml.safe_load((REPO_ROOT / "configs/sft/tiny.yaml").read_text())
+    config["model"]["init_args"]["backbone"] = {"name_or_path": str(out / "base"), "tokenizer": "byte"}
+    config["data"]["init_args"].update(max_length=128, val_size=8, batch_size=4)  # the base has 128 positions
+    (out / "sft.yaml").write_text(yaml.safe_dump(config))
+    _launch("fsdp2", out, ["sharded_sft", "sft_cli_sharded"])
     ranks = [torch.load(out / f"sharded_sft_rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return {"full_bytes": full_bytes, "ranks": ranks, "base": out / "base"}
+    return {"full_bytes": full_bytes, "ranks": ranks, "base": out / "base", "out": out}
+
+
+def test_rlhf_lit_fit_under_fsdp2_fills_the_shards_on_every_rank(result):
+    """``rlhf-lit fit`` with ``FSDP2Strategy`` builds the SFT module with its base on meta; each rank read its
+    shards in ``configure_model`` (every base parameter was still on meta then), trained and exported."""
+    out = result["out"]
+    run = json.loads((out / "sft_cli.json").read_text())
+    assert run["finished"] and run["world_size"] == 2 and run["global_step"] == 2
+    assert {"model.safetensors", "config.json", "rlhf_lit.json"} <= set(run["export"])
+    base = load_file(result["base"] / "model.safetensors")
+    for rank in (0, 1):
+        fills = json.loads((out / f"sft_cli_rank{rank}.json").read_text())["fills"]
+        assert fills == [len(base)]  # once, with every base tensor left to read
+    exported = load_file(out / "sft_cli" / "hf" / "model.safetensors")
+    assert set(base) <= set(exported)
+    assert any(not torch.equal(exported[k], v) for k, v in base.items())  # trained
 
 
 def test_no_rank_holds_the_whole_base_when_built_on_meta(result):

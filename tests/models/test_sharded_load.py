@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
 from rlhf_lit.models.model_files import build_tiny
@@ -134,3 +135,29 @@ def test_reward_module_built_on_meta_scores_as_the_whole_one(base, lora):
     )
     trainable = sorted(n for n, p in empty.named_parameters() if p.requires_grad)
     assert trainable == sorted(n for n, p in whole.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "auto"])
+def test_the_cli_defers_the_weights_under_fsdp2_only(base, strategy, monkeypatch, tmp_path):
+    """``rlhf-lit fit`` builds the model inside ``deferred_weights()`` when the trainer's strategy is a
+    ``ModelParallelStrategy``: the base is left on meta for ``configure_model``; with any other strategy the
+    module loads as before."""
+    from rlhf_lit.lightning_cli import cli_main
+    from tests.conftest import REPO_ROOT
+
+    monkeypatch.chdir(REPO_ROOT)  # the config names its data as ../shared/data/...
+    config = yaml.safe_load((REPO_ROOT / "configs/sft/tiny.yaml").read_text())
+    config["model"]["init_args"]["backbone"] = {"name_or_path": base, "tokenizer": "byte"}
+    config["data"]["init_args"]["max_length"] = 128  # the tiny bases' positions
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    args = ["--config", str(tmp_path / "sft.yaml")]  # run=False: no subcommand
+    if strategy == "fsdp2":
+        args.append('--trainer.strategy={"class_path": "rlhf_lit.parallel.strategy.FSDP2Strategy"}')
+    cli = cli_main(args, run=False)
+    deferred = cli.model._checkpoint_files is not None
+    assert deferred == (strategy == "fsdp2")
+    assert all(p.is_meta for p in cli.model.lm.parameters()) == deferred
+    assert not any(p.is_meta for p in cli.model.lm.parameters()) == (not deferred)
+    from rlhf_lit.models.sharded_load import weights_deferred
+
+    assert not weights_deferred()  # the context ended with the instantiation
