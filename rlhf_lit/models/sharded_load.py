@@ -210,13 +210,25 @@ def _rows(param: torch.Tensor) -> tuple[int, int]:
     return min(mesh.get_local_rank() * chunk, param.shape[0]), param.to_local().shape[0]
 
 
+def _shard_device(lm: nn.Module) -> torch.device:
+    """Where the shards live: the current CUDA device when FSDP2's mesh is on CUDA (Lightning sets it per
+    rank), else the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    for p in lm.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def fill_from_checkpoint(lm: AdaptedLM, files: list[str]) -> None:
-    """Allocate ``lm``'s meta parameters (sharded by FSDP2 or not) on CPU and fill each with its rows of the
-    checkpoint; tensors that were real before (LoRA matrices, buffers) keep their values.
+    """Allocate ``lm``'s meta parameters (sharded by FSDP2 or not; on the mesh's device, else the CPU) and
+    fill each with its rows of the checkpoint; tensors that were real before (LoRA matrices, buffers) keep
+    their values.
 
-    Peak extra memory on a rank: its shards plus one shard-sized slice being read (safetensors maps the file
-    and ``get_slice`` reads only the rows asked for).
+    Peak extra memory on a rank: its shards plus the tensor being read (safetensors memory-maps the file;
+    ``get_slice`` returns the rank's rows as a view of the mapped tensor, so only those pages are read).
 
     Raises:
         ValueError: a meta parameter whose key is not in the checkpoint, or whose shape differs.
@@ -236,7 +248,7 @@ def fill_from_checkpoint(lm: AdaptedLM, files: list[str]) -> None:
     kept = {n: local(t).clone() for n, t in tensors.items() if n not in empty}
     first: dict[int, str] = {}
     aliases = {n: first.setdefault(id(p), n) for n, p in lm.named_parameters(remove_duplicate=False)}
-    lm.to_empty(device="cpu")
+    lm.to_empty(device=_shard_device(lm))
     for name, owner in aliases.items():  # a plain to_empty unties tied weights (FSDP2's keeps them tied)
         if name != owner and lm.get_parameter(name) is not lm.get_parameter(owner):
             module, _, attr = name.rpartition(".")
