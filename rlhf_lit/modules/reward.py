@@ -155,10 +155,7 @@ class RewardModule(L.LightningModule):
         )
         self.backbone_cfg = backbone
         self.optim_cfg = optimizer
-        # Built on the meta device (trainer.init_module(empty_init=True) under FSDP2, or rlhf-lit fit with
-        # FSDP2Strategy): the base's weights are read shard by shard in configure_model, after sharding
-        # (rlhf_lit.models.sharded_load).
-        empty = weights_deferred()
+        empty = weights_deferred()  # FSDP2: the base stays on meta until configure_model (as in SFTModule)
         with torch.device("cpu") if empty else nullcontext():
             self.tokenizer = load_backbone_tokenizer(backbone)
             adapters = {"default": backbone.lora} if backbone.lora is not None else None
