@@ -97,8 +97,22 @@ class RLHFCLI(LightningCLI):
             self.run_outputs.open()  # before any model loads: a locked or full folder stops the run now
 
     def instantiate_classes(self) -> None:
+        """Instantiate; under a ``ModelParallelStrategy`` (FSDP2) inside ``deferred_weights()``, so a stage module
+        that can (``rlhf_lit.models.sharded_load``) leaves its base on meta and every rank reads only its
+        shards in ``configure_model``, instead of each rank loading the whole base first."""
+        from contextlib import nullcontext
+
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
         try:
-            super().instantiate_classes()
+            if _model_parallel(config.get("trainer")):
+                from rlhf_lit.models.sharded_load import deferred_weights
+
+                context = deferred_weights()
+            else:
+                context = nullcontext()
+            with context:
+                super().instantiate_classes()
         except BaseException:
             if self.run_outputs is not None:
                 self.run_outputs.close(ok=False)
@@ -169,6 +183,25 @@ class RLHFCLI(LightningCLI):
         configured = any(str(getattr(c, "class_path", c)).endswith("ModelCheckpoint") for c in listed)
         kept = [c for c in trainer.callbacks if configured or not isinstance(c, ModelCheckpoint)]
         trainer.callbacks = kept + added
+
+
+def _model_parallel(trainer_config) -> bool:
+    """Whether the parsed ``trainer`` section names a ``ModelParallelStrategy`` (``FSDP2Strategy`` included) by
+    class path."""
+    strategy = (trainer_config or {}).get("strategy")
+    class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
+    if not class_path:
+        return False
+    import importlib
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False  # the trainer's own instantiation says what is wrong
+    return isinstance(cls, type) and issubclass(cls, ModelParallelStrategy)
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> RLHFCLI:

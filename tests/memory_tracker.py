@@ -7,6 +7,7 @@ mark of the bytes created inside the context and still alive: on a GPU, ``torch.
 counts the same allocations (plus its 512-byte rounding). Storages that existed before entering (the
 model's weights) must be declared with ``ignore`` (an op returning a view of a weight, e.g. its transpose
 in ``F.linear``, would otherwise count the weight as new); add their bytes yourself (``storage_bytes``).
+A DTensor (FSDP2's sharded parameters) is counted by its local shard, the memory the rank holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -39,6 +41,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.current -= self._live.pop(key, 0)
 
     def _track(self, t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):  # a wrapper: its storage is the rank's local shard
+            t = t.to_local()
         if t.device.type == "meta":
             return
         st = t.untyped_storage()

@@ -1,6 +1,7 @@
 """The private APIs of other libraries that rlhf_lit reaches, each checked here against the behaviour the
 adapter module relies on, so an upgrade that changes one fails HERE with the adapter's name, not deep inside
-a training run. Adapters: ``rlhf_lit.parallel.fsdp`` (torch, transformers), ``rlhf_lit.parallel.strategy``
+a training run. Adapters: ``rlhf_lit.parallel.fsdp`` (torch, transformers), ``rlhf_lit.models.sharded_load``
+(transformers' ``_init_weights``), ``rlhf_lit.parallel.strategy``
 (Lightning), ``rlhf_lit.cli_messages`` (jsonargparse message text, argparse's option list; its own test file
 is tests/cli/test_cli_messages.py)."""
 
@@ -52,6 +53,31 @@ def test_transformers_no_split_modules_names_the_blocks():
     )
     assert no_split_module_names(llama) == {"LlamaDecoderLayer"}
     assert len(transformer_blocks(llama)) == 3
+
+
+# ---------------------------------------------------------------- transformers (rlhf_lit.models.sharded_load)
+def test_transformers_init_weights_computes_rotary_buffers_of_a_meta_model():
+    """``empty_backbone`` builds a model on meta and computes its buffers (Llama's rotary frequencies) with
+    ``PreTrainedModel._init_weights``, module by module, as ``from_pretrained`` does for missing buffers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_lit.models.sharded_load import _init_buffers
+
+    config = LlamaConfig(
+        num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=32
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert {n for n, _ in model.named_buffers()} == {
+        "model.rotary_emb.inv_freq",
+        "model.rotary_emb.original_inv_freq",
+    }
+    assert _init_buffers(model)
+    expected = LlamaForCausalLM(config).model.rotary_emb
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected.inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.model.rotary_emb.original_inv_freq, expected.original_inv_freq, rtol=0, atol=0
+    )
 
 
 # ---------------------------------------------------------------- Lightning (rlhf_lit.parallel.strategy)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import nullcontext
 from typing import Literal
 
 import lightning as L
@@ -37,10 +38,10 @@ from torchmetrics import CatMetric
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.losses import bt_pairwise_loss, sft_nll
-from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import POOLINGS, ScalarHead, score_pooled
+from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
 from rlhf_lit.models.trunk import freeze_lower_layers, hidden_size, model_is_encoder
 from rlhf_lit.modules.common import (
     AccumulatedMean,
@@ -154,23 +155,28 @@ class RewardModule(L.LightningModule):
         )
         self.backbone_cfg = backbone
         self.optim_cfg = optimizer
-        self.tokenizer = load_backbone_tokenizer(backbone)
-        model = load_backbone(backbone, self.tokenizer)
-        self.is_encoder = model_is_encoder(model)
-        if self.is_encoder and beta_rm > 0:
-            raise ValueError("beta_rm > 0 needs a causal LM head to imitate with; the backbone is an encoder")
-        self.pooling = pooling if pooling != "auto" else "mean" if self.is_encoder else "last"
-        self.lm = AdaptedLM(model, {"default": backbone.lora} if backbone.lora is not None else None)
-        self.num_frozen = freeze_lower_layers(self.lm.model, freeze_layers)
-        self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
-        self.length_control = as_config(LengthControl, length_control) or LengthControl()
-        self.length_head = ScalarHead(hidden_size(model)) if self.length_control.odin else None
-        self.register_buffer("temperature", torch.tensor(1.0))
-        self.val_chosen = CatMetric()
-        self.val_rejected = CatMetric()
-        self.val_sources = CatMetric()
-        self.val_len_chosen = CatMetric()
-        self.val_len_rejected = CatMetric()
+        empty = weights_deferred()  # FSDP2: the base stays on meta until configure_model (as in SFTModule)
+        with torch.device("cpu") if empty else nullcontext():
+            self.tokenizer = load_backbone_tokenizer(backbone)
+            adapters = {"default": backbone.lora} if backbone.lora is not None else None
+            self.lm, self._checkpoint_files = build_lm(backbone, self.tokenizer, adapters, empty)
+            model = self.lm.model
+            self.is_encoder = model_is_encoder(model)
+            if self.is_encoder and beta_rm > 0:
+                raise ValueError(
+                    "beta_rm > 0 needs a causal LM head to imitate with; the backbone is an encoder"
+                )
+            self.pooling = pooling if pooling != "auto" else "mean" if self.is_encoder else "last"
+            self.num_frozen = freeze_lower_layers(self.lm.model, freeze_layers)
+            self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
+            self.length_control = as_config(LengthControl, length_control) or LengthControl()
+            self.length_head = ScalarHead(hidden_size(model)) if self.length_control.odin else None
+            self.register_buffer("temperature", torch.tensor(1.0))
+            self.val_chosen = CatMetric()
+            self.val_rejected = CatMetric()
+            self.val_sources = CatMetric()
+            self.val_len_chosen = CatMetric()
+            self.val_len_rejected = CatMetric()
         self.results: dict = {}
         self._last_val_pass: tuple | None = None
         self._step_mean = AccumulatedMean()
@@ -218,6 +224,9 @@ class RewardModule(L.LightningModule):
         if mesh is not None:
             shard_lm(self.lm, mesh)
             shard_head(self.head, mesh)
+        if self._checkpoint_files is not None:  # built on the meta device: each rank reads its shards
+            fill_from_checkpoint(self.lm, self._checkpoint_files)
+            self._checkpoint_files = None
 
     def on_fit_start(self) -> None:
         log_data_report(self)

@@ -10,6 +10,7 @@ average of per-micro-batch means.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Literal
 
 import lightning as L
@@ -19,9 +20,9 @@ import torchmetrics
 from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import HFExport, unless_configured
 from rlhf_lit.functional.losses import sft_nll
-from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
+from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     OptimizerConfig,
@@ -70,11 +71,15 @@ class SFTModule(L.LightningModule):
         self.optim_cfg = optimizer
         self.export_dir = export_dir
         self.export_mode = export_mode
-        self.tokenizer = load_backbone_tokenizer(backbone)
-        model = load_backbone(backbone, self.tokenizer)
-        adapters = {"default": backbone.lora} if backbone.lora is not None else None
-        self.lm = AdaptedLM(model, adapters)
-        self.val_nll = torchmetrics.MeanMetric()
+        # Built on the meta device (trainer.init_module(empty_init=True) under FSDP2, or rlhf-lit fit with
+        # FSDP2Strategy): the base's weights are read shard by shard in configure_model, after sharding
+        # (rlhf_lit.models.sharded_load).
+        empty = weights_deferred()
+        with torch.device("cpu") if empty else nullcontext():
+            self.tokenizer = load_backbone_tokenizer(backbone)
+            adapters = {"default": backbone.lora} if backbone.lora is not None else None
+            self.lm, self._checkpoint_files = build_lm(backbone, self.tokenizer, adapters, empty)
+            self.val_nll = torchmetrics.MeanMetric()
         self._token_mean = AccumulatedMean()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -86,10 +91,14 @@ class SFTModule(L.LightningModule):
         return sft_nll(logits, batch["labels"])
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``); nothing otherwise."""
+        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``); then, for a module built on the meta
+        device, each rank reads its shard of the base's weights (``fill_from_checkpoint``)."""
         mesh = data_parallel_mesh(self.device_mesh)
         if mesh is not None:
             shard_lm(self.lm, mesh)
+        if self._checkpoint_files is not None:
+            fill_from_checkpoint(self.lm, self._checkpoint_files)
+            self._checkpoint_files = None
 
     def on_fit_start(self) -> None:
         log_data_report(self)

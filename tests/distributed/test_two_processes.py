@@ -66,12 +66,12 @@ GLOBAL_STATS = (
 WORKER_TIMEOUT_S = 900
 
 
-def _launch(strategy: str, out: Path) -> Path:
+def _launch(strategy: str, out: Path, scenarios: list[str] | None = None) -> Path:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, str(WORKER), strategy, str(out), *SCENARIOS[strategy]],
+        [sys.executable, str(WORKER), strategy, str(out), *(scenarios or SCENARIOS[strategy])],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -15,6 +15,9 @@ Scenarios:
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
     equality_grpo  the same with GRPO and 2 responses per prompt (``run_equality(group=True)``).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
+    sharded_sft  FSDP2 only: one SFT step with the base loaded whole on every rank, then built on meta and
+                 loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
+    sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from tests.distributed import scenarios as S  # noqa: E402
+from tests.distributed.sharded_load import sharded_sft  # noqa: E402
 
 
 def _cli_fit(config: str, root: Path, strategy: str, *extra: str) -> object:
@@ -109,6 +113,35 @@ def ppo_tiny(out: Path, strategy: str) -> None:
         )
 
 
+def sft_cli_sharded(out: Path, strategy: str) -> None:
+    """``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on the saved base in ``<out_dir>/base``) under FSDP2: the
+    CLI builds the module with its weights deferred, each rank fills its shards in ``configure_model``."""
+    import rlhf_lit.modules.sft as sft_mod
+
+    original, fills = sft_mod.fill_from_checkpoint, []
+
+    def fill(lm, files):
+        fills.append(sum(p.is_meta for p in lm.parameters()))  # meta parameters left to read
+        return original(lm, files)
+
+    sft_mod.fill_from_checkpoint = fill
+    try:
+        cli = _cli_fit(str(out / "sft.yaml"), out / "sft_cli", strategy)
+    finally:
+        sft_mod.fill_from_checkpoint = original
+    S.write_json(out / f"sft_cli_rank{S.rank()}.json", {"fills": fills})
+    if S.rank() == 0:
+        S.write_json(
+            out / "sft_cli.json",
+            {
+                "global_step": cli.trainer.global_step,
+                "world_size": cli.trainer.world_size,
+                "finished": cli.trainer.state.finished,
+                "export": sorted(os.listdir(out / "sft_cli" / "hf")),
+            },
+        )
+
+
 def equality(out: Path, strategy: str) -> None:
     S.run_equality(out / "equality", strategy, world_size=2)
 
@@ -159,6 +192,8 @@ SCENARIOS = {
     "equality": equality,
     "equality_grpo": equality_grpo,
     "resume": resume,
+    "sharded_sft": sharded_sft,
+    "sft_cli_sharded": sft_cli_sharded,
 }
 
 
