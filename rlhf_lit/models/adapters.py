@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -34,9 +34,19 @@ from rlhf_lit.models.backbone import LoraSettings
 from rlhf_lit.models.peft_compat import activate_adapters, zero_adapter_dropout
 from rlhf_lit.models.trunk import lm_head, trunk_hidden_states
 
+if TYPE_CHECKING:  # peft is imported when a model is wrapped: a refused config never pays for it
+    from peft import LoraConfig
+
+
+def _is_peft(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
 
 def lora_config(settings: LoraSettings, model: nn.Module) -> LoraConfig:
     """peft's ``LoraConfig`` for ``model`` (GPT-2-style ``Conv1D`` layers store weights transposed)."""
+    from peft import LoraConfig
     conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
     return LoraConfig(
         r=settings.r,
@@ -68,12 +78,14 @@ class AdaptedLM(nn.Module):
     ) -> None:
         super().__init__()
         adapters = dict(adapters or {})
-        self.base_adapters: list[str] = list(model.peft_config) if isinstance(model, PeftModel) else []
+        self.base_adapters: list[str] = list(model.peft_config) if _is_peft(model) else []
         names = list(adapters)
         if names and self.base_adapters:
             for name in names:
                 model.add_adapter(name, lora_config(adapters[name], model))
         elif names:
+            from peft import get_peft_model
+
             model = get_peft_model(model, lora_config(adapters[names[0]], model), adapter_name=names[0])
             for name in names[1:]:
                 model.add_adapter(name, lora_config(adapters[name], model))
@@ -89,7 +101,7 @@ class AdaptedLM(nn.Module):
 
     @property
     def is_peft(self) -> bool:
-        return isinstance(self.model, PeftModel)
+        return _is_peft(self.model)
 
     @property
     def active_adapter(self) -> str | None:

@@ -11,7 +11,6 @@ from typing import Any, Literal, TypeVar
 
 import lightning as L
 import torch
-from transformers import get_scheduler
 
 from rlhf_lit.ranges import check_field_ranges, ranged
 
@@ -114,6 +113,9 @@ def _fused_adamw_ok(param_groups: list[dict]) -> bool:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
     """A transformers schedule stepped once per optimizer step, over ``total_steps`` steps."""
+    # imported here: its module imports transformers' trainer utilities, and they peft
+    from transformers import get_scheduler
+
     return get_scheduler(
         cfg.scheduler,
         optimizer,

@@ -14,7 +14,7 @@ import pytest
 from rlhf_lit import quiet
 from tests.tiny_runs import REPO_ROOT
 
-HEAVY = ("datasets", "pandas", "pyarrow", "lightning", "torch", "transformers")
+HEAVY = ("datasets", "pandas", "pyarrow", "lightning", "torch", "transformers", "peft")
 
 
 def _imported_after(code: str) -> list[str]:
@@ -45,6 +45,22 @@ def test_light_commands_import_nothing_heavy(args):
         "    assert exit.code in (0, 2), exit.code\n"
     )
     assert _imported_after(code) == []
+
+
+def test_a_refused_config_imports_the_stage_modules_without_peft():
+    # a misspelled key is refused once jsonargparse has read the stage module's signature: that needs torch,
+    # Lightning and the module, but peft (and transformers' trainer utilities that import it, ~1.5 s on 2
+    # cores) only load when a model is wrapped, so a user mistake exits about 1 s after the Lightning import
+    code = (
+        "from rlhf_lit.cli import main\n"
+        "try:\n"
+        "    main(['fit', '--config', 'configs/sft/tiny.yaml', '--model.init_args.optimizer.lrr=1e-4'])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 2, exit.code\n"
+        "import rlhf_lit.modules.sft, rlhf_lit.modules.reward, rlhf_lit.modules.ppo, rlhf_lit.modules.dpo\n"
+    )
+    imported = _imported_after(code)
+    assert "lightning" in imported and "peft" not in imported, imported
 
 
 def test_top_level_help_names_every_subcommand(capsys):
