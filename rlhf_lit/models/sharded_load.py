@@ -263,6 +263,7 @@ def fill_from_checkpoint(lm: AdaptedLM, files: list[str]) -> None:
     for path in files:
         with safe_open(path, framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), path))
+    read = total = 0  # bytes of checkpoint rows this rank read / of the weights it filled, whole
     for name in sorted(empty):
         key = _checkpoint_key(name, prefix)
         if key not in where:
@@ -275,4 +276,13 @@ def fill_from_checkpoint(lm: AdaptedLM, files: list[str]) -> None:
                 raise ValueError(f"{key}: checkpoint shape {piece.get_shape()} != model {list(param.shape)}")
             rows = piece[start : start + count] if param.dim() else piece[:]
             local(param).copy_(rows.to(param.dtype))
+            read += rows.numel() * rows.element_size()
+            total += param.numel() * rows.element_size()
             del rows
+    log.info(
+        "sharded load: this rank read %.1f of the %.1f MB of its %d weights from %s (its rows only)",
+        read / 2**20,
+        total / 2**20,
+        len(empty),
+        os.path.dirname(files[0]),
+    )

@@ -32,7 +32,7 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def test_built_on_meta_loads_the_same_weights_in_configure_model(base):
+def test_built_on_meta_loads_the_same_weights_in_configure_model(base, caplog):
     cfg = BackboneConfig(name_or_path=base, tokenizer="byte")
     whole = SFTModule(cfg)
     with torch.device("meta"):
@@ -41,8 +41,13 @@ def test_built_on_meta_loads_the_same_weights_in_configure_model(base):
     assert all(p.is_meta for p in empty.lm.parameters())
     assert not any(b.is_meta for b in empty.lm.buffers())  # rotary frequencies computed, not loaded
     assert not empty.val_nll.mean_value.is_meta  # everything but the base is built for real
-    empty.configure_model()
+    with caplog.at_level("INFO", logger="rlhf_lit"):
+        empty.configure_model()
     assert empty._checkpoint_files is None
+    # the log says it happened (one process reads every row: read = total)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sharded load:")]
+    megabytes = sum(p.numel() * p.element_size() for p in empty.lm.model.parameters()) / 2**20
+    assert f"read {megabytes:.1f} of the {megabytes:.1f} MB" in line, line
     expected, got = whole.lm.state_dict(), empty.lm.state_dict()
     assert list(got) == list(expected)
     for name, value in expected.items():
