@@ -233,6 +233,22 @@ def staged(path: str) -> str:
     return path
 
 
+def _default_modes(folder: str) -> None:
+    """Give ``folder`` and everything in it the modes a plain ``mkdir`` / ``open`` gives under the process's
+    umask: the staging folder comes from ``mkdtemp`` (0700) and some writers create private (0600) files, so a
+    committed export would otherwise be unreadable to the user's group on a shared machine."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
 def _fsync_tree(folder: str) -> None:
     for root, _, files in os.walk(folder):
         for name in files:
@@ -349,6 +365,7 @@ class ExportFolder:
         if not holds_files(staging):
             shutil.rmtree(staging, ignore_errors=True)
             return
+        _default_modes(staging)
         _fsync_tree(staging)
         old = None
         if os.path.exists(self.final):

@@ -119,6 +119,27 @@ def test_a_reused_folder_is_refused_or_replaced_whole(tmp_path):
     assert read_export(folder) == b"bb"
 
 
+def test_a_committed_export_has_the_modes_the_umask_gives(tmp_path):
+    # the staging folder comes from mkdtemp (0700) and a writer may make a private file (0600): teammates on
+    # a shared machine must still be able to read the export (umask 022: folders 0755, files 0644)
+    folder = str(tmp_path / "hf")
+
+    def private_writer(staging):
+        write_export(staging, b"w")
+        os.makedirs(os.path.join(staging, "adapter"))
+        os.close(os.open(os.path.join(staging, "adapter", "weights.bin"), os.O_CREAT | os.O_WRONLY, 0o600))
+
+    old_mask = os.umask(0o022)
+    try:
+        ExportFolder(folder).write(private_writer)
+    finally:
+        os.umask(old_mask)
+    assert oct(os.stat(folder).st_mode & 0o777) == oct(0o755)
+    assert oct(os.stat(os.path.join(folder, "adapter")).st_mode & 0o777) == oct(0o755)
+    assert oct(os.stat(os.path.join(folder, "adapter", "weights.bin")).st_mode & 0o777) == oct(0o644)
+    assert oct(os.stat(os.path.join(folder, "model.bin")).st_mode & 0o777) == oct(0o644)
+
+
 def test_staged_redirects_writes_only_while_open(tmp_path):
     folder = str(tmp_path / "hf")
     export = ExportFolder(folder)
