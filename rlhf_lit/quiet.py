@@ -75,6 +75,9 @@ def quiet_third_party(verbose: bool | None = None) -> None:
         _VERBOSE["on"] = bool(verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Lightning prints its records through its own handler on the "lightning" logger (added on import,
+    # whatever the root has); passed on to the root's handler too, every Lightning line showed twice
+    logging.getLogger("lightning").propagate = False
     for name in _LIGHTNING_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:

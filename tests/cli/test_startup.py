@@ -99,3 +99,20 @@ def test_verbose_is_read_from_the_flag_or_the_environment(monkeypatch):
     assert quiet.verbose_requested(["fit", "--verbose"]) and not quiet.verbose_requested(["fit"])
     monkeypatch.setenv("RLHF_LIT_VERBOSE", "1")
     assert quiet.verbose_requested(["fit"])
+
+
+def test_a_lightning_line_is_printed_once():
+    # Lightning's "lightning" logger has its own stream handler; the root handler rlhf_lit installs must not
+    # print its records a second time (each "INFO: ..." line came with an "INFO lightning....: ..." twin)
+    code = (
+        "from rlhf_lit.quiet import quiet_third_party\n"
+        "quiet_third_party(False)\n"
+        "import logging, lightning.pytorch\n"
+        "logging.getLogger('lightning.pytorch.utilities.rank_zero').info('a lightning line')\n"
+        "logging.getLogger('rlhf_lit').info('an rlhf_lit line')\n"
+    )
+    err = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=300
+    ).stderr
+    assert err.count("a lightning line") == 1, err
+    assert err.count("an rlhf_lit line") == 1, err
