@@ -317,13 +317,7 @@ def load_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase | None
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    if tokenizer.pad_token_id is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    model.train()
-    return model
+    return ready_for_training(model, cfg, tokenizer)
 
 
 def _load_with_base_adapter(
@@ -371,4 +365,16 @@ def stack_frozen_adapter(model: nn.Module, adapter: str) -> nn.Module:
         model = PeftModel.from_pretrained(model, adapter, adapter_name="base_0", is_trainable=False)
     for p in model.parameters():  # peft leaves non-adapter parameters as they were
         p.requires_grad_(False)
+    return model
+
+
+def ready_for_training(model: PreTrainedModel, cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase):
+    """The last steps of loading a backbone, shared with ``sharded_load``: gradient checkpointing (no KV
+    cache then), the tokenizer's pad id in the config, training mode. Returns ``model``."""
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.train()
     return model

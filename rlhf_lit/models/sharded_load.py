@@ -53,6 +53,7 @@ from rlhf_lit.models.backbone import (
     backbone_is_encoder,
     base_adapter_source,
     load_backbone,
+    ready_for_training,
 )
 from rlhf_lit.models.model_files import DTYPES, resolve_path
 from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh
@@ -141,13 +142,7 @@ def empty_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> P
         disable_dropout(model)
     if cfg.fused_activations:
         fuse_gelu_tanh(model)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    if tokenizer.pad_token_id is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    model.train()
-    return model
+    return ready_for_training(model, cfg, tokenizer)
 
 
 def _init_meta_adapters(lm: AdaptedLM) -> None:
