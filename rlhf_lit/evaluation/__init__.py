@@ -1,13 +1,17 @@
 """``rlhf-lit evaluate``: score a preference model on preference files, with no training run and no checkpoint.
 
     rlhf-lit evaluate --model <export_dir> --data <file> [--data <file2> ...] [--out <dir>] [--format hh]
+    rlhf-lit evaluate --model <export_dir> --heldout      # the export's own validation pairs, per file
+
 
 Per file: accuracy (ties 1/2) ± SE, the "longer wins" / "shorter wins" rules and the model's paired
 difference to the better one, accuracy when the chosen response is longer / shorter, length-matched accuracy
 (lengths within 10%, in the model's tokens), Spearman(score, length), and the NLL / ECE of
 ``sigmoid((s_chosen - s_rejected) / T)`` at the export's recorded T and at a T re-fitted on the file
 (``rlhf_lit.evaluation.report``); a warning when a file's lengths or scores sit far from the validation pairs
-the export was calibrated on. Printed as a markdown table; with ``--out``, also written there:
+the export was calibrated on. With several files, a last column ``all`` pools every pair. ``--heldout`` scores
+the pairs the export's training run held out for validation (the split its ``rlhf_lit.json`` records, rebuilt
+exactly; ``RewardExportScorer.read_heldout``) instead of, or beside, ``--data`` files. Printed as a markdown table; with ``--out``, also written there:
 ``evaluation.json``, ``evaluation.md`` and ``<file>.scores.jsonl`` (one line per pair: ``chosen_score``,
 ``rejected_score`` uncalibrated, ``chosen_tokens``, ``rejected_tokens``), each written to a temporary sibling
 and renamed when complete.
@@ -51,7 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="a reward-model export folder (the run's export_dir)")
     parser.add_argument(
-        "--data", required=True, action="append", help="a preference file (repeat for several files)"
+        "--data", action="append", default=[], help="a preference file (repeat for several files)"
+    )
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="also score the export's own validation pairs (the split recorded in its rlhf_lit.json)",
     )
     parser.add_argument("--out", help="write evaluation.json, evaluation.md and per-pair scores here")
     parser.add_argument("--format", default="auto", choices=_FORMATS, help="row format (default: per file)")
@@ -70,19 +79,38 @@ def evaluate_file(
     start = time.perf_counter()
     pairs, data_line = read if read is not None else scorer.read_pairs(path, format)
     chosen, rejected = scorer.score_pairs(pairs)
-    len_c = torch.tensor([len(p.chosen_ids) for p in pairs], dtype=torch.long)
-    len_r = torch.tensor([len(p.rejected_ids) for p in pairs], dtype=torch.long)
-    report = evaluate_scores(chosen, rejected, len_c, len_r, scorer.temperature)
-    report["data"] = data_line
-    report["warnings"] = shift_warnings(report["summary"], scorer.reference)
-    report["seconds"] = round(time.perf_counter() - start, 2)
     rows = [
-        {"pair": i, "chosen_score": c, "rejected_score": r, "chosen_tokens": lc, "rejected_tokens": lr}
-        for i, (c, r, lc, lr) in enumerate(
-            zip(chosen.tolist(), rejected.tolist(), len_c.tolist(), len_r.tolist())
-        )
+        {
+            "pair": i,
+            "chosen_score": c,
+            "rejected_score": r,
+            "chosen_tokens": len(p.chosen_ids),
+            "rejected_tokens": len(p.rejected_ids),
+        }
+        for i, (c, r, p) in enumerate(zip(chosen.tolist(), rejected.tolist(), pairs))
     ]
+    report = report_rows(scorer, rows)
+    report["data"] = data_line
+    report["seconds"] = round(time.perf_counter() - start, 2)
     return report, rows
+
+
+def report_rows(scorer: PairScorer, rows: list[dict]) -> dict:
+    """``evaluate_scores`` of per-pair rows (``chosen_score``, ``rejected_score``, ``chosen_tokens``,
+    ``rejected_tokens``), plus ``warnings`` (``shift_warnings`` against the scorer's validation summary)."""
+    column = {
+        k: [row[k] for row in rows]
+        for k in ("chosen_score", "rejected_score", "chosen_tokens", "rejected_tokens")
+    }
+    report = evaluate_scores(
+        torch.tensor(column["chosen_score"], dtype=torch.float32),
+        torch.tensor(column["rejected_score"], dtype=torch.float32),
+        torch.tensor(column["chosen_tokens"], dtype=torch.long),
+        torch.tensor(column["rejected_tokens"], dtype=torch.long),
+        scorer.temperature,
+    )
+    report["warnings"] = shift_warnings(report["summary"], scorer.reference)
+    return report
 
 
 def _unique_names(paths: list[str]) -> list[str]:
@@ -128,6 +156,8 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
             command prints it as one line and exits 2).
     """
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.data and not args.heldout:
+        raise ConfigError("evaluate: give --data <file> (repeatable) or --heldout (rlhf-lit evaluate --help)")
     if args.max_tokens < 1:
         raise ConfigError(f"evaluate: --max-tokens must be >= 1, got {args.max_tokens}")
     for path in args.data:
@@ -139,12 +169,32 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
         scorer = RewardExportScorer(args.model, max_tokens=args.max_tokens)
     reports: dict[str, dict] = {}
     scores: dict[str, list[dict]] = {}
-    names = _unique_names(args.data)
     read = [scorer.read_pairs(path, args.format) for path in args.data]  # every data error before any scoring
-    for name, path, pairs in zip(names, args.data, read):
+    sources = list(zip(_unique_names(args.data), args.data, read))
+    if args.heldout:
+        if not hasattr(scorer, "read_heldout"):
+            raise UserError(
+                f"evaluate: --heldout: {scorer.name} records no validation split; give --data files"
+            )
+        sources += [
+            (f"{name}_validation", f"{name}: the validation pairs of {args.model}", (pairs, line))
+            for name, pairs, line in scorer.read_heldout()
+        ]
+    names = [name for name, _, _ in sources]
+    if len(set(names)) < len(names):
+        raise UserError(
+            f"evaluate: two files are both called {sorted(n for n in names if names.count(n) > 1)[0]!r}"
+        )
+    for name, path, pairs in sources:
         reports[name], scores[name] = evaluate_file(scorer, path, args.format, pairs)
         reports[name]["file"] = path
-        for warning in reports[name]["warnings"]:
+    if len(sources) > 1:  # every pair of every file, pooled
+        name = "all" if "all" not in names else "all_pairs"
+        scores[name] = [row for rows in scores.values() for row in rows]
+        reports[name] = report_rows(scorer, scores[name])
+        reports[name]["file"] = "all pairs above, pooled"
+    for name, report in reports.items():
+        for warning in report["warnings"]:
             print(f"rlhf-lit: warning: {name}: {warning}", file=sys.stderr)
     table = markdown_table(args.model, reports)
     print(table)
@@ -152,6 +202,7 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
         os.makedirs(args.out, exist_ok=True)
         record = {
             "model": args.model,
+            "heldout": bool(args.heldout),
             "length_unit": "tokens of the model's tokenizer, EOS included",
             "shift_threshold": SHIFT_THRESHOLD,
             "reference": scorer.reference,

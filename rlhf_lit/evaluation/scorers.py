@@ -164,6 +164,39 @@ class RewardExportScorer:
         ]
         return pairs, data.data_report()["train"]
 
+    def read_heldout(self) -> list[tuple[str, list[TokenPair], str]]:
+        """The export's own validation pairs, per file, in this scorer's encoding: the split its ``data``
+        record names (files, ``val_size``, ``seed``, filters) rebuilt with the preference data module, so they
+        are exactly the pairs the training run validated on and never trained on.
+
+        Returns:
+            ``[(file name, pairs, the data module's validation report line)]``, in the files' order.
+
+        Raises:
+            UserError: the export records no training data (saved outside a fit, or by an older rlhf_lit), a
+                recorded file is missing, or the run held out no validation pairs.
+        """
+        from rlhf_lit.data import PreferenceDataModule
+
+        record = self.meta.get("data")
+        if not record:
+            raise UserError(
+                f"evaluate: --heldout: {self.name} records no training data (saved outside a fit, or by an "
+                "older rlhf_lit); give the files with --data"
+            )
+        data = PreferenceDataModule(**record, shuffle=False, tokenizer=self.tokenizer)
+        data.setup("fit")
+        if data.val_dataset is None or data.unpaired:
+            raise UserError(
+                f"evaluate: --heldout: {self.name} was trained with no validation pairs (val_size 0)"
+            )
+        groups: dict[int, list[TokenPair]] = {}
+        for e in data.val_dataset.examples:
+            pair = TokenPair(list(e["prompt_ids"]), list(e["chosen_ids"]), list(e["rejected_ids"]))
+            groups.setdefault(int(e["source"]), []).append(pair)
+        line = data.data_report().get("val", "")
+        return [(data.source_names[s], groups[s], line) for s in sorted(groups)]
+
     @property
     def model(self) -> RewardScorer:
         if self._model is None:

@@ -362,3 +362,70 @@ def test_length_sorted_batches():
     # a row longer than the budget still gets a batch of its own
     assert length_sorted_batches([50, 1], 20) == [[0], [1]]
     assert sorted(i for b in length_sorted_batches([5] * 7, 12) for i in b) == list(range(7))
+
+
+def _with_data_record(export: Path, folder: Path, files: list[str]) -> tuple[Path, PreferenceDataModule]:
+    """A copy of ``export`` whose rlhf_lit.json records training data as a fit would (``data_record`` of a
+    data module over ``files`` with 3 validation pairs per file), and that data module after setup."""
+    import shutil
+
+    from rlhf_lit.models.tokenizer import load_tokenizer
+    from rlhf_lit.modules.reward_eval import data_record
+
+    shutil.copytree(export, folder)
+    data = PreferenceDataModule(train_files=files, val_size=3, seed=5, tokenizer=load_tokenizer(str(folder)))
+    data.setup("fit")
+    meta = json.loads((folder / "rlhf_lit.json").read_text())
+    meta["data"] = data_record(data)
+    (folder / "rlhf_lit.json").write_text(json.dumps(meta))
+    return folder, data
+
+
+def test_heldout_scores_exactly_the_pairs_the_run_validated_on(causal_export, tmp_path, capsys):
+    """``--heldout`` rebuilds the recorded split: per file, the 3 held-out rows (the same rows, in the same
+    order, as the data module's validation set), scored as a file of just those rows would be; plus a pooled
+    column whose accuracy is the mean credit of all 6 pairs."""
+    files = [
+        _write_rows(tmp_path / "first.jsonl", ROWS),
+        _write_rows(tmp_path / "second.jsonl", [{**r, "prompt": r["prompt"] + "?"} for r in ROWS]),
+    ]
+    rm, data = _with_data_record(causal_export, tmp_path / "rm", files)
+    out = tmp_path / "out"
+    reports = evaluate_main(["--model", str(rm), "--heldout", "--out", str(out)])
+    assert list(reports) == ["first_validation", "second_validation", "all"]
+
+    held_rows = {0: [], 1: []}
+    for e in data.val_dataset.examples:
+        held_rows[e["source"]].append(e["row"])
+    assert [len(v) for v in held_rows.values()] == [3, 3]
+    for source, name in enumerate(("first", "second")):
+        rows = [json.loads(line) for line in Path(files[source]).read_text().splitlines()]
+        alone = _write_rows(tmp_path / f"{name}_held.jsonl", [rows[i] for i in held_rows[source]])
+        direct = [json.loads(x) for x in _scores_file(evaluate_main, rm, alone, tmp_path / f"o_{name}")]
+        heldout = [json.loads(x) for x in (out / f"{name}_validation.scores.jsonl").read_text().splitlines()]
+        assert heldout == direct  # scores and lengths, pair by pair
+    pooled = [json.loads(x) for x in (out / "all.scores.jsonl").read_text().splitlines()]
+    credits = [credit(p["chosen_score"], p["rejected_score"]) for p in pooled]
+    assert len(pooled) == 6
+    assert reports["all"]["accuracy"] == pytest.approx(sum(credits) / 6)
+    assert "first_validation" in capsys.readouterr().out
+
+
+def _scores_file(evaluate, rm: Path, data: str, out: Path) -> list[str]:
+    evaluate(["--model", str(rm), "--data", data, "--out", str(out)])
+    return (out / f"{Path(data).stem}.scores.jsonl").read_text().splitlines()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "{rm}", "--heldout"], "records no training data"),
+        (["--model", "{rm}"], "give --data <file> (repeatable) or --heldout"),
+    ],
+)
+def test_heldout_mistakes_give_one_line_and_exit_2(args, message, causal_export, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["evaluate", *(a.format(rm=causal_export) for a in args)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlhf-lit: error: ") and message in err[0]
