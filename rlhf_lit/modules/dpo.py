@@ -188,8 +188,10 @@ class DPOModule(L.LightningModule):
     def _loss(self, batch: dict, split: str) -> tuple[torch.Tensor, int]:
         hp = self.hparams
         ids, mask, prompt_len, response_len = sequences(batch)
-        logps = self.policy_logps(ids, mask, prompt_len, response_len)
+        # the reference first: its forward's activations are freed before the policy's graph exists, so the
+        # step's peak memory is the policy's forward and backward alone
         ref = self.reference.logps(ids, mask, prompt_len, response_len)
+        logps = self.policy_logps(ids, mask, prompt_len, response_len)
         if self.loss_type == "kto":
             desirable = batch["label"].bool()
             losses, rewards, z0 = kto_loss(

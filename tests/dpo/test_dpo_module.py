@@ -129,3 +129,30 @@ def test_the_tiny_config_logs_trls_metric_names_per_split(tmp_path_factory):
     assert {M.TRAIN_LOSS, M.VAL_LOSS} <= names
     assert (run.export_dir / "model.safetensors").is_file()
     AutoModelForCausalLM.from_pretrained(str(run.export_dir))
+
+
+def _step_peak_bytes(module, batch) -> int:
+    """Peak bytes of live tensors during one training step's loss and backward (the weights excluded)."""
+    from tests.memory_tracker import TensorMemoryTracker
+
+    weights = [p for p in module.parameters()] + [b for b in module.buffers()]
+    with TensorMemoryTracker(ignore=weights) as tracker:
+        loss, _ = module._loss(batch, "train")
+        loss.backward()
+    module.zero_grad(set_to_none=True)
+    return tracker.peak
+
+
+def test_the_reference_forward_adds_no_peak_memory_to_a_step(tmp_path):
+    """The reference (adapter off) runs before the policy's forward, so a DPO step peaks no higher than a
+    reference-free step (SimPO) on the same batch; run after the policy forward, the reference's activations
+    would sit on top of the policy's graph."""
+    peaks = {}
+    for loss_type in ("sigmoid", "simpo"):  # the same weights and batch; SimPO runs no reference
+        torch.manual_seed(0)
+        module = make_module(loss_type=loss_type)
+        _randomise_adapter(module)
+        _, batch = _first_batch(module, tmp_path, batch_size=8)
+        module.train()
+        peaks[loss_type] = _step_peak_bytes(module, batch)
+    assert peaks["sigmoid"] <= peaks["simpo"] * 1.01, peaks
