@@ -147,7 +147,8 @@ def run_result_process(cmd: list[str], logfile: Path, label: str) -> dict:
 def run_child(workload: str, rep: int, args, extra: list[str] | None = None) -> dict:
     """One repetition of one of our workloads in a fresh process (``bench/run.py --_child``)."""
     cmd = [sys.executable, str(REPO / "bench" / "run.py"), "--_child", workload, "--threads", str(args.threads),
-           "--ppo-iterations", str(args.ppo_iterations), *(extra or [])]
+           "--ppo-iterations", str(args.ppo_iterations), "--grpo-model", getattr(args, "grpo_model", "tiny"),
+           *(extra or [])]
     logfile = W.ARTIFACTS / "logs" / f"rlhf_lit_{workload}_run{rep}.log"
     return run_result_process(cmd, logfile, f"rlhf_lit {workload} run {rep}")
 

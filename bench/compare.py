@@ -34,7 +34,8 @@ from bench.common import (
 
 TARGETS = {"ppo_iter_wall_s": ("<=", 0.7), "rm_pairs_per_s": (">=", 1.2),
            "rm_peak_rss_mb": ("<=", 1.0), "ppo_peak_rss_mb": ("<=", 1.0),
-           "grpo_iter_wall_s": ("<=", 0.6), "grpo_peak_rss_mb": ("<=", 0.8)}
+           "grpo_iter_wall_s": ("<=", 0.6), "grpo_peak_rss_mb": ("<=", 0.8),
+           "grpo_smollm2_iter_wall_s": ("<=", 0.5), "grpo_smollm2_peak_rss_mb": ("<=", 0.7)}
 
 
 def ensure_trl() -> None:

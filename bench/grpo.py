@@ -7,7 +7,9 @@ actor LoRA adapter (the reference = adapters off), no critic (GRPO builds none),
 samples per rollout (``sampling.num_samples_per_prompt``), the KL as a k3 loss term (beta 0.04), the token
 mean over the minibatch as the loss aggregation (TRL's default ``dapo``), GRPO's group-std scaling, 4 epochs x
 4 minibatches of 4, gradient clipping at 1.0, lr 3e-6 decayed linearly per optimizer step (the module's
-schedule: the same as TRL's Trainer), 2 iterations, fp32, seed 42.
+schedule: the same as TRL's Trainer), 2 iterations, fp32, seed 42. ``model`` picks the base
+(``grpo_workload.MODELS``: ``tiny`` or ``smollm2``) and ``backend`` the sampler's ``sampling.backend`` (``hf``, the
+default, or ``static``).
 
 Measured like the PPO workload (``bench/ppo.py``): ``iter_wall_s`` between iteration ends (the first from
 ``on_train_start``), phases from ``PPOModule.history`` (``perf/*``) and timers around the reference and
@@ -22,11 +24,11 @@ import statistics
 import time
 
 from bench.common import T_PROCESS_START, W, current_rss_mb, env_info, peak_rss_mb, setup_child
-from bench.grpo_workload import GRPO, LORA, steps_per_iteration
+from bench.grpo_workload import GRPO, LORA, model_dir, steps_per_iteration, tokenizer_dir, workload
 from bench.ppo import instrument, prompt_datamodule
 
 
-def build_module(iterations: int):
+def build_module(iterations: int, model: str = "tiny", backend: str = "hf"):
     from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
     from rlhf_lit.modules import PPOModule
@@ -36,7 +38,7 @@ def build_module(iterations: int):
 
     g = GRPO
     return PPOModule(
-        backbone=BackboneConfig(name_or_path=str(W.base_dir()), dtype="float32", lora=LoraSettings(**LORA)),
+        backbone=BackboneConfig(name_or_path=str(model_dir(model)), dtype="float32", lora=LoraSettings(**LORA)),
         reward_model=[RewardSourceConfig(name="short_words", function="bench.grpo_workload:rlhf_lit_reward")],
         sampling=SamplingConfig(
             max_new_tokens=g["max_new_tokens"],
@@ -45,8 +47,9 @@ def build_module(iterations: int):
             top_p=g["top_p"],
             stop_at_eos=True,
             num_samples_per_prompt=g["group_size"],
-            merge_adapter=True,
-        ),  # a speed knob, off by default (as in the PPO workload)
+            merge_adapter=True,  # a speed knob, off by default (as in the PPO workload)
+            backend=backend,  # hf (the default) or static (--grpo-backends)
+        ),
         ppo=PPOConfig(
             advantage_estimator="grpo",
             scale_by_std=True,
@@ -93,7 +96,7 @@ def watch_first_ratio(module) -> dict:
     return seen
 
 
-def child_grpo(threads: int, iterations: int) -> dict:
+def child_grpo(threads: int, iterations: int, model: str = "tiny", backend: str = "hf") -> dict:
     setup_child(threads)
     import lightning as L
     from transformers import AutoTokenizer
@@ -101,9 +104,9 @@ def child_grpo(threads: int, iterations: int) -> dict:
     from rlhf_lit import metrics as M
 
     L.seed_everything(GRPO["seed"], verbose=False)
-    tok = AutoTokenizer.from_pretrained(W.tokenizer_dir(), padding_side="left")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(model), padding_side="left")
     datamodule = prompt_datamodule(tok, W.load_ppo_prompts(tok), GRPO["prompts_per_rollout"], GRPO["seed"])
-    module = build_module(iterations)
+    module = build_module(iterations, model, backend)
     assert module.tokenizer.get_vocab() == tok.get_vocab()
     assert not module.policy.has_critic, "GRPO must build no critic"
     timers = instrument(module)
@@ -155,6 +158,8 @@ def child_grpo(threads: int, iterations: int) -> dict:
             iter_wall_s=mean(it_wall),
             iter2_wall_s=it_wall[-1],
             gen_tokens_per_s=sum(gen_tokens) / sum(h[M.PERF_GENERATION_S] for h in hist),
+            gen_tokens_per_iter=mean(gen_tokens),  # rows x decoding steps (B x R), as TRL's side counts them
+            response_len_mean=mean(h[M.ROLLOUT_RESPONSE_LEN] for h in hist),
             gen_s_per_iter=mean(h[M.PERF_GENERATION_S] for h in hist),
             experience_s_per_iter=mean(h[M.PERF_EXPERIENCE_S] for h in hist),
             update_s_per_iter=mean(h[M.PERF_UPDATE_S] for h in hist),
@@ -168,11 +173,13 @@ def child_grpo(threads: int, iterations: int) -> dict:
             first_step_ratio_max_dev=first_ratio.get("max_dev"),
             kl_ref_iter1=hist[0][M.ROLLOUT_KL_REF],
         ),
-        details=details(trainer, module, iterations, it_wall, first_ratio, threads),
+        details=details(trainer, module, iterations, it_wall, first_ratio, threads, model, backend),
     )
 
 
-def details(trainer, module, iterations: int, it_wall: list[float], first_ratio: dict, threads: int) -> dict:
+def details(
+    trainer, module, iterations: int, it_wall: list[float], first_ratio: dict, threads: int, model: str, backend: str
+) -> dict:
     opt = trainer.optimizers[0]
     return dict(
         per_iteration=[
@@ -188,8 +195,9 @@ def details(trainer, module, iterations: int, it_wall: list[float], first_ratio:
         trainable_params=sum(p.numel() for p in module.policy.actor_parameters()),
         critic_params=sum(p.numel() for p in module.policy.critic_parameters()),
         first_step_ratio=first_ratio,
-        workload=dict(GRPO, iterations=iterations),
+        workload=dict(workload(model), iterations=iterations),
         effective=dict(
+            sampling_backend=backend,
             precision=str(trainer.precision),
             gradient_checkpointing=False,
             optimizer=f"{type(opt).__name__}(fused={opt.defaults.get('fused')})",

@@ -8,7 +8,8 @@ GRPOConfig is TRL's documented default except where the workload fixes a value: 
 generation), ``max_completion_length`` 48, temperature 0.7, lr 3e-6, ``beta`` 0.04, ``max_steps`` = iterations
 x 16, seed 42, the LoRA (``peft_config``), and, as the shared harness does for a CPU: ``bf16=False,
 use_cpu=True, gradient_checkpointing=False`` (fp32, no checkpointing), ``report_to="none"``,
-``save_strategy="no"``, ``disable_tqdm=True``.
+``save_strategy="no"``, ``disable_tqdm=True``. ``model_name`` picks the base and tokenizer folder
+(``grpo_workload.MODELS``: ``tiny`` or ``smollm2``); the prompts are strings, so TRL applies no chat template.
 
 Instrumentation (TRL's code is not modified): a ``TrainerCallback`` marks iteration ends (every 16th
 ``on_step_end``) and keeps the logs; the trainer instance's ``_generate`` and
@@ -25,7 +26,15 @@ import time
 from collections import defaultdict
 
 from bench.common import T_PROCESS_START, W, current_rss_mb, peak_rss_mb, setup_child
-from bench.grpo_workload import GRPO, LORA, steps_per_iteration, trl_reward
+from bench.grpo_workload import (
+    GRPO,
+    LORA,
+    model_dir,
+    steps_per_iteration,
+    tokenizer_dir,
+    trl_reward,
+    workload,
+)
 
 
 def grpo_config(iterations: int):
@@ -59,6 +68,14 @@ def grpo_config(iterations: int):
     )
 
 
+def completion_counts(completion_ids: list[list[int]]) -> dict:
+    """``tokens``: rows x the longest completion = the rows x decoding steps that ``generate`` ran (what our
+    side's sampling tokens/s counts: ``response_ids.numel()``); ``mean_len``: the mean completion length. TRL's
+    ``_generate`` returns one id list per completion, cut after its EOS."""
+    lengths = [len(ids) for ids in completion_ids]
+    return dict(tokens=len(lengths) * max(lengths), mean_len=statistics.fmean(lengths))
+
+
 class Probe:
     """Timers around three methods of one trainer instance and the first training step's ratio."""
 
@@ -68,7 +85,8 @@ class Probe:
         self.times: dict[str, list[float]] = defaultdict(list)
         self.ratio: dict = {}
         self.last_inputs = None
-        self._wrap(trainer, "_generate", "gen_s")
+        self.completions: list[dict] = []
+        self._wrap(trainer, "_generate", "gen_s", on_result=self._count_completions)
         self._wrap(trainer, "_generate_and_score_completions", "generate_and_score_s")
         compute_loss, logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
 
@@ -93,15 +111,21 @@ class Probe:
 
         trainer._compute_loss, trainer._get_per_token_logps_and_entropies = first_compute_loss, logps_probe
 
-    def _wrap(self, owner, attr: str, name: str) -> None:
+    def _count_completions(self, out) -> None:
+        self.completions.append(completion_counts(out[1]))  # _generate's 2nd item: the completions' ids
+
+    def _wrap(self, owner, attr: str, name: str, on_result=None) -> None:
         original = getattr(owner, attr)
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                out = original(*args, **kwargs)
             finally:
                 self.times[name].append(time.perf_counter() - t)
+            if on_result is not None:
+                on_result(out)
+            return out
 
         setattr(owner, attr, timed)
 
@@ -123,7 +147,7 @@ def marks_callback(marks: dict):
     return Marks()
 
 
-def child_grpo_trl(threads: int, iterations: int) -> dict:
+def child_grpo_trl(threads: int, iterations: int, model_name: str = "tiny") -> dict:
     setup_child(threads)
     import transformers
     from datasets import Dataset
@@ -132,10 +156,10 @@ def child_grpo_trl(threads: int, iterations: int) -> dict:
     from trl import GRPOTrainer
 
     transformers.set_seed(GRPO["seed"])
-    tok = AutoTokenizer.from_pretrained(W.tokenizer_dir(), padding_side="left")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(model_name), padding_side="left")
     prompts = W.load_ppo_prompts(tok)
     dataset = Dataset.from_dict({"prompt": [p["prompt"] for p in prompts]})
-    model = AutoModelForCausalLM.from_pretrained(W.base_dir(), dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(model_dir(model_name), dtype="float32")
     lora = LoraConfig(
         r=LORA["r"],
         lora_alpha=LORA["alpha"],
@@ -159,10 +183,10 @@ def child_grpo_trl(threads: int, iterations: int) -> dict:
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
-    return result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads)
+    return result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads, model_name)
 
 
-def result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads) -> dict:
+def result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads, model_name="tiny") -> dict:
     import trl
 
     from bench.common import cpu_model
@@ -186,6 +210,9 @@ def result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads
             iter_wall_s=mean(it_wall),
             iter2_wall_s=it_wall[-1],
             gen_s_per_iter=mean(gen),
+            gen_tokens_per_s=sum(c["tokens"] for c in probe.completions) / sum(gen),
+            gen_tokens_per_iter=mean(c["tokens"] for c in probe.completions),
+            response_len_mean=mean(c["mean_len"] for c in probe.completions),
             experience_s_per_iter=mean(a - g for a, g in zip(gas, gen)),
             update_s_per_iter=mean(update),
             setup_s=setup_s,
@@ -204,7 +231,7 @@ def result(trainer, marks, probe, iterations, wall, setup_s, rss_before, threads
             optimizer=f"{type(opt).__name__}",
             first_step_ratio=probe.ratio,
             trl_logs=marks["logs"],
-            workload=dict(GRPO, iterations=iterations),
+            workload=dict(workload(model_name), iterations=iterations),
             trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             effective=dict(
                 bf16=trainer.args.bf16,

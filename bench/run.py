@@ -8,6 +8,7 @@ Run from the repository root (``../shared`` beside it); see bench/README.md:
     python bench/run.py --vs-trl                     # TRL, ours, TRL, ours, ... then the ratios
     python bench/run.py --workload memory            # SmolLM2-135M PPO peak RSS: ours vs TRL + peft
     python bench/run.py --vs-trl --workload grpo     # GRPO: TRL's GRPOTrainer, ours, TRL, ours, ...
+    python bench/run.py --vs-trl --workload grpo --grpo-model smollm2 --grpo-backends hf,static --threads 1
     python bench/run.py --vs-trl --workload dpo      # DPO: TRL's DPOTrainer (LoRA, full), ours, ...
 
 Progress goes to stderr, one JSON line per workload (the TRL harness's format, ``system: "rlhf_lit"``) to
@@ -49,6 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--dpo-trl-variants", default="lora,full",
                    help="dpo --vs-trl: TRL variants (lora = peft, reference = adapter off; full = no peft, "
                         "a second model copy as the reference)")
+    p.add_argument("--grpo-model", choices=["tiny", "smollm2"], default="tiny",
+                   help="grpo: the base both sides load (tiny = the shared gpt2-tiny-base; smollm2 = "
+                        "SmolLM2-135M-Instruct in fp32, de-quantized from the PyPI GGUF wheel)")
+    p.add_argument("--grpo-backends", default="hf",
+                   help="grpo --vs-trl: our sampling.backend variants, comma-separated (hf = the default; "
+                        "static = transformers' static KV cache)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads in each run")
     p.add_argument("--vs-trl", action="store_true",
                    help="alternate TRL and rlhf_lit runs (TRL, ours, TRL, ours, ...) and print the ratios")
@@ -57,7 +64,16 @@ def parse_args(argv=None):
                         "ppo.micro_batch_size 1; ckpt = gradient checkpointing)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     p.add_argument("--_child", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args._child:
+        from bench.compare_grpo import our_systems
+
+        try:
+            our_systems(args.grpo_backends)
+        except ValueError as e:
+            print(f"rlhf-lit: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return args
 
 
 def run_in_child(args) -> None:
@@ -71,14 +87,15 @@ def run_in_child(args) -> None:
         from bench.ppo import child_ppo
 
         emit_child_result(child_ppo(args.threads, args.ppo_iterations))
-    elif kind == "grpo":
-        from bench.grpo import child_grpo
-
-        emit_child_result(child_grpo(args.threads, args.ppo_iterations))
     elif kind == "grpo_trl":
         from bench.grpo_trl import child_grpo_trl
 
-        emit_child_result(child_grpo_trl(args.threads, args.ppo_iterations))
+        emit_child_result(child_grpo_trl(args.threads, args.ppo_iterations, args.grpo_model))
+    elif kind == "grpo" or kind.startswith("grpo-"):  # grpo-<backend>: another sampling.backend
+        from bench.grpo import child_grpo
+
+        backend = kind.removeprefix("grpo").lstrip("-") or "hf"
+        emit_child_result(child_grpo(args.threads, args.ppo_iterations, args.grpo_model, backend))
     elif kind == "dpo":
         from bench.dpo import child_dpo
 
@@ -124,6 +141,10 @@ def main(argv=None) -> None:
         fingerprint = W.ensure_artifacts(log)
     except FileNotFoundError as e:
         sys.exit(f"[bench] error: {e}")
+    if args.workload == "grpo" and args.grpo_model == "smollm2":
+        from bench.grpo_workload import prepare_model
+
+        prepare_model(args.grpo_model)
     if args.workload == "memory":
         from bench import memory
 
