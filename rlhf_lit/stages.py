@@ -30,6 +30,7 @@ __all__ = [
     "find_stage",
     "find_stage_by_path",
     "import_path",
+    "public_path",
     "register_stage",
     "stage_for",
 ]
@@ -171,6 +172,20 @@ def _public_paths(path: str) -> set[str]:
     module, _, name = path.rpartition(".")
     package = module.rpartition(".")[0]
     return {path, f"{package}.{name}"} if package else {path}
+
+
+def public_path(path: str) -> str:
+    """How a config spells the class at ``path``: its package's re-export (``rlhf_lit.data.sft.SFTDataModule``
+    -> ``rlhf_lit.data.SFTDataModule``) when the package exports that same class, else ``path`` (imports both)."""
+    module, _, name = path.rpartition(".")
+    package = module.rpartition(".")[0]
+    try:
+        exported = getattr(importlib.import_module(package), name, None) if package else None
+        if exported is not None and exported is import_path(path):
+            return f"{package}.{name}"
+    except (ImportError, AttributeError, ValueError):
+        pass
+    return path
 
 
 def find_stage(cls: type | None) -> StageSpec | None:
