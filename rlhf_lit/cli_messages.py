@@ -46,6 +46,9 @@ _SUBCOMMAND_OPTION = re.compile(
 _UNRECOGNIZED = re.compile(r"^unrecognized arguments: (?P<args>.+)$")
 _EXPECTED = re.compile(r"^Expected an? (?P<type>.+?)\. Got value: (?P<value>.*)$")
 _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'$")
+_NUMBER_EXPECTED = re.compile(r"^Expected an? <class '(int|float)'>$")  # a Union's first subtype error
+_GIVEN_VALUE = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
+_NON_FINITE = ("nan", "inf", "infinity")
 
 
 def did_you_mean(name: str, candidates: list[str]) -> str:
@@ -193,6 +196,8 @@ def condense(message: str, options: list[str] | None = None) -> str:
             f"{path}.class_path: {match['module']}.{match['name']} does not exist"
             f"{did_you_mean(match['name'], names)}"
         )
+    if (non_finite := _non_finite(message, text)) is not None:
+        return _out_of_range(path, stack, non_finite)
     if match := _EXPECTED.match(text):
         expected = match["type"].replace("<class '", "").replace("'>", "").replace("typing.", "")
         if expected.startswith("Literal[") and expected.endswith("]"):
@@ -200,6 +205,30 @@ def condense(message: str, options: list[str] | None = None) -> str:
         return f"{path}: expected {expected}, got {match['value']!r}"
     where = f"{path}: " if path else ""
     return f"{where}{text}"
+
+
+def _non_finite(message: str, text: str) -> str | None:
+    """The value as given when a number key was given nan or inf (which jsonargparse reads as a string and
+    refuses as "expected float"), else None."""
+    match = _EXPECTED.match(text)
+    if match is not None and match["type"] not in ("<class 'float'>", "<class 'int'>"):
+        return None
+    if match is None:
+        if not _NUMBER_EXPECTED.match(text) or not (given := _GIVEN_VALUE.search(message)):
+            return None
+        match = given
+    value = match["value"].strip().strip("'\"")
+    return value if value.lower().lstrip("+-.") in _NON_FINITE else None
+
+
+def _out_of_range(path: str, stack: list[tuple[str, str]], value: str) -> str:
+    """``<key> must be <its declared range>, got nan``: the range as the checks state it
+    (:func:`rlhf_lit.checks.rules.range_of`), or "a finite number" where none is declared."""
+    from rlhf_lit.checks.rules import range_of
+
+    section_class = next((_import(v) for k, v in stack if k == "class"), None)
+    rule = range_of(path, section_class)
+    return f"{path} must be {rule.describe() if rule is not None else 'a finite number'}, got {value}"
 
 
 def _import_module(name: str):

@@ -106,13 +106,32 @@ def _parse(monkeypatch, args):
             ["--data.init_args.batch_siz=3"],
             "unknown key data.init_args.batch_siz (did you mean 'batch_size'?)",
         ),
+        # nan / inf: the key's declared range (rlhf_lit.ranges, checks.rules), as the value checks word it
+        (
+            ["--model.init_args.optimizer.lr=nan"],
+            "model.init_args.optimizer.lr must be a number > 0, got nan",
+        ),
+        (
+            ["--model.init_args.ppo.gamma=-inf"],
+            "model.init_args.ppo.gamma must be a number in (0, 1], got -inf",
+        ),
+        (
+            ["--trainer.gradient_clip_val=inf"],
+            "trainer.gradient_clip_val must be a number >= 0 (or null), got inf",
+        ),
+        (
+            ["--data.init_args.batch_size=NaN"],
+            "data.init_args.batch_size must be a whole number >= 1, got NaN",
+        ),
     ],
-    ids=["nested_key", "abbreviation", "type", "data_key"],
+    ids=["nested_key", "abbreviation", "type", "data_key", "nan", "minus_inf", "inf_in_a_union", "nan_int"],
 )
 def test_real_parse_errors_condense_to_one_line(monkeypatch, args, expected):
     with pytest.raises(ConfigError) as info:
         _parse(monkeypatch, ["fit", "--config", "configs/ppo/tiny.yaml", *args])
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+    if " got " in expected and "expected" not in expected:
+        assert str(info.value) == expected
 
 
 def test_a_misspelled_yaml_key_is_named_with_its_section(monkeypatch, tmp_path):
