@@ -49,6 +49,10 @@ _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<n
 _NUMBER_EXPECTED = re.compile(r"^Expected an? <class '(int|float)'>$")  # a Union's first subtype error
 _GIVEN_VALUE = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
 _NON_FINITE = ("nan", "inf", "infinity")
+# jsonargparse 4.53 hands a nested key's null (--model.init_args.backbone.tiny=null) to its type check as the
+# text 'None': the outer value is NestedArg(key=..., val=None), the inner "Given value type: <class 'str'>"
+_NESTED_NULL = re.compile(r"NestedArg\(key='[^']+', val=None\)")
+_NULL_AS_TEXT = re.compile(r"Given value type: <class 'str'>\s*\n\s*Given value: None\s*$", re.MULTILINE)
 
 
 def did_you_mean(name: str, candidates: list[str]) -> str:
@@ -120,8 +124,10 @@ def _unknown_key(path: str, key: str, cls: Any, options: list[str]) -> str:
 
 
 def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
-    """The first real error of a jsonargparse tree: ``(stack of (kind, value), text)``."""
+    """The first real error of a jsonargparse tree: ``(stack of (kind, value), text)``; when every line under
+    the deepest key is noise, that key's stack and an empty text."""
     stack: list[tuple[int, str, str]] = []
+    deepest: list[tuple[str, str]] = []
     for raw in message.splitlines():
         if not raw.strip():
             continue
@@ -132,6 +138,8 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
         match = _PARSER_KEY.match(line)
         if match:
             stack.append((indent, "key", match["key"]))
+            if len(stack) > len(deepest):
+                deepest = [(k, v) for _, k, v in stack]
             if match["rest"] and not match["rest"].startswith(_NOISE):
                 return [(k, v) for _, k, v in stack], match["rest"]
             continue
@@ -142,7 +150,7 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
         if line.startswith(_NOISE):
             continue
         return [(k, v) for _, k, v in stack], line
-    return None
+    return (deepest, "") if deepest else None
 
 
 def _path(stack: list[tuple[str, str]]) -> tuple[str, Any]:
@@ -177,6 +185,17 @@ def condense(message: str, options: list[str] | None = None) -> str:
         return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
     stack, text = found
     path, cls = _path(stack)
+    if _NESTED_NULL.search(message) and _NULL_AS_TEXT.search(message):
+        section = path.rsplit(".", 1)[0]
+        return (
+            f"{path}=null: on the command line a nested key's null reaches the parser as the text 'None' "
+            f"(jsonargparse); write {path.rsplit('.', 1)[-1]}: null in a --config file, or give the whole "
+            f"section: --{section}='{{...}}'"
+        )
+    if not text:
+        return message.strip().splitlines()[0]
+    if text == "Expected a <class 'dict'>" and (given := _GIVEN_VALUE.search(message)):
+        return f"{path}: expected a mapping ({{key: value, ...}}), got {given['value'].strip()!r}"
     keys = [o.lstrip("-") for o in options]
     if match := _UNRECOGNIZED.match(text):
         bad = [a.split("=", 1)[0] for a in match["args"].split() if a.startswith("-")]
