@@ -46,6 +46,13 @@ _SUBCOMMAND_OPTION = re.compile(
 _UNRECOGNIZED = re.compile(r"^unrecognized arguments: (?P<args>.+)$")
 _EXPECTED = re.compile(r"^Expected an? (?P<type>.+?)\. Got value: (?P<value>.*)$")
 _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'$")
+_NUMBER_EXPECTED = re.compile(r"^Expected an? <class '(int|float)'>$")  # a Union's first subtype error
+_GIVEN_VALUE = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
+_NON_FINITE = ("nan", "inf", "infinity")
+# jsonargparse 4.53 hands a nested key's null (--model.init_args.backbone.tiny=null) to its type check as the
+# text 'None': the outer value is NestedArg(key=..., val=None), the inner "Given value type: <class 'str'>"
+_NESTED_NULL = re.compile(r"NestedArg\(key='[^']+', val=None\)")
+_NULL_AS_TEXT = re.compile(r"Given value type: <class 'str'>\s*\n\s*Given value: None\s*$", re.MULTILINE)
 
 
 def did_you_mean(name: str, candidates: list[str]) -> str:
@@ -117,8 +124,10 @@ def _unknown_key(path: str, key: str, cls: Any, options: list[str]) -> str:
 
 
 def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
-    """The first real error of a jsonargparse tree: ``(stack of (kind, value), text)``."""
+    """The first real error of a jsonargparse tree: ``(stack of (kind, value), text)``; when every line under
+    the deepest key is noise, that key's stack and an empty text."""
     stack: list[tuple[int, str, str]] = []
+    deepest: list[tuple[str, str]] = []
     for raw in message.splitlines():
         if not raw.strip():
             continue
@@ -129,6 +138,8 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
         match = _PARSER_KEY.match(line)
         if match:
             stack.append((indent, "key", match["key"]))
+            if len(stack) > len(deepest):
+                deepest = [(k, v) for _, k, v in stack]
             if match["rest"] and not match["rest"].startswith(_NOISE):
                 return [(k, v) for _, k, v in stack], match["rest"]
             continue
@@ -139,7 +150,7 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
         if line.startswith(_NOISE):
             continue
         return [(k, v) for _, k, v in stack], line
-    return None
+    return (deepest, "") if deepest else None
 
 
 def _path(stack: list[tuple[str, str]]) -> tuple[str, Any]:
@@ -174,6 +185,17 @@ def condense(message: str, options: list[str] | None = None) -> str:
         return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
     stack, text = found
     path, cls = _path(stack)
+    if _NESTED_NULL.search(message) and _NULL_AS_TEXT.search(message):
+        section = path.rsplit(".", 1)[0]
+        return (
+            f"{path}=null: on the command line a nested key's null reaches the parser as the text 'None' "
+            f"(jsonargparse); write {path.rsplit('.', 1)[-1]}: null in a --config file, or give the whole "
+            f"section: --{section}='{{...}}'"
+        )
+    if not text:
+        return message.strip().splitlines()[0]
+    if text == "Expected a <class 'dict'>" and (given := _GIVEN_VALUE.search(message)):
+        return f"{path}: expected a mapping ({{key: value, ...}}), got {given['value'].strip()!r}"
     keys = [o.lstrip("-") for o in options]
     if match := _UNRECOGNIZED.match(text):
         bad = [a.split("=", 1)[0] for a in match["args"].split() if a.startswith("-")]
@@ -193,6 +215,8 @@ def condense(message: str, options: list[str] | None = None) -> str:
             f"{path}.class_path: {match['module']}.{match['name']} does not exist"
             f"{did_you_mean(match['name'], names)}"
         )
+    if (non_finite := _non_finite(message, text)) is not None:
+        return _out_of_range(path, stack, non_finite)
     if match := _EXPECTED.match(text):
         expected = match["type"].replace("<class '", "").replace("'>", "").replace("typing.", "")
         if expected.startswith("Literal[") and expected.endswith("]"):
@@ -200,6 +224,30 @@ def condense(message: str, options: list[str] | None = None) -> str:
         return f"{path}: expected {expected}, got {match['value']!r}"
     where = f"{path}: " if path else ""
     return f"{where}{text}"
+
+
+def _non_finite(message: str, text: str) -> str | None:
+    """The value as given when a number key was given nan or inf (which jsonargparse reads as a string and
+    refuses as "expected float"), else None."""
+    match = _EXPECTED.match(text)
+    if match is not None and match["type"] not in ("<class 'float'>", "<class 'int'>"):
+        return None
+    if match is None:
+        if not _NUMBER_EXPECTED.match(text) or not (given := _GIVEN_VALUE.search(message)):
+            return None
+        match = given
+    value = match["value"].strip().strip("'\"")
+    return value if value.lower().lstrip("+-.") in _NON_FINITE else None
+
+
+def _out_of_range(path: str, stack: list[tuple[str, str]], value: str) -> str:
+    """``<key> must be <its declared range>, got nan``: the range as the checks state it
+    (:func:`rlhf_lit.checks.rules.range_of`), or "a finite number" where none is declared."""
+    from rlhf_lit.checks.rules import range_of
+
+    section_class = next((_import(v) for k, v in stack if k == "class"), None)
+    rule = range_of(path, section_class)
+    return f"{path} must be {rule.describe() if rule is not None else 'a finite number'}, got {value}"
 
 
 def _import_module(name: str):

@@ -168,21 +168,54 @@ class RLHFCLI(LightningCLI):
             self.trainer_defaults = defaults
 
     def _add_periodic_checkpoint(self, trainer, config) -> None:
-        """PPO's ``ppo.checkpoint_every``: its ``IterationCheckpoint`` joins the trainer now, not when ``fit``
-        attaches the module's own callbacks, because Lightning resolves ``--ckpt_path last`` before that. It
-        replaces Lightning's default ``ModelCheckpoint`` (the config names none), so a run writes one kind."""
+        """Where ``fit`` keeps ``last.ckpt`` (:mod:`rlhf_lit.callbacks.checkpoints`): PPO's ``ppo.checkpoint_every``
+        adds its ``IterationCheckpoint``; an SFT, reward or DPO run whose config names no ``ModelCheckpoint`` gets
+        Lightning's default one with ``save_last`` in ``<default_root_dir>/checkpoints``. Either joins the trainer
+        now, not when ``fit`` attaches the module's own callbacks, because Lightning resolves ``--ckpt_path last``
+        before that, and takes the place of Lightning's default ``ModelCheckpoint``, so a run writes one kind.
+        With ``ckpt_path: last`` and no last checkpoint to find, one line says where it looked; with any ``ckpt_path``,
+        Lightning's warning that the checkpoint folder is not empty is left out (the run resumes from there)."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
+        from rlhf_lit.callbacks.checkpoints import (
+            missing_last_note,
+            periodic_checkpoint,
+            run_folder_checkpoint,
+        )
+        from rlhf_lit.stages import find_stage
 
-        every = getattr(getattr(self.model, "ppo", None), "checkpoint_every", None)
-        added = periodic_checkpoint(every, trainer) if self.subcommand == "fit" else []  # validate writes none
-        if not added:
-            return
         listed = (config.get("trainer") or {}).get("callbacks") or []
-        configured = any(str(getattr(c, "class_path", c)).endswith("ModelCheckpoint") for c in listed)
-        kept = [c for c in trainer.callbacks if configured or not isinstance(c, ModelCheckpoint)]
-        trainer.callbacks = kept + added
+        configured = any(_is_checkpoint(c) for c in (listed if isinstance(listed, list) else [listed]))
+        added = []
+        if self.subcommand == "fit":  # validate writes none
+            every = getattr(getattr(self.model, "ppo", None), "checkpoint_every", None)
+            added = periodic_checkpoint(every, trainer)
+            stage = find_stage(type(self.model))
+            if not added and not configured and stage is not None and stage.progress == "epochs":
+                added = run_folder_checkpoint(trainer)
+        if added:
+            kept = [c for c in trainer.callbacks if configured or not isinstance(c, ModelCheckpoint)]
+            trainer.callbacks = kept + added
+        from rlhf_lit.outputs import is_first_process
+
+        if config.get("ckpt_path") == "last" and is_first_process():
+            note = missing_last_note(trainer, self.subcommand or "fit")
+            if note:  # Lightning's own warning about it is silenced (rlhf_lit.quiet): this line replaces it
+                log.warning(note)
+        if config.get("ckpt_path"):  # a resumed run writes beside the checkpoints it resumes from, by design
+            warnings.filterwarnings("ignore", message=r".*Checkpoint directory .* exists and is not empty.*")
+
+
+def _is_checkpoint(entry) -> bool:
+    """Whether a ``trainer.callbacks`` entry of the parsed config (``class_path`` + ``init_args``) is a
+    ``ModelCheckpoint`` or a subclass of one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rlhf_lit.checks.rules import import_class
+
+    path = str(getattr(entry, "class_path", None) or "")
+    cls = import_class(path) if path else None
+    return (isinstance(cls, type) and issubclass(cls, ModelCheckpoint)) or path.endswith("ModelCheckpoint")
 
 
 def _model_parallel(trainer_config) -> bool:

@@ -47,6 +47,9 @@ _HARMLESS_WARNINGS = (
     ".*no pre-optimization state was saved.*",
     # the tiny configs' epochs are shorter than the logging interval; metrics are still logged at epoch end
     ".*is smaller than the logging interval.*",
+    # --ckpt_path last with nothing to resume from: the CLI prints one line naming where it looked instead
+    # (rlhf_lit.callbacks.checkpoints.missing_last_note)
+    ".*is set, but there is no last checkpoint available.*",
 )
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "find_stage",
     "find_stage_by_path",
     "import_path",
+    "public_path",
     "register_stage",
     "stage_for",
 ]
@@ -40,7 +41,8 @@ class StageSpec:
     """One training stage.
 
     Attributes:
-        name: short lower-case name: the progress bar's label (``[sft] epoch 0``) and the key of this table.
+        name: short lower-case name: the progress bar's label (``[sft] epoch 0``; see :attr:`variants`) and the key
+            of this table.
         title: how messages name the stage ("the SFT stage").
         module: import path of the stage's LightningModule (``rlhf_lit.modules.sft.SFTModule``).
         data: import path of the data module it trains on; a config pairing the stage with another of the
@@ -56,6 +58,8 @@ class StageSpec:
         generates: the stage samples responses to prompts, so prompt length + ``sampling.max_new_tokens`` must
             fit the model's positions (otherwise ``data.max_length`` must).
         trains_on_pairs: the stage needs chosen/rejected pairs (unpaired preference rows are refused).
+        variants: labels of the stage's named variants, ``(module attribute, value, label)``: a module whose
+            attribute has that value is shown as ``label`` (DPO with ``loss_type: kto`` is ``[kto]``).
     """
 
     name: str
@@ -68,6 +72,15 @@ class StageSpec:
     progress: str = "epochs"
     generates: bool = False
     trains_on_pairs: bool = False
+    variants: tuple[tuple[str, str, str], ...] = ()
+
+    def label(self, module: Any = None) -> str:
+        """The progress bar's label of ``module`` (an instance of this stage's module): its variant's label, or
+        :attr:`name`."""
+        for attribute, value, label in self.variants:
+            if getattr(module, attribute, None) == value:
+                return label
+        return self.name
 
     def run_checks(self, init: dict, data_init: dict, trainer: dict) -> None:
         """Run this stage's consistency checks (:attr:`checks`) on a parsed config."""
@@ -136,6 +149,7 @@ register_stage(
         export_kind="policy",
         # pairs or unpaired rows, by loss_type (KTO): checked after the data is read (checks.lengths)
         trains_on_pairs=False,
+        variants=(("loss_type", "kto", "kto"),),
     )
 )
 
@@ -158,6 +172,20 @@ def _public_paths(path: str) -> set[str]:
     module, _, name = path.rpartition(".")
     package = module.rpartition(".")[0]
     return {path, f"{package}.{name}"} if package else {path}
+
+
+def public_path(path: str) -> str:
+    """How a config spells the class at ``path``: its package's re-export (``rlhf_lit.data.sft.SFTDataModule``
+    -> ``rlhf_lit.data.SFTDataModule``) when the package exports that same class, else ``path`` (imports both)."""
+    module, _, name = path.rpartition(".")
+    package = module.rpartition(".")[0]
+    try:
+        exported = getattr(importlib.import_module(package), name, None) if package else None
+        if exported is not None and exported is import_path(path):
+            return f"{package}.{name}"
+    except (ImportError, AttributeError, ValueError):
+        pass
+    return path
 
 
 def find_stage(cls: type | None) -> StageSpec | None:

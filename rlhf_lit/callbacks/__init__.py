@@ -4,7 +4,8 @@
 * :class:`HFExport`, :class:`RolloutSamples`, :class:`PPOCurves` (``outputs``): the Hugging Face export,
   PPO's sample table and PPO's curves; the modules attach them as their settings ask.
 * :class:`IterationCheckpoint` (``checkpoints``): PPO's periodic resumable ``last.ckpt``
-  (``ppo.checkpoint_every``); :func:`periodic_checkpoint` decides whether a trainer gets one.
+  (``ppo.checkpoint_every``); :func:`periodic_checkpoint` decides whether a trainer gets one;
+  :func:`run_folder_checkpoint` keeps the other stages' ``last.ckpt`` in the run's folder.
 * :class:`RewardHackingMonitor` (``monitor``): PPO's over-optimisation watch (``monitor.enabled``).
 * :class:`GoldScoreCallback` (``gold_score``): the demo's evaluation-only gold score of PPO's samples.
 
@@ -18,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlhf_lit.callbacks.checkpoints import IterationCheckpoint, periodic_checkpoint
+    from rlhf_lit.callbacks.checkpoints import IterationCheckpoint, periodic_checkpoint, run_folder_checkpoint
     from rlhf_lit.callbacks.gold_score import GoldScoreCallback
     from rlhf_lit.callbacks.monitor import RewardHackingMonitor, _shift_se
     from rlhf_lit.callbacks.outputs import HFExport, PPOCurves, RolloutSamples, unless_configured
@@ -29,6 +30,7 @@ _LAZY = {
     "GoldScoreCallback": "rlhf_lit.callbacks.gold_score",
     "IterationCheckpoint": "rlhf_lit.callbacks.checkpoints",
     "periodic_checkpoint": "rlhf_lit.callbacks.checkpoints",
+    "run_folder_checkpoint": "rlhf_lit.callbacks.checkpoints",
     "RewardHackingMonitor": "rlhf_lit.callbacks.monitor",
     "_shift_se": "rlhf_lit.callbacks.monitor",
     "HFExport": "rlhf_lit.callbacks.outputs",
@@ -48,6 +50,7 @@ __all__ = [
     "StageProgressBar",
     "_shift_se",
     "periodic_checkpoint",
+    "run_folder_checkpoint",
     "unless_configured",
 ]
 

@@ -1,5 +1,5 @@
-"""A progress bar that names the stage (``[sft] epoch 0``, ``[ppo] iterations``: the stage table's ``name`` and
-``progress``, :mod:`rlhf_lit.stages`) and where its export went."""
+"""A progress bar that names the stage (``[sft] epoch 0``, ``[ppo] iterations``, ``[kto] epoch 0``: the stage table's
+``label`` and ``progress``, :mod:`rlhf_lit.stages`) and where its export went."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _stage(pl_module):
 
 def _label(pl_module) -> str:
     stage = _stage(pl_module)
-    return stage.name if stage is not None else type(pl_module).__name__
+    return stage.label(pl_module) if stage is not None else type(pl_module).__name__
 
 
 class StageProgressBar(TQDMProgressBar):

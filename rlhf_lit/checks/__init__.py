@@ -36,7 +36,7 @@ from rlhf_lit.checks.rules import (
     model_ranges,
 )
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.stages import data_kind, find_stage
+from rlhf_lit.stages import data_kind, find_stage, public_path
 
 __all__ = [
     "DATA_RULES",
@@ -79,7 +79,7 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
         wanted = stage.data.rsplit(".", 1)[-1]
         raise ConfigError(
             f"data.class_path: {model_cls.__name__} trains on {wanted} data (the {stage.title} stage), but the "
-            f"config gives {data_name}; use {stage.data}"
+            f"config gives {data_name}; use {public_path(stage.data)}"
         )
     for key in ("backbone", "reward_model.backbone"):
         if isinstance(get(init, key), dict):

@@ -23,6 +23,7 @@ __all__ = [
     "get",
     "import_class",
     "model_ranges",
+    "range_of",
 ]
 
 
@@ -119,6 +120,30 @@ def import_class(class_path: str | None) -> type | None:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def range_of(key: str, section_class: type | None = None) -> Range | None:
+    """The declared range of a setting, by its key as the user writes it (``model.init_args.optimizer.lr``,
+    ``data.init_args.batch_size``, ``trainer.max_epochs``); ``section_class`` is the class the config gives
+    its ``model`` or ``data`` section. None where no range is declared.
+
+    The same declarations :func:`check_ranges` reads: :func:`model_ranges`, :data:`DATA_RULES`,
+    :data:`TRAINER_RULES`.
+    """
+    section, _, rest = key.partition(".")
+    if section == "trainer":
+        return TRAINER_RULES.get(rest)
+    rest = rest.removeprefix("init_args.")
+    if section == "model" and section_class is not None:
+        from rlhf_lit.stages import find_stage
+
+        return model_ranges(section_class, find_stage(section_class)).get(rest)
+    if section == "data" and section_class is not None:
+        from rlhf_lit.stages import data_kind
+
+        kind = data_kind(section_class)
+        return DATA_RULES.get(kind.rsplit(".", 1)[-1], {}).get(rest) if kind else None
+    return None
 
 
 def model_ranges(model_cls: type, stage: Any) -> dict[str, Range]:

@@ -146,8 +146,10 @@ class SFTModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_nll.compute()
         self.val_nll.reset()
-        self.log(M.VAL_LOSS, loss, prog_bar=True)
-        self.log(M.VAL_PERPLEXITY, torch.exp(loss.clamp(max=50.0)))
+        # val_nll already holds every rank's tokens (equal on all ranks); sync_dist averages equal values and
+        # is what Lightning asks of an epoch-level metric under several devices (FSDP2, DDP)
+        self.log(M.VAL_LOSS, loss, prog_bar=True, sync_dist=True)
+        self.log(M.VAL_PERPLEXITY, torch.exp(loss.clamp(max=50.0)), sync_dist=True)
 
     def configure_optimizers(self):
         return configure_trainable_optimizer(self, self.optim_cfg)

@@ -1,5 +1,7 @@
 """``--ckpt_path`` through the real console script: a PPO run stopped after 3 iterations and resumed to 5
-equals an uninterrupted 5-iteration run bit for bit, and ``validate`` evaluates a reward-model checkpoint.
+equals an uninterrupted 5-iteration run bit for bit, ``validate`` evaluates a reward-model checkpoint, and a
+shipped SFT config (no checkpoint settings of its own) resumes with ``--ckpt_path last`` (one line when there is
+nothing to resume from yet).
 
 The PPO run is configs/ppo/tiny.yaml made smaller from the command line, with adaptive KL control and
 reward normalisation on (so the KL coefficient and the reward statistics must be restored) and two
@@ -12,10 +14,13 @@ from __future__ import annotations
 
 import re
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.cli.helpers import assert_same, run_cli, without_timings
+from rlhf_lit.callbacks.checkpoints import missing_last_note, run_folder_checkpoint
+from tests.cli.helpers import assert_same, run_cli, stderr_lines, without_timings
 from tests.tiny_runs import read_scalars
 
 STEPS_PER_ITERATION = 2  # ppo_epochs 1 x (4 prompts / minibatch 2)
@@ -99,7 +104,7 @@ def test_validate_prints_the_reward_models_validation_metrics_from_a_checkpoint(
     ]
     fit = run_cli("fit", *common)
     assert fit.returncode == 0, fit.stderr[-3000:]
-    ckpt = next(tmp_path.glob("tb/version_0/checkpoints/*.ckpt"))
+    ckpt = next(tmp_path.glob("checkpoints/epoch=*.ckpt"))  # the run's folder (run_folder_checkpoint)
     fitted = read_scalars(tmp_path / "tb" / "version_0")
 
     result = run_cli("validate", *common, "--ckpt_path", str(ckpt))
@@ -112,3 +117,101 @@ def test_validate_prints_the_reward_models_validation_metrics_from_a_checkpoint(
     # the numbers are the trained checkpoint's: the end-of-epoch validation of the fit logged the same
     assert printed["reward/margin"] == pytest.approx(fitted["reward/margin"][-1][1], rel=1e-5, abs=1e-6)
     assert printed["reward/accuracy"] == pytest.approx(fitted["reward/accuracy"][-1][1])
+
+
+NO_LAST = "there is no last checkpoint available"  # Lightning's warning, which rlhf-lit's own line replaces
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_a_shipped_sft_config_and_says_so_when_there_is_nothing_yet(tmp_path):
+    """configs/sft/tiny.yaml names no ModelCheckpoint. ``ckpt_path: last`` given from the first run on ("set and
+    forget"): the first run (1 epoch of 2 batches) finds nothing, says where it looked in one line and trains
+    from the start; the same command with ``max_epochs=2`` restores its ``last.ckpt`` and trains epoch 1 only."""
+    args = [
+        "fit",
+        "--config",
+        "configs/sft/tiny.yaml",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--model.init_args.export_dir=null",
+        "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1",
+        "--data.init_args.max_train_samples_per_file=16",
+        "--data.init_args.val_size=8",
+        "--data.init_args.batch_size=4",
+        "--trainer.enable_progress_bar=false",
+        "--ckpt_path",
+        "last",
+    ]
+    first = run_cli(*args, "--trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    said = [line for line in stderr_lines(first) if "last" in line and "checkpoint" in line]
+    assert said == [
+        f"WARNING rlhf_lit: --ckpt_path last: no last checkpoint in {tmp_path / 'checkpoints'}; "
+        "training starts from the beginning"
+    ], said
+    assert NO_LAST not in first.stderr
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+
+    resumed = run_cli(*args, "--trainer.max_epochs=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {folder / 'last.ckpt'}" in resumed.stderr
+    assert "no last checkpoint" not in resumed.stderr and NO_LAST not in resumed.stderr
+    assert "exists and is not empty" not in resumed.stderr  # it resumes from that folder: no warning about it
+    # the resumed run trained epoch 1 (batches 3 and 4) and replaced both files (no last-v1.ckpt beside them)
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=1-step=4.ckpt", "last.ckpt"]
+    last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["epoch"] == 1 and last["global_step"] == 4
+    assert "validation loss before training" in first.stderr
+    assert "validation loss before training" not in resumed.stderr  # a fresh start would measure it again
+
+
+def test_an_epoch_stage_checkpoint_keeps_last_ckpt_in_the_run_folder_unless_the_trainer_says_otherwise(
+    tmp_path,
+):
+    default = L.Trainer(default_root_dir=str(tmp_path), logger=False)  # Lightning's default ModelCheckpoint
+    (added,) = run_folder_checkpoint(default)
+    assert type(added) is ModelCheckpoint and added.save_last is True and added.save_top_k == 1
+    assert added.dirpath == str((tmp_path / "checkpoints").resolve())
+    assert run_folder_checkpoint(L.Trainer(enable_checkpointing=False, logger=False)) == []
+    own = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"))])
+    assert run_folder_checkpoint(own) == []  # a folder of the user's: kept
+    own = L.Trainer(logger=False, callbacks=[ModelCheckpoint(save_last=True)])
+    assert run_folder_checkpoint(own) == []
+
+
+def test_missing_last_note_names_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = L.Trainer(
+        default_root_dir="run",
+        logger=False,
+        callbacks=run_folder_checkpoint(L.Trainer(default_root_dir="run", logger=False)),
+    )
+    assert missing_last_note(trainer) == (
+        "--ckpt_path last: no last checkpoint in run/checkpoints; training starts from the beginning"
+    )
+    assert missing_last_note(trainer, "validate").endswith("; validate uses the untrained model")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "epoch=0-step=2.ckpt").write_bytes(b"")
+    assert "no last checkpoint" in missing_last_note(trainer)  # only last*.ckpt is resumed from
+    (tmp_path / "run" / "checkpoints" / "last-v1.ckpt").write_bytes(b"")
+    assert missing_last_note(trainer) is None
+    off = L.Trainer(enable_checkpointing=False, logger=False)
+    assert missing_last_note(off) == (
+        "--ckpt_path last: checkpointing is off (trainer.enable_checkpointing: false), so no run of this config "
+        "writes a last.ckpt; training starts from the beginning"
+    )
+
+
+def test_a_listed_checkpoint_of_any_modelcheckpoint_class_is_the_configs_own():
+    """A ``ModelCheckpoint`` subclass in ``trainer.callbacks`` is kept as the config's own (not replaced by the
+    run-folder checkpoint), whatever its class is named."""
+    from types import SimpleNamespace
+
+    from rlhf_lit.lightning_cli import _is_checkpoint
+
+    listed = SimpleNamespace(class_path="rlhf_lit.callbacks.checkpoints.IterationCheckpoint", init_args={})
+    assert _is_checkpoint(listed)
+    assert _is_checkpoint(SimpleNamespace(class_path="lightning.pytorch.callbacks.ModelCheckpoint"))
+    assert not _is_checkpoint(SimpleNamespace(class_path="rlhf_lit.callbacks.StageProgressBar"))

@@ -57,6 +57,58 @@ GROUP_OPTION = """Parser key "model":
     - Expected a <class 'NoneType'>"""
 
 
+TINY_NULL = """Parser key "model":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lightning.pytorch.core.module.LightningModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'rlhf_lit.modules.SFTModule':
+        Parser key "backbone.tiny":
+          Does not validate against any of the Union subtypes
+          Subtypes: [dict[str, typing.Any], <class 'NoneType'>]
+          Errors:
+            - Expected a <class 'dict'>
+            - Expected a <class 'NoneType'>
+          Given value type: <class 'str'>
+          Given value: None
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>
+  Given value: NestedArg(key='backbone.tiny', val=None)"""
+
+LORA_NULL = """Parser key "model":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'lightning.pytorch.core.module.LightningModule'>, <class 'NoneType'>]
+  Errors:
+    - Problem with given class_path 'rlhf_lit.modules.SFTModule':
+        Parser key "backbone.lora":
+
+          - Expected a path but None either not accessible or invalid
+          - Does not validate against any of the Union subtypes
+          Subtypes: [<class 'rlhf_lit.models.backbone.LoraSettings'>, <class 'NoneType'>]
+          Errors:
+            - Expected a dot import path string: None
+            - Expected a <class 'NoneType'>
+          Given value type: <class 'str'>
+          Given value: None
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'jsonargparse._util.NestedArg'>
+  Given value: NestedArg(key='backbone.lora', val=None)"""
+
+NULL_ADVICE = (
+    "model.init_args.backbone.{key}=null: on the command line a nested key's null reaches the parser as the text "
+    "'None' (jsonargparse); write {key}: null in a --config file, or give the whole section: "
+    "--model.init_args.backbone='{{...}}'"
+)
+
+
+def test_a_nested_null_from_the_command_line_is_one_line_saying_how_to_give_it():
+    assert condense(TINY_NULL) == NULL_ADVICE.format(key="tiny")
+    assert condense(LORA_NULL) == NULL_ADVICE.format(key="lora")  # every line under its key is noise
+    other = TINY_NULL.replace("Given value: None", "Given value: abc").replace("val=None", "val='abc'")
+    assert (
+        condense(other) == "model.init_args.backbone.tiny: expected a mapping ({key: value, ...}), got 'abc'"
+    )
+
+
 def test_did_you_mean():
     assert did_you_mean("kl_coeff", ["kl_coef", "estimator", "target_kl"]) == " (did you mean 'kl_coef'?)"
     assert did_you_mean("--trainer.max_step", ["--trainer.max_steps", "--trainer.max_epochs"]).startswith(
@@ -106,13 +158,45 @@ def _parse(monkeypatch, args):
             ["--data.init_args.batch_siz=3"],
             "unknown key data.init_args.batch_siz (did you mean 'batch_size'?)",
         ),
+        # nan / inf: the key's declared range (rlhf_lit.ranges, checks.rules), as the value checks word it
+        (
+            ["--model.init_args.optimizer.lr=nan"],
+            "model.init_args.optimizer.lr must be a number > 0, got nan",
+        ),
+        (
+            ["--model.init_args.ppo.gamma=-inf"],
+            "model.init_args.ppo.gamma must be a number in (0, 1], got -inf",
+        ),
+        (
+            ["--trainer.gradient_clip_val=inf"],
+            "trainer.gradient_clip_val must be a number >= 0 (or null), got inf",
+        ),
+        (
+            ["--data.init_args.batch_size=NaN"],
+            "data.init_args.batch_size must be a whole number >= 1, got NaN",
+        ),
+        (["--model.init_args.backbone.tiny=null"], NULL_ADVICE.format(key="tiny")),
+        (["--model.init_args.backbone.tiny=5"], "model.init_args.backbone.tiny: expected a mapping"),
     ],
-    ids=["nested_key", "abbreviation", "type", "data_key"],
+    ids=[
+        "nested_key",
+        "abbreviation",
+        "type",
+        "data_key",
+        "nan",
+        "minus_inf",
+        "inf_in_a_union",
+        "nan_int",
+        "nested_null",
+        "not_a_mapping",
+    ],
 )
 def test_real_parse_errors_condense_to_one_line(monkeypatch, args, expected):
     with pytest.raises(ConfigError) as info:
         _parse(monkeypatch, ["fit", "--config", "configs/ppo/tiny.yaml", *args])
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+    if expected.endswith(("nan", "inf", "NaN", "'{...}'")):  # the whole line
+        assert str(info.value) == expected
 
 
 def test_a_misspelled_yaml_key_is_named_with_its_section(monkeypatch, tmp_path):

@@ -16,7 +16,15 @@ from rlhf_lit.errors import ConfigError
 from rlhf_lit.planner.settings import _stage as planner_phase
 from rlhf_lit.ranges import Range, check_field_ranges, parse_range, ranged
 from rlhf_lit.stage_outputs import stage_of
-from rlhf_lit.stages import STAGES, StageSpec, find_stage, find_stage_by_path, register_stage, stage_for
+from rlhf_lit.stages import (
+    STAGES,
+    StageSpec,
+    find_stage,
+    find_stage_by_path,
+    public_path,
+    register_stage,
+    stage_for,
+)
 
 HERE = __name__  # "tests.cli.test_stages": the import path of the classes below
 
@@ -80,9 +88,9 @@ def test_a_registered_stage_is_seen_by_every_reader(toy_stage):
     # the data pairing: the toy stage trains on preference data, so SFT data is refused before loading
     with pytest.raises(ConfigError) as info:
         check_config(_config(f"{HERE}.MyToyModule"))
-    assert str(info.value).startswith(
+    assert str(info.value) == (
         "data.class_path: MyToyModule trains on PreferenceDataModule data (the Toy stage), but the config gives "
-        "SFTDataModule"
+        "SFTDataModule; use rlhf_lit.data.PreferenceDataModule"  # the path configs write, not .preference's
     )
     # the ranges its settings dataclass declares are checked, with the key as the user writes it
     assert set(model_ranges(MyToyModule, toy_stage)) == {"toy.strength", "toy.rounds"}
@@ -91,6 +99,13 @@ def test_a_registered_stage_is_seen_by_every_reader(toy_stage):
         ConfigError, match=r"^model\.init_args\.toy\.strength must be a number in \(0, 1\], got 0\.0"
     ):
         check_config(config)
+
+
+def test_public_path_is_the_package_export_configs_write():
+    assert public_path("rlhf_lit.data.sft.SFTDataModule") == "rlhf_lit.data.SFTDataModule"
+    assert public_path("rlhf_lit.modules.dpo.DPOModule") == "rlhf_lit.modules.DPOModule"
+    assert public_path(f"{HERE}.ToyModule") == f"{HERE}.ToyModule"  # tests.cli exports no ToyModule
+    assert public_path("no_such_package.Thing") == "no_such_package.Thing"
 
 
 def test_a_stage_with_a_planner_phase_is_planned_as_that_phase(toy_stage):

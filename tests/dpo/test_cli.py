@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_lit.callbacks.progress import _label
 from rlhf_lit.cli import cli_main, main
+from tests.dpo.helpers import make_module
 from tests.tiny_runs import in_repo_root, one_thread
 
 DPO = "configs/dpo/tiny.yaml"
@@ -110,7 +112,13 @@ def test_resume_from_ckpt_path_equals_an_uninterrupted_run(tmp_path):
     assert not _same(first["state_dict"], straight["state_dict"])  # the second epoch did train
 
 
-def test_the_kto_config_trains(tmp_path):
+def test_the_kto_config_trains_and_its_progress_bar_says_kto(tmp_path, capsys):
+    shown = [a for a in _small(tmp_path) if a != "--trainer.enable_progress_bar=false"]
     with in_repo_root(), one_thread():
-        cli = cli_main(["fit", "--config", KTO, *_small(tmp_path), "--trainer.limit_train_batches=2"])
+        cli = cli_main(["fit", "--config", KTO, *shown, "--trainer.limit_train_batches=2"])
     assert cli.trainer.global_step == 2 and cli.trainer.state.finished
+    captured = capsys.readouterr()
+    bar = captured.out + captured.err
+    assert "[kto] epoch 0" in bar and "[dpo]" not in bar  # the DPO stage's KTO variant (rlhf_lit.stages)
+    dpo = make_module(loss_type="sigmoid")
+    assert _label(dpo) == "dpo"

@@ -293,3 +293,21 @@ def test_exported_model_generates_after_reload(lora_run):
     assert torch.equal(out[:, :n], prompt["input_ids"])
     assert torch.equal(out, expected)
     assert isinstance(tokenizer.decode(out[0, n:], skip_special_tokens=True), str)
+
+
+def test_validation_metrics_are_logged_with_sync_dist():
+    """``val/loss`` and ``val/perplexity`` are epoch-level metrics: without ``sync_dist=True`` Lightning warns
+    under FSDP2 / several devices. ``val_nll`` already holds every rank's tokens, so the reduction is a mean of
+    equal values and the numbers do not move."""
+    module = SFTModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"))
+    module.val_nll.update(torch.tensor([1.0, 4.0]), weight=torch.tensor([2.0, 1.0]))  # (1*2 + 4*1) / 3 = 2
+    logged = {}
+    module.log = lambda name, value, **kwargs: logged.__setitem__(name, (float(value), kwargs))
+    module.on_validation_epoch_end()
+    assert sorted(logged) == sorted([M.VAL_LOSS, M.VAL_PERPLEXITY])
+    assert logged[M.VAL_LOSS][0] == pytest.approx(2.0)
+    assert logged[M.VAL_PERPLEXITY][0] == pytest.approx(math.exp(2.0))  # 7.389056
+    assert {name: kwargs.get("sync_dist") for name, (_, kwargs) in logged.items()} == {
+        M.VAL_LOSS: True,
+        M.VAL_PERPLEXITY: True,
+    }
