@@ -3,7 +3,6 @@
     rlhf-lit evaluate --model <export_dir> --data <file> [--data <file2> ...] [--out <dir>] [--format hh]
     rlhf-lit evaluate --model <export_dir> --heldout      # the export's own validation pairs, per file
 
-
 Per file: accuracy (ties 1/2) ± SE, the "longer wins" / "shorter wins" rules and the model's paired
 difference to the better one, accuracy when the chosen response is longer / shorter, length-matched accuracy
 (lengths within 10%, in the model's tokens), Spearman(score, length), and the NLL / ECE of
@@ -11,10 +10,10 @@ difference to the better one, accuracy when the chosen response is longer / shor
 (``rlhf_lit.evaluation.report``); a warning when a file's lengths or scores sit far from the validation pairs
 the export was calibrated on. With several files, a last column ``all`` pools every pair. ``--heldout`` scores
 the pairs the export's training run held out for validation (the split its ``rlhf_lit.json`` records, rebuilt
-exactly; ``RewardExportScorer.read_heldout``) instead of, or beside, ``--data`` files. Printed as a markdown table; with ``--out``, also written there:
-``evaluation.json``, ``evaluation.md`` and ``<file>.scores.jsonl`` (one line per pair: ``chosen_score``,
-``rejected_score`` uncalibrated, ``chosen_tokens``, ``rejected_tokens``), each written to a temporary sibling
-and renamed when complete.
+exactly; ``RewardExportScorer.read_heldout``) instead of, or beside, ``--data`` files. Printed as a markdown
+table; with ``--out``, also written there: ``evaluation.json``, ``evaluation.md`` and ``<file>.scores.jsonl``
+(one line per pair: ``chosen_score``, ``rejected_score`` uncalibrated, ``chosen_tokens``, ``rejected_tokens``),
+each written to a temporary sibling and renamed when complete.
 
 The model is read behind ``scorers.PairScorer`` (``read_pairs`` in its own encoding, ``score_pairs``), so a
 preference model other than a reward-model export can be added as a second scorer.
