@@ -187,7 +187,9 @@ class RLHFCLI(LightningCLI):
         listed = (config.get("trainer") or {}).get("callbacks") or []
         configured = any(_is_checkpoint(c) for c in (listed if isinstance(listed, list) else [listed]))
         added = []
-        if self.subcommand == "fit":  # validate writes none
+        if self.subcommand in ("fit", "validate"):
+            # validate writes no checkpoint (Lightning saves only while fitting), but the same callback tells
+            # its ``--ckpt_path last`` where the fit of this config keeps last.ckpt
             every = getattr(getattr(self.model, "ppo", None), "checkpoint_every", None)
             added = periodic_checkpoint(every, trainer)
             stage = find_stage(type(self.model))

@@ -215,3 +215,33 @@ def test_a_listed_checkpoint_of_any_modelcheckpoint_class_is_the_configs_own():
     assert _is_checkpoint(listed)
     assert _is_checkpoint(SimpleNamespace(class_path="lightning.pytorch.callbacks.ModelCheckpoint"))
     assert not _is_checkpoint(SimpleNamespace(class_path="rlhf_lit.callbacks.StageProgressBar"))
+
+
+@pytest.mark.slow
+def test_validate_ckpt_path_last_finds_the_fits_last_checkpoint(tmp_path):
+    """``validate --ckpt_path last`` with the config a fit ran: it restores that fit's
+    ``<default_root_dir>/checkpoints/last.ckpt`` (before, it looked in a new logger folder, found nothing and
+    validated the untrained model)."""
+    args = [
+        "--config",
+        "configs/sft/tiny.yaml",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--model.init_args.export_dir=null",
+        "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1",
+        "--data.init_args.max_train_samples_per_file=16",
+        "--data.init_args.val_size=8",
+        "--data.init_args.batch_size=4",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.max_epochs=1",
+    ]
+    fit = run_cli("fit", *args)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    validate = run_cli("validate", *args, "--ckpt_path", "last")
+    assert validate.returncode == 0, validate.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {last}" in validate.stderr
+    assert "no last checkpoint" not in validate.stderr and NO_LAST not in validate.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
