@@ -11,7 +11,7 @@ No imports from the rest of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "NonFiniteError", "SamplerSyncError", "UserError"]
+__all__ = ["ConfigError", "DivergedExportError", "NonFiniteError", "SamplerSyncError", "UserError"]
 
 
 class UserError(Exception):
@@ -33,3 +33,10 @@ class SamplerSyncError(UserError, RuntimeError):
     being trained (``rlhf_lit.rl.guard``): its log-probs are further from the trainer's than
     ``sampling.logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's. The user asked
     for a stop, so the message (iteration, gap, tolerance, what to check) is printed as one line."""
+
+
+class DivergedExportError(UserError, ValueError):
+    """An export refused because weights hold inf or nan: the run diverged (often a learning rate too high for
+    the model). Nothing was written; the message names the export folder and the first tensors, and the command
+    prints it as one line (a stage's settings to change, not a bug to trace)."""
+

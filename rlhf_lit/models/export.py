@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from rlhf_lit.errors import ConfigError
+from rlhf_lit.errors import ConfigError, DivergedExportError
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
@@ -172,14 +173,22 @@ def check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
     """Refuse to export tensors holding inf or nan (integer tensors, e.g. 4-bit storage, are skipped).
 
     Raises:
-        ValueError: naming ``path`` and the first (up to 5) non-finite tensors.
+        DivergedExportError: (a ``ValueError``) naming the export folder (``path``, or the folder a staging
+            sibling ``.<name>.partial-<pid>-*`` stands for) and the first (up to 5) non-finite tensors.
     """
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
-        raise ValueError(
-            f"refusing to export to {path}: {len(bad)} tensor(s) hold inf or nan, e.g. {bad[:5]}; "
-            "the run diverged (see ppo/skipped_steps and the loss curves) -- nothing was written"
+        raise DivergedExportError(
+            f"refusing to export to {_export_folder(path)}: {len(bad)} tensor(s) hold inf or nan, e.g. {bad[:5]}; "
+            "the run diverged (see the loss curves; a lower optimizer.lr usually helps) -- nothing was written"
         )
+
+
+def _export_folder(path: str) -> str:
+    """The export folder a staging sibling ``<parent>/.<name>.partial-<pid>-<random>`` is written for; any other
+    path as given."""
+    match = re.fullmatch(r"\.(.+)\.partial-\d+-[^/]*", os.path.basename(os.path.normpath(path)))
+    return os.path.join(os.path.dirname(os.path.normpath(path)), match.group(1)) if match else path
 
 
 def save_reward_head(head: ScalarHead, path: str) -> None:

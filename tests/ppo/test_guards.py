@@ -225,3 +225,20 @@ def test_the_prompt_data_module_holds_no_validation_split_by_default():
     )
     dm.setup("fit")
     assert len(dm.train_dataset) == 40 and not dm.val_dataset
+
+
+def test_a_refused_export_is_a_one_line_user_error_naming_the_export_folder(tmp_path):
+    """A diverged run's export is refused as a UserError (the command prints one line, exit 2) that names the
+    export folder, not the hidden staging sibling it was being written into."""
+    from rlhf_lit.errors import DivergedExportError, UserError
+    from rlhf_lit.models.export import check_finite
+
+    staging = tmp_path / ".hf.partial-4242-ab_c9x"
+    with pytest.raises(DivergedExportError) as info:
+        check_finite({"w": torch.tensor([1.0, float("nan")]), "ids": torch.tensor([1, 2])}, str(staging))
+    message = str(info.value)
+    assert isinstance(info.value, UserError) and "\n" not in message
+    assert message.startswith(f"refusing to export to {tmp_path / 'hf'}: 1 tensor(s) hold inf or nan, e.g. ['w']")
+    assert "partial" not in message and "ppo/" not in message
+    with pytest.raises(DivergedExportError, match=f"refusing to export to {tmp_path / 'plain'}:"):
+        check_finite({"w": torch.tensor([float("inf")])}, str(tmp_path / "plain"))
