@@ -8,7 +8,8 @@ difference to the better one, accuracy when the chosen response is longer / shor
 (lengths within 10%, in the model's tokens), Spearman(score, length), and the NLL / ECE of
 ``sigmoid((s_chosen - s_rejected) / T)`` at the export's recorded T and at a T re-fitted on the file
 (``rlhf_lit.evaluation.report``); a warning when a file's lengths or scores sit far from the validation pairs
-the export was calibrated on. With several files, a last column ``all`` pools every pair. ``--heldout`` scores
+the export was calibrated on. With several files, a last column ``all`` pools every distinct pair (each row
+of its ``all.scores.jsonl`` names its ``file``). ``--heldout`` scores
 the pairs the export's training run held out for validation (the split its ``rlhf_lit.json`` records, rebuilt
 exactly; ``RewardExportScorer.read_heldout``) instead of, or beside, ``--data`` files. Printed as a markdown
 table; with ``--out``, also written there: ``evaluation.json``, ``evaluation.md`` and ``<file>.scores.jsonl``
@@ -168,13 +169,23 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
         scorer = RewardExportScorer(args.model, max_tokens=args.max_tokens)
     reports: dict[str, dict] = {}
     scores: dict[str, list[dict]] = {}
+    record = (getattr(scorer, "meta", None) or {}).get("data") or {}
+    if args.heldout and not (hasattr(scorer, "read_heldout") and record):
+        raise UserError(
+            f"evaluate: --heldout: {scorer.name} records no validation split (an export saved outside a fit, "
+            "or by an older rlhf_lit)" + ("" if args.data else "; score files with --data instead")
+        )
     read = [scorer.read_pairs(path, args.format) for path in args.data]  # every data error before any scoring
     sources = list(zip(_unique_names(args.data), args.data, read))
-    if args.heldout:
-        if not hasattr(scorer, "read_heldout"):
-            raise UserError(
-                f"evaluate: --heldout: {scorer.name} records no validation split; give --data files"
+    trained_on = {os.path.abspath(f) for f in record.get("train_files") or []}
+    for name, path, _ in sources:
+        if os.path.abspath(path) in trained_on:
+            print(
+                f"rlhf-lit: warning: {name}: this file holds the pairs {args.model} was trained on (and validated "
+                "on); its figures are optimistic. --heldout scores only the pairs it never trained on",
+                file=sys.stderr,
             )
+    if args.heldout:
         sources += [
             (f"{name}_validation", f"{name}: the validation pairs of {args.model}", (pairs, line))
             for name, pairs, line in scorer.read_heldout()
@@ -184,14 +195,18 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
         raise UserError(
             f"evaluate: two files are both called {sorted(n for n in names if names.count(n) > 1)[0]!r}"
         )
-    for name, path, pairs in sources:
-        reports[name], scores[name] = evaluate_file(scorer, path, args.format, pairs)
+    pooled: dict[tuple, dict] = {}  # one row per distinct pair (a pair in two columns counts once)
+    for name, path, (pairs, line) in sources:
+        reports[name], scores[name] = evaluate_file(scorer, path, args.format, (pairs, line))
         reports[name]["file"] = path
-    if len(sources) > 1:  # every pair of every file, pooled
+        for pair, row in zip(pairs, scores[name]):
+            key = (tuple(pair.prompt_ids), tuple(pair.chosen_ids), tuple(pair.rejected_ids))
+            pooled.setdefault(key, {**row, "file": name})
+    if len(sources) > 1:  # every distinct pair of every column, pooled
         name = "all" if "all" not in names else "all_pairs"
-        scores[name] = [row for rows in scores.values() for row in rows]
+        scores[name] = [{**row, "pair": i} for i, row in enumerate(pooled.values())]
         reports[name] = report_rows(scorer, scores[name])
-        reports[name]["file"] = "all pairs above, pooled"
+        reports[name]["file"] = "every distinct pair of the columns before, pooled"
     for name, report in reports.items():
         for warning in report["warnings"]:
             print(f"rlhf-lit: warning: {name}: {warning}", file=sys.stderr)

@@ -409,6 +409,15 @@ def test_heldout_scores_exactly_the_pairs_the_run_validated_on(causal_export, tm
     assert len(pooled) == 6
     assert reports["all"]["accuracy"] == pytest.approx(sum(credits) / 6)
     assert "first_validation" in capsys.readouterr().out
+    assert {p["file"] for p in pooled} == {"first_validation", "second_validation"}
+
+    # a training file beside --heldout: a warning, and its 3 held-out pairs count once in the pooled column
+    both = evaluate_main(["--model", str(rm), "--data", files[0], "--heldout", "--out", str(tmp_path / "both")])
+    assert "this file holds the pairs" in capsys.readouterr().err
+    assert [both[k]["pairs"] for k in ("first", "first_validation", "second_validation", "all")] == [8, 3, 3, 11]
+    rows = [json.loads(x) for x in (tmp_path / "both" / "all.scores.jsonl").read_text().splitlines()]
+    assert [r["pair"] for r in rows] == list(range(11))
+    assert [r["file"] for r in rows] == ["first"] * 8 + ["second_validation"] * 3
 
 
 def _scores_file(evaluate, rm: Path, data: str, out: Path) -> list[str]:
@@ -419,7 +428,7 @@ def _scores_file(evaluate, rm: Path, data: str, out: Path) -> list[str]:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model", "{rm}", "--heldout"], "records no training data"),
+        (["--model", "{rm}", "--heldout"], "records no validation split"),
         (["--model", "{rm}"], "give --data <file> (repeatable) or --heldout"),
     ],
 )
