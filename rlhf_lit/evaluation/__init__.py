@@ -144,6 +144,44 @@ def _json_safe(value):
     return value
 
 
+def _sources(args, scorer: PairScorer) -> list[tuple[str, str, tuple[list, str]]]:
+    """The columns to score, ``[(name, file, (pairs, data line))]``: each ``--data`` file (read, so every data
+    error comes before any scoring; a file the export was trained on gets a warning), then with ``--heldout``
+    the export's validation pairs per file.
+
+    Raises:
+        UserError: ``--heldout`` for a scorer with no recorded split (checked before any file is read), or
+            two columns of one name.
+    """
+    record = (getattr(scorer, "meta", None) or {}).get("data") or {}
+    if args.heldout and not (hasattr(scorer, "read_heldout") and record):
+        raise UserError(
+            f"evaluate: --heldout: {scorer.name} records no validation split (an export saved outside a fit, "
+            "or by an older rlhf_lit)" + ("" if args.data else "; score files with --data instead")
+        )
+    read = [scorer.read_pairs(path, args.format) for path in args.data]
+    sources = list(zip(_unique_names(args.data), args.data, read))
+    trained_on = {os.path.abspath(f) for f in record.get("train_files") or []}
+    for name, path, _ in sources:
+        if os.path.abspath(path) in trained_on:
+            print(
+                f"rlhf-lit: warning: {name}: this file holds the pairs {args.model} was trained on (and validated "
+                "on); its figures are optimistic. --heldout scores only the pairs it never trained on",
+                file=sys.stderr,
+            )
+    if args.heldout:
+        sources += [
+            (f"{name}_validation", f"{name}: the validation pairs of {args.model}", (pairs, line))
+            for name, pairs, line in scorer.read_heldout()
+        ]
+    names = [name for name, _, _ in sources]
+    if len(set(names)) < len(names):
+        raise UserError(
+            f"evaluate: two files are both called {sorted(n for n in names if names.count(n) > 1)[0]!r}"
+        )
+    return sources
+
+
 def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dict:
     """Run ``rlhf-lit evaluate`` (``argv`` without the subcommand) and return ``{file name: report}``.
 
@@ -167,34 +205,10 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
         raise UserError(f"evaluate: --out {args.out} is a file, not a folder")
     if scorer is None:
         scorer = RewardExportScorer(args.model, max_tokens=args.max_tokens)
+    sources = _sources(args, scorer)
+    names = [name for name, _, _ in sources]
     reports: dict[str, dict] = {}
     scores: dict[str, list[dict]] = {}
-    record = (getattr(scorer, "meta", None) or {}).get("data") or {}
-    if args.heldout and not (hasattr(scorer, "read_heldout") and record):
-        raise UserError(
-            f"evaluate: --heldout: {scorer.name} records no validation split (an export saved outside a fit, "
-            "or by an older rlhf_lit)" + ("" if args.data else "; score files with --data instead")
-        )
-    read = [scorer.read_pairs(path, args.format) for path in args.data]  # every data error before any scoring
-    sources = list(zip(_unique_names(args.data), args.data, read))
-    trained_on = {os.path.abspath(f) for f in record.get("train_files") or []}
-    for name, path, _ in sources:
-        if os.path.abspath(path) in trained_on:
-            print(
-                f"rlhf-lit: warning: {name}: this file holds the pairs {args.model} was trained on (and validated "
-                "on); its figures are optimistic. --heldout scores only the pairs it never trained on",
-                file=sys.stderr,
-            )
-    if args.heldout:
-        sources += [
-            (f"{name}_validation", f"{name}: the validation pairs of {args.model}", (pairs, line))
-            for name, pairs, line in scorer.read_heldout()
-        ]
-    names = [name for name, _, _ in sources]
-    if len(set(names)) < len(names):
-        raise UserError(
-            f"evaluate: two files are both called {sorted(n for n in names if names.count(n) > 1)[0]!r}"
-        )
     pooled: dict[tuple, dict] = {}  # one row per distinct pair (a pair in two columns counts once)
     for name, path, (pairs, line) in sources:
         reports[name], scores[name] = evaluate_file(scorer, path, args.format, (pairs, line))
