@@ -247,7 +247,8 @@ def _out_of_range(path: str, stack: list[tuple[str, str]], value: str) -> str:
 
     section_class = next((_import(v) for k, v in stack if k == "class"), None)
     rule = range_of(path, section_class)
-    return f"{path} must be {rule.describe() if rule is not None else 'a finite number'}, got {value}"
+    described = "a finite number" if rule is None else rule.describe().replace("a number", "a finite number", 1)
+    return f"{path} must be {described}, got {value}"
 
 
 def _import_module(name: str):

@@ -161,15 +161,15 @@ def _parse(monkeypatch, args):
         # nan / inf: the key's declared range (rlhf_lit.ranges, checks.rules), as the value checks word it
         (
             ["--model.init_args.optimizer.lr=nan"],
-            "model.init_args.optimizer.lr must be a number > 0, got nan",
+            "model.init_args.optimizer.lr must be a finite number > 0, got nan",
         ),
         (
             ["--model.init_args.ppo.gamma=-inf"],
-            "model.init_args.ppo.gamma must be a number in (0, 1], got -inf",
+            "model.init_args.ppo.gamma must be a finite number in (0, 1], got -inf",
         ),
         (
             ["--trainer.gradient_clip_val=inf"],
-            "trainer.gradient_clip_val must be a number >= 0 (or null), got inf",
+            "trainer.gradient_clip_val must be a finite number >= 0 (or null), got inf",
         ),
         (
             ["--data.init_args.batch_size=NaN"],
