@@ -122,13 +122,10 @@ def test_validate_prints_the_reward_models_validation_metrics_from_a_checkpoint(
 NO_LAST = "there is no last checkpoint available"  # Lightning's warning, which rlhf-lit's own line replaces
 
 
-@pytest.mark.slow
-def test_ckpt_path_last_resumes_a_shipped_sft_config_and_says_so_when_there_is_nothing_yet(tmp_path):
-    """configs/sft/tiny.yaml names no ModelCheckpoint. ``ckpt_path: last`` given from the first run on ("set and
-    forget"): the first run (1 epoch of 2 batches) finds nothing, says where it looked in one line and trains
-    from the start; the same command with ``max_epochs=2`` restores its ``last.ckpt`` and trains epoch 1 only."""
-    args = [
-        "fit",
+def _sft_tiny_args(tmp_path) -> list[str]:
+    """configs/sft/tiny.yaml shrunk to 2 training batches of 4 and one validation batch, its checkpoints and
+    logs in ``tmp_path``, no export."""
+    return [
         "--config",
         "configs/sft/tiny.yaml",
         f"--trainer.default_root_dir={tmp_path}",
@@ -140,9 +137,15 @@ def test_ckpt_path_last_resumes_a_shipped_sft_config_and_says_so_when_there_is_n
         "--data.init_args.val_size=8",
         "--data.init_args.batch_size=4",
         "--trainer.enable_progress_bar=false",
-        "--ckpt_path",
-        "last",
     ]
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_a_shipped_sft_config_and_says_so_when_there_is_nothing_yet(tmp_path):
+    """configs/sft/tiny.yaml names no ModelCheckpoint. ``ckpt_path: last`` given from the first run on ("set and
+    forget"): the first run (1 epoch of 2 batches) finds nothing, says where it looked in one line and trains
+    from the start; the same command with ``max_epochs=2`` restores its ``last.ckpt`` and trains epoch 1 only."""
+    args = ["fit", *_sft_tiny_args(tmp_path), "--ckpt_path", "last"]
     first = run_cli(*args, "--trainer.max_epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]
     said = [line for line in stderr_lines(first) if "last" in line and "checkpoint" in line]
@@ -222,20 +225,7 @@ def test_validate_ckpt_path_last_finds_the_fits_last_checkpoint(tmp_path):
     """``validate --ckpt_path last`` with the config a fit ran: it restores that fit's
     ``<default_root_dir>/checkpoints/last.ckpt`` (before, it looked in a new logger folder, found nothing and
     validated the untrained model)."""
-    args = [
-        "--config",
-        "configs/sft/tiny.yaml",
-        f"--trainer.default_root_dir={tmp_path}",
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--model.init_args.export_dir=null",
-        "--trainer.limit_train_batches=2",
-        "--trainer.limit_val_batches=1",
-        "--data.init_args.max_train_samples_per_file=16",
-        "--data.init_args.val_size=8",
-        "--data.init_args.batch_size=4",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.max_epochs=1",
-    ]
+    args = [*_sft_tiny_args(tmp_path), "--trainer.max_epochs=1"]
     fit = run_cli("fit", *args)
     assert fit.returncode == 0, fit.stderr[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -244,4 +234,7 @@ def test_validate_ckpt_path_last_finds_the_fits_last_checkpoint(tmp_path):
     assert validate.returncode == 0, validate.stderr[-3000:]
     assert f"Restoring states from the checkpoint path at {last}" in validate.stderr
     assert "no last checkpoint" not in validate.stderr and NO_LAST not in validate.stderr
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "epoch=0-step=2.ckpt",
+        "last.ckpt",
+    ]
