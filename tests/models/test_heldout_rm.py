@@ -189,3 +189,105 @@ def test_a_gain_that_is_only_length_is_reported_as_such():
     assert "LOWER" in verdict(
         {"change": -0.5, "change_se": 0.1, "adjusted_change": -0.5, "adjusted_change_se": 0.1}
     )
+
+
+@pytest.fixture(scope="module")
+def arms(experiment):
+    """The DPO arm on RM-A's pairs (a tiny GPT-2 on PPO's base), then the judge of the reference, DPO and PPO."""
+    from experiments.heldout_rm import dpo, judge
+
+    root, out, exports = experiment["out"].parent, experiment["out"], experiment["exports"]
+    ppo_spec = yaml.safe_load(experiment["config"].read_text())
+    spec = yaml.safe_load(Path("configs/dpo/tiny.yaml").read_text())
+    spec["model"]["init_args"]["backbone"] = ppo_spec["model"]["init_args"]["backbone"]  # the same base
+    spec["data"]["init_args"].update(
+        chat_template=True, val_size=2, batch_size=4, max_train_samples_per_file=None
+    )
+    spec["trainer"].update(max_steps=2, enable_checkpointing=False)
+    config = root / "dpo.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    with one_thread():
+        run = dpo.main(
+            ["--rm-a", exports[0], "--rm-b", exports[1], "--config", str(config), "--out", str(out)]
+        )
+        args = [
+            "--rm-a",
+            exports[0],
+            "--rm-b",
+            exports[1],
+            "--config",
+            str(experiment["config"]),
+            "--out",
+            str(out),
+        ]
+        args += [
+            "--prompts",
+            str(out / "prompts_eval.jsonl"),
+            "--eval-prompts",
+            "6",
+            "--eval-batch-size",
+            "3",
+        ]
+        report = judge.main([*args, "--policy", f"dpo={out}/dpo/hf", "--policy", f"ppo={out}/ppo/hf"])
+    return {"run": run, "report": report}
+
+
+def test_dpo_trains_only_on_rm_a_pairs_whose_prompts_are_not_evaluated(experiment, arms):
+    out, rows = experiment["out"], experiment["rows"]
+    pairs = [json.loads(line) for line in (out / "pairs_train.jsonl").read_text().splitlines()]
+    # 40 pairs: 8 validation, 32 training in two halves of 16; RM-A's half is what DPO trains on
+    assert arms["run"]["pairs"]["train_pairs"] == 16 and len(pairs) == 16
+    assert all(p in rows for p in pairs)
+    held = {line for line in (out / "prompts_eval.jsonl").read_text().splitlines()}
+    assert not {json.dumps({"chosen": p["chosen"]}) for p in pairs} & held
+    # RM-B's half is disjoint from DPO's pairs: the two halves partition the 32 training pairs
+    train_all = {
+        json.loads(line)["chosen"] for line in (out / "prompts_train.jsonl").read_text().splitlines()
+    }
+    assert {p["chosen"] for p in pairs} < train_all and len(train_all) == 32
+    assert (out / "dpo" / "hf" / "config.json").exists()
+
+
+def test_a_training_pair_that_shares_an_evaluation_prompt_is_dropped(experiment, tmp_path):
+    from experiments.heldout_rm.dpo import write_pair_file
+
+    pairs = [json.loads(line) for line in (experiment["out"] / "pairs_train.jsonl").read_text().splitlines()]
+    # an evaluation transcript with pair 3's prompt and another reply (HH files repeat prompts this way)
+    shared = pairs[3]["chosen"].replace("Here is a short note", "Another reply")
+    assert shared != pairs[3]["chosen"]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(json.dumps({"chosen": shared}) + "\n")
+    counts = write_pair_file(experiment["exports"][0], str(eval_file), str(tmp_path), None)
+    written = [json.loads(line) for line in (tmp_path / "pairs_train.jsonl").read_text().splitlines()]
+    assert counts["dropped_shared_prompt"] == 1 and counts["written"] == 15 == len(written)
+    assert pairs[3] not in written and all(p in pairs for p in written)
+    counts = write_pair_file(experiment["exports"][0], str(eval_file), str(tmp_path), 5)
+    sample = [json.loads(line) for line in (tmp_path / "pairs_train.jsonl").read_text().splitlines()]
+    assert counts["written"] == 5 == len(sample) and all(p in written for p in sample)
+
+
+def test_the_judge_reproduces_the_ppo_runs_before_evaluation_and_sees_both_policies_move(experiment, arms):
+    report, ppo = arms["report"], experiment["report"]
+    ref = report["evaluations"]["reference"]
+    assert report["prompts"] == 6 and set(report["summaries"]) == {"dpo", "ppo"}
+    # the reference sampled with the PPO callback's seeds and settings: its "before" figures, which were the
+    # actor's before any update (LoRA's B = 0: the reference exactly)
+    for key in ("rm_a", "rm_b", "length"):
+        assert sum(ref[key]) / 6 == pytest.approx(ppo["metrics"][key]["before"][0], abs=1e-5)
+    assert ref["kl_k1"] == [0.0] * 6 and ref["kl_k3"] == [0.0] * 6
+    for name in ("dpo", "ppo"):
+        m = report["summaries"][name]["metrics"]
+        assert m["kl_k3"]["after"][0] > 0.0  # both trained policies left the reference
+        ev = report["evaluations"][name]
+        assert m["rm_b"]["change"][0] == pytest.approx(sum(ev["rm_b"]) / 6 - sum(ref["rm_b"]) / 6, abs=1e-9)
+    md = (experiment["out"] / "judge_report.md").read_text()
+    assert "| dpo |" in md and "| ppo |" in md and "| reference |" in md
+
+
+def test_the_judge_refuses_a_policy_that_is_not_a_folder(experiment, capsys):
+    from experiments.heldout_rm import judge
+
+    a, b = experiment["exports"]
+    with pytest.raises(SystemExit) as exit_info:
+        judge.main(["--rm-a", a, "--rm-b", b, "--policy", "dpo"])
+    assert exit_info.value.code == 2 and "NAME=FOLDER" in capsys.readouterr().err
