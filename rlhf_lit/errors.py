@@ -11,7 +11,14 @@ No imports from the rest of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DivergedExportError", "NonFiniteError", "SamplerSyncError", "UserError"]
+__all__ = [
+    "ConfigError",
+    "DivergedExportError",
+    "DivergedTrainingError",
+    "NonFiniteError",
+    "SamplerSyncError",
+    "UserError",
+]
 
 
 class UserError(Exception):
@@ -40,3 +47,9 @@ class DivergedExportError(UserError, ValueError):
     the model). Nothing was written; the message names the export folder and the first tensors, and the command
     prints it as one line (a stage's settings to change, not a bug to trace)."""
 
+
+class DivergedTrainingError(UserError, FloatingPointError):
+    """An SFT, reward or DPO run stopped because its gradients held inf or nan for
+    ``rlhf_lit.modules.common.MAX_CONSECUTIVE_SKIPS`` optimizer steps in a row (none of them was applied, so the
+    weights hold the last finite step's values). Most often a learning rate too high for the model: the
+    command prints the message (step, loss, what to change) as one line."""

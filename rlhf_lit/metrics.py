@@ -12,6 +12,7 @@ from __future__ import annotations
 # Losses
 TRAIN_LOSS = "train/loss"
 TRAIN_ACCURACY = "train/accuracy"
+TRAIN_SKIPPED_STEPS = "train/skipped_steps"
 VAL_LOSS = "val/loss"
 VAL_PERPLEXITY = "val/perplexity"
 VAL_SCORE_MEAN = "val/score_mean"
@@ -108,6 +109,8 @@ DATA_SKIPPED = "data/{split}/skipped_{reason}"
 
 GLOSSARY: dict[str, str] = {
     TRAIN_LOSS: "training loss of the stage (SFT: NLL per response token, nats; reward: Bradley-Terry loss per pair)",
+    TRAIN_SKIPPED_STEPS: "SFT, reward, DPO: optimizer steps skipped so far because a gradient held inf or nan "
+    "(logged when one is; the weights did not change)",
     TRAIN_ACCURACY: "reward model: fraction of training pairs with r_chosen > r_rejected (ties count as wrong)",
     VAL_LOSS: "validation loss, same definition as train/loss",
     VAL_PERPLEXITY: "SFT: exp(val/loss), per response token",

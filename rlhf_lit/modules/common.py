@@ -208,3 +208,64 @@ class AccumulatedMean:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad.mul_(factor)
+
+
+MAX_CONSECUTIVE_SKIPS = 10  # SFT, reward, DPO: non-finite optimizer steps in a row before the run stops
+
+
+class FiniteSteps:
+    """Keeps inf and nan out of the weights of an automatically optimised stage (SFT, reward, DPO).
+
+    ``check`` (from ``on_before_optimizer_step``, after the last backward of the step, before gradient
+    clipping and the optimizer) looks at every gradient of the step; if any holds inf or nan (a nan loss, an
+    overflow) the step's gradients are dropped (set to None), so AdamW changes no parameter and no moment (the
+    learning-rate schedule still advances one step). Skips are counted in ``train/skipped_steps`` and
+    warned about; ``MAX_CONSECUTIVE_SKIPS`` in a row stop the run with :class:`DivergedTrainingError`. Under
+    several processes the ranks agree (any rank's non-finite shard skips the step on all).
+    """
+
+    def __init__(self, max_consecutive: int = MAX_CONSECUTIVE_SKIPS) -> None:
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.skipped = 0
+
+    def check(self, module: L.LightningModule, optimizer: torch.optim.Optimizer) -> bool:
+        """True when the step may go on; False when its gradients were dropped.
+
+        Raises:
+            DivergedTrainingError: the ``max_consecutive``-th skipped step in a row.
+        """
+        from rlhf_lit import metrics as M
+        from rlhf_lit.errors import DivergedTrainingError
+
+        trainer = attached_trainer(module)
+        if trainer is not None and str(trainer.precision).startswith("16"):
+            return True  # fp16 mixed precision: the gradient scaler skips inf / nan steps itself
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        bad = bool(local) and not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+        if trainer is not None and trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if not bad:
+            self.consecutive = 0
+            return True
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        self.consecutive += 1
+        self.skipped += 1
+        module.log(M.TRAIN_SKIPPED_STEPS, float(self.skipped), reduce_fx="max")
+        step = module.global_step + 1
+        log.warning(
+            "step %d: optimizer step skipped, a gradient holds inf or nan (%d in a row)",
+            step,
+            self.consecutive,
+        )
+        if self.consecutive >= self.max_consecutive:
+            loss = trainer.callback_metrics.get(M.TRAIN_LOSS) if trainer is not None else None
+            raise DivergedTrainingError(
+                f"training stopped at step {step}: {self.consecutive} optimizer steps in a row had inf or nan "
+                f"gradients ({M.TRAIN_LOSS} {float(loss) if loss is not None else 'n/a'}), so none was applied; the run "
+                "has diverged: lower model.init_args.optimizer.lr or set trainer.gradient_clip_val"
+            )
+        return False

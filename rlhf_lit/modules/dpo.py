@@ -45,6 +45,7 @@ from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbon
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.modules.common import (
     AccumulatedMean,
+    FiniteSteps,
     OptimizerConfig,
     as_config,
     attached_trainer,
@@ -161,6 +162,7 @@ class DPOModule(L.LightningModule):
             sequences=sequences,
         )
         self._step_mean = AccumulatedMean()
+        self._finite_steps = FiniteSteps()
         self.strict_loading = False  # checkpoints hold the trained parameters only (on_save_checkpoint)
 
     # -- the two forwards ------------------------------------------------------------------------------
@@ -274,6 +276,7 @@ class DPOModule(L.LightningModule):
         return self._step_mean.scale(self, loss, units)
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        self._finite_steps.check(self, optimizer)  # inf / nan gradients: the step is skipped (FiniteSteps)
         self._step_mean.rescale_gradients(self, optimizer)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

@@ -45,6 +45,7 @@ from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights
 from rlhf_lit.models.trunk import freeze_lower_layers, hidden_size, model_is_encoder
 from rlhf_lit.modules.common import (
     AccumulatedMean,
+    FiniteSteps,
     OptimizerConfig,
     as_config,
     attached_trainer,
@@ -180,6 +181,7 @@ class RewardModule(L.LightningModule):
         self.results: dict = {}
         self._last_val_pass: tuple | None = None
         self._step_mean = AccumulatedMean()
+        self._finite_steps = FiniteSteps()
 
     # -- scoring ---------------------------------------------------------------------------------------
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -254,6 +256,7 @@ class RewardModule(L.LightningModule):
         return self._step_mean.scale(self, loss, units)
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        self._finite_steps.check(self, optimizer)  # inf / nan gradients: the step is skipped (FiniteSteps)
         self._step_mean.rescale_gradients(self, optimizer)
 
     def _pair_mean(self, losses: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, float]:

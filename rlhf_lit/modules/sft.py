@@ -25,6 +25,7 @@ from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
 from rlhf_lit.modules.common import (
     AccumulatedMean,
+    FiniteSteps,
     OptimizerConfig,
     as_config,
     attached_trainer,
@@ -81,6 +82,7 @@ class SFTModule(L.LightningModule):
             self.lm, self._checkpoint_files = build_lm(backbone, self.tokenizer, adapters, empty)
             self.val_nll = torchmetrics.MeanMetric()
         self._token_mean = AccumulatedMean()
+        self._finite_steps = FiniteSteps()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` ids and mask -> ``(B, T, V)`` logits."""
@@ -136,6 +138,7 @@ class SFTModule(L.LightningModule):
         return self._token_mean.scale(self, loss, num_tokens)
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        self._finite_steps.check(self, optimizer)  # inf / nan gradients: the step is skipped (FiniteSteps)
         self._token_mean.rescale_gradients(self, optimizer)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
