@@ -247,7 +247,7 @@ def _out_of_range(path: str, stack: list[tuple[str, str]], value: str) -> str:
 
     section_class = next((_import(v) for k, v in stack if k == "class"), None)
     rule = range_of(path, section_class)
-    described = "a finite number" if rule is None else rule.describe().replace("a number", "a finite number", 1)
+    described = "a finite number" if rule is None else rule.describe(finite=True)
     return f"{path} must be {described}, got {value}"
 
 

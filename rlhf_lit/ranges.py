@@ -44,8 +44,11 @@ class Range:
     optional: bool = False
     also: tuple = ()
 
-    def describe(self) -> str:
-        kind = "a whole number" if self.integer else "a number"
+    def describe(self, finite: bool = False) -> str:
+        """E.g. ``a number in (0, 1]``, ``a whole number >= 1 (or null)``; ``finite`` writes ``a finite number``
+        (the message for an inf or nan value, which ``inf > 0`` would not explain)."""
+        number = "whole number" if self.integer else "number"
+        kind = ("a finite " if finite else "a ") + number
         if self.low is not None and self.high is not None:
             text = f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
         elif self.low is not None:
@@ -53,7 +56,7 @@ class Range:
         elif self.high is not None:
             text = f"{kind} {'<' if self.high_open else '<='} {self.high:g}"
         else:
-            text = f"a finite {kind[2:]}"
+            text = f"a finite {number}"
         extras = [repr(v) for v in self.also] + (["null"] if self.optional else [])
         return text + (f" (or {' or '.join(extras)})" if extras else "")
 
@@ -127,6 +130,11 @@ def _field_range(field: dataclasses.Field) -> Range | None:
     return parse_range(text) if text else None
 
 
+def non_finite(value: Any) -> bool:
+    """True for a float inf or nan (its range message then says "a finite number")."""
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def check_field_ranges(obj: Any, prefix: str = "") -> None:
     """Refuse a dataclass instance whose fields lie outside their declared ranges (call in ``__post_init__``).
 
@@ -137,7 +145,9 @@ def check_field_ranges(obj: Any, prefix: str = "") -> None:
         rule = _field_range(field)
         value = getattr(obj, field.name)
         if rule is not None and not rule.allows(value):
-            raise ConfigError(f"{prefix}{field.name} must be {rule.describe()}, got {value!r}")
+            raise ConfigError(
+                f"{prefix}{field.name} must be {rule.describe(non_finite(value))}, got {value!r}"
+            )
 
 
 def dataclass_in(hint: Any) -> type | None:

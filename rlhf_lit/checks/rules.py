@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.ranges import Range, dataclass_ranges
+from rlhf_lit.ranges import Range, dataclass_ranges, non_finite
 
 __all__ = [
     "DATA_RULES",
@@ -206,7 +206,7 @@ def check_ranges(tree: dict, rules: dict[str, Range], prefix: str) -> None:
         else:
             continue
         if not rule.allows(value):
-            raise ConfigError(f"{prefix}{key} must be {rule.describe()}, got {value!r}")
+            raise ConfigError(f"{prefix}{key} must be {rule.describe(non_finite(value))}, got {value!r}")
 
 
 def file_list(value: Any) -> list[str]:

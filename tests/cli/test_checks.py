@@ -124,7 +124,8 @@ def test_every_value_rule_refuses_values_outside_its_range(where, stage, key, ru
         _set(section, key, value)
         with pytest.raises(ConfigError) as info:
             check(config)
-        assert str(info.value).startswith(f"{prefix}{key} must be {rule.describe()}, got {value!r}")
+        finite = isinstance(value, float) and not math.isfinite(value)  # inf / nan: "a finite number ..."
+        assert str(info.value).startswith(f"{prefix}{key} must be {rule.describe(finite)}, got {value!r}")
     config = parsed(stage)
     section = config[where] if where == "trainer" else config[where]["init_args"]
     if key.startswith("optimizer.betas."):
@@ -494,3 +495,16 @@ def test_group_estimator_with_enough_samples_passes_the_checks():
     _set(config, "model.init_args.ppo.advantage_estimator", "grpo")
     _set(config, "model.init_args.sampling.num_samples_per_prompt", 2)
     check(config)
+
+
+def test_an_inf_or_nan_value_is_told_the_number_must_be_finite():
+    # "must be a number > 0, got inf" would read as a contradiction (inf > 0)
+    from rlhf_lit.generation import SamplingConfig
+
+    with pytest.raises(ConfigError, match=r"^sampling\.temperature must be a finite number > 0, got inf$"):
+        SamplingConfig(temperature=float("inf"))
+    with pytest.raises(ConfigError, match=r"^sampling\.top_p must be a finite number in \(0, 1\], got nan$"):
+        SamplingConfig(top_p=float("nan"))
+    with pytest.raises(ConfigError, match=r"^sampling\.top_p must be a number in \(0, 1\], got 2\.0$"):
+        SamplingConfig(top_p=2.0)
+    assert Range(low=1, integer=True).describe(finite=True) == "a finite whole number >= 1"

@@ -173,7 +173,7 @@ def _parse(monkeypatch, args):
         ),
         (
             ["--data.init_args.batch_size=NaN"],
-            "data.init_args.batch_size must be a whole number >= 1, got NaN",
+            "data.init_args.batch_size must be a finite whole number >= 1, got NaN",
         ),
         (["--model.init_args.backbone.tiny=null"], NULL_ADVICE.format(key="tiny")),
         (["--model.init_args.backbone.tiny=5"], "model.init_args.backbone.tiny: expected a mapping"),

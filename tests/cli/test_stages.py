@@ -165,7 +165,7 @@ def test_field_ranges_refuse_a_value_built_in_python():
     check_field_ranges(ToySettings())  # the defaults are inside
     with pytest.raises(ConfigError, match=r"^toy\.rounds must be a whole number >= 1, got 0$"):
         check_field_ranges(ToySettings(rounds=0), prefix="toy.")
-    with pytest.raises(ConfigError, match=r"strength must be a number in \(0, 1\], got nan"):
+    with pytest.raises(ConfigError, match=r"strength must be a finite number in \(0, 1\], got nan"):
         check_field_ranges(ToySettings(strength=float("nan")))
 
 
