@@ -93,6 +93,7 @@ def env_info(threads: int) -> dict:
         datasets=datasets.__version__, lightning=lightning.__version__, peft=peft.__version__,
         rlhf_lit=rlhf_lit.__version__, python=platform.python_version(), cpu=cpu_model(), nproc=os.cpu_count(),
         torch_threads=torch.get_num_threads(), requested_threads=threads,
+        malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},  # glibc allocator settings
     )
 
 
