@@ -200,7 +200,7 @@ def _rows(r: dict) -> list[tuple[str, str]]:
         (f"accuracy, length-matched (within {tolerance:.0%} in tokens)", _split(r["length_matched"])),
         ("Spearman(score, length in tokens)", f"{r['score_length_spearman']:.3f}"),
         ("NLL / ECE at the recorded T", _nll_ece(r["calibration"]["recorded"])),
-        ("NLL / ECE at T re-fitted on this file", _nll_ece(r["calibration"]["refit"])),
+        ("NLL / ECE at T re-fitted on these pairs", _nll_ece(r["calibration"]["refit"])),
         ("response tokens, mean (sd)", f"{lengths['mean']:.1f} ({lengths['sd']:.1f})"),
     ]
 

@@ -162,7 +162,8 @@ class RewardExportScorer:
             TokenPair(list(e["prompt_ids"]), list(e["chosen_ids"]), list(e["rejected_ids"]))
             for e in data.train_dataset.examples
         ]
-        return pairs, data.data_report()["train"]
+        report = data.data_report()["train"]  # the module reads the file as its only (training) split
+        return pairs, report.removeprefix("train: ")
 
     def read_heldout(self) -> list[tuple[str, list[TokenPair], str]]:
         """The export's own validation pairs, per file, in this scorer's encoding: the split its ``data``

@@ -205,7 +205,7 @@ def test_every_figure_matches_a_plain_recomputation(causal_export, tmp_path, cap
     out = tmp_path / "out"
     cli_main(["evaluate", "--model", str(causal_export), "--data", data, "--out", str(out)])
     printed = capsys.readouterr().out
-    assert "| accuracy (ties count 1/2) |" in printed and "re-fitted on this file" in printed
+    assert "| accuracy (ties count 1/2) |" in printed and "re-fitted on these pairs" in printed
 
     chosen, rejected, len_c, len_r = _scores_by_hand(causal_export, ROWS)
     assert {a > b for a, b in zip(len_c, len_r)} == {True, False} and len_c[5] == len_r[
@@ -226,6 +226,7 @@ def test_every_figure_matches_a_plain_recomputation(causal_export, tmp_path, cap
     check_report(got, expected_report(cs, rs, len_c, len_r, t_rec=1.7))
     assert got["calibration"]["recorded"]["temperature"] == pytest.approx(1.7)
     assert got["warnings"] == []  # an export saved outside a fit records no validation summary
+    assert got["data"].startswith(f"kept {len(ROWS)} of {len(ROWS)} rows from pairs.jsonl")  # not "train: ..."
     assert (out / "evaluation.md").read_text() in printed
 
 
