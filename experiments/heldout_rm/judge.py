@@ -37,7 +37,8 @@ def read_settings(config: str) -> dict:
     from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig
 
-    spec = yaml.safe_load(open(config))
+    with open(config) as f:
+        spec = yaml.safe_load(f)
     init = spec["model"]["init_args"]
     backbone = dict(init["backbone"])
     backbone.pop("lora", None)
