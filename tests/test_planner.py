@@ -102,7 +102,8 @@ def test_plan_prints_a_breakdown_for_every_config(config, capsys):
         assert needle in out, out
     if "ppo" in str(config):
         assert "KV cache" in out and "update" in out
-    if "/dpo/" in str(config):  # the policy's step over response positions; the reference as its own phase
+    model = yaml.safe_load((REPO_ROOT / config).read_text()).get("model") or {}
+    if str(model.get("class_path")).endswith("DPOModule"):  # response-only logits; the reference's own phase
         assert "dpo stage" in out and "response logits + loss" in out and "+ training step" in out, out
         assert "+ reference forward" in out, out  # every DPO config has a reference (none is simpo)
 
