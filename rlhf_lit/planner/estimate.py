@@ -236,7 +236,7 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
             f"B x T x V = {rows} x {s.seq_len} x {V}; a full log_softmax would add {tokens * V * 4 / GiB:.2f} GiB",
         )
     elif s.stage == "dpo":
-        rows, R, how = _dpo_rows_and_response(s)
+        _, R, how = _dpo_rows_and_response(s)
         logits = est.add(
             "response logits + loss",
             rows * R * V * loss_bytes(z.s_a),
