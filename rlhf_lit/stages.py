@@ -50,8 +50,8 @@ class StageSpec:
         checks: import paths of functions ``check(init, data_init, trainer)`` (the parsed
             ``model.init_args``, ``data.init_args`` and ``trainer`` as dicts) that raise
             :class:`~rlhf_lit.errors.ConfigError` for settings of this stage that cannot work together.
-        planner_phase: how the memory planner models a step of this stage (``sft``, ``reward`` or ``ppo``),
-            or None where the planner does not support the stage (``rlhf-lit plan`` refuses it with one line).
+        planner_phase: how the memory planner models a step of this stage (``sft``, ``reward``, ``ppo`` or
+            ``dpo``), or None where the planner does not support the stage (``rlhf-lit plan`` refuses it with one line).
         export_kind: the ``kind`` its Hugging Face export records in ``rlhf_lit.json`` (``policy``,
             ``reward_model``).
         progress: what the progress bar counts: ``epochs``, or ``iterations`` (one rollout each).
@@ -145,7 +145,7 @@ register_stage(
         title="DPO",
         module="rlhf_lit.modules.dpo.DPOModule",
         data="rlhf_lit.data.preference.PreferenceDataModule",
-        planner_phase=None,
+        planner_phase="dpo",
         export_kind="policy",
         # pairs or unpaired rows, by loss_type (KTO): checked after the data is read (checks.lengths)
         trains_on_pairs=False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from rlhf_lit.errors import ConfigError
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.modules import PPOModule
-from rlhf_lit.stages import find_stage_by_path
+from rlhf_lit.modules.dpo import sequences
 from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
 from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, one_thread
@@ -94,14 +95,6 @@ def test_producers_of_exports_are_scanned_for_model_packages():
 def test_plan_prints_a_breakdown_for_every_config(config, capsys):
     skip_without_model_packages(*_texts_with_producers(_stack(config)))
     args = ["plan", *[a for c in _stack(config) for a in ("--config", c)], "--device-memory-gb", "24"]
-    model = yaml.safe_load((REPO_ROOT / config).read_text()).get("model") or {}
-    stage = find_stage_by_path(model.get("class_path"))
-    if stage is not None and stage.planner_phase is None:  # a stage the planner does not model: one line, exit 2
-        with in_repo_root(), pytest.raises(SystemExit) as exit_:
-            main(args)
-        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert exit_.value.code == 2 and len(err) == 1 and "DPO" in err[0] and "Traceback" not in err[0], err
-        return
     with in_repo_root():
         main(args)
     out = capsys.readouterr().out
@@ -109,6 +102,10 @@ def test_plan_prints_a_breakdown_for_every_config(config, capsys):
         assert needle in out, out
     if "ppo" in str(config):
         assert "KV cache" in out and "update" in out
+    model = yaml.safe_load((REPO_ROOT / config).read_text()).get("model") or {}
+    if str(model.get("class_path")).endswith("DPOModule"):  # response-only logits; the reference's own phase
+        assert "dpo stage" in out and "response logits + loss" in out and "+ training step" in out, out
+        assert "+ reference forward" in out, out  # every DPO config has a reference (none is simpo)
 
 
 def test_the_fit_verdict_can_say_no():
@@ -186,8 +183,12 @@ def _smollm2_installed() -> bool:
 
 
 def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[float, float, dict]:
-    """Run one step (SFT, reward) or one iteration (PPO) of ``config``; return (measured, estimated, dims)."""
-    stage = "ppo" if "/ppo/" in config else "reward" if "/reward/" in config else "sft"
+    """Run two steps (SFT, reward, DPO) or one iteration (PPO) of ``config``; return (measured, estimated, dims).
+
+    dims: B = the batch's examples (pairs for the reward model and paired DPO, completions for KTO), T its
+    width; PPO: R the sampled width; DPO: R the mean response tokens per row (the head sees sum_b R_b
+    positions, rows x R)."""
+    stage = next((s for s in ("ppo", "reward", "dpo") if f"/{s}/" in config), "sft")
     args = [
         "--config",
         config,
@@ -202,7 +203,9 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
     if stage == "ppo":
         args.append("--model.init_args.ppo.total_iterations=1")
     else:
-        args += ["--trainer.limit_train_batches=1", "--trainer.max_epochs=1"]
+        # two steps: the second holds the optimizer state (made by the first step's opt.step) through its
+        # forward and backward, as every later step does
+        args += ["--trainer.limit_train_batches=2", "--trainer.max_epochs=1"]
     if stage == "reward":
         args.append("--model.init_args.calibrate=false")
     dims: dict[str, int] = {}
@@ -215,7 +218,11 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
 
         def step(batch, batch_idx):
             ids = batch.get("input_ids", batch.get("chosen_input_ids"))
-            dims["B"], dims["T"] = ids.shape
+            widest = {"B": ids.shape[0], "T": ids.shape[1]}  # over the steps: the estimate is of the widest
+            if stage == "dpo":
+                response_len = sequences(batch)[3]
+                widest["R"] = math.ceil(int(response_len.sum()) / response_len.numel())
+            dims.update({k: max(v, dims.get(k, 0)) for k, v in widest.items()})
             return training_step(batch, batch_idx)
 
         module.training_step = step
@@ -241,6 +248,8 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
             overrides.update(prompt_len=dims["T"], response_len=dims["R"])
         else:
             overrides["seq_len"] = dims["T"]
+        if stage == "dpo":
+            overrides["response_len"] = dims["R"]
         est = planner.plan([config], overrides=overrides)
     return static + tracker.peak, est.peak, dims
 
@@ -255,7 +264,14 @@ def _check(measured: float, estimated: float, dims: dict, config: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "config", ["configs/sft/tiny.yaml", "configs/reward/tiny.yaml", "configs/ppo/tiny.yaml"]
+    "config",
+    [
+        "configs/sft/tiny.yaml",
+        "configs/reward/tiny.yaml",
+        "configs/ppo/tiny.yaml",
+        "configs/dpo/tiny.yaml",
+        "configs/dpo/kto_tiny.yaml",
+    ],
 )
 def test_estimate_is_within_25_percent_of_the_measured_peak_tiny(config, tmp_path, shared_data):
     measured, estimated, dims = measure_and_estimate(config, [], tmp_path)
@@ -317,3 +333,88 @@ def test_a_critic_free_estimator_plans_no_critic_and_counts_the_group():
     assert rows_b["optimizer state (adamw)"][1] == actor * 8
     assert rows_a["optimizer state (adamw)"][1] == (actor + critic + shape.hidden + 1) * 8
     assert rows_b["KV cache (rollout)"][1] == 4 * rows_a["KV cache (rollout)"][1]
+
+
+def test_dpo_estimate_by_hand(tmp_path):
+    """Tiny GPT-2 (2 layers, H = 32, I = 128, V = 260), fp32, 3 examples of T = 10 tokens, R = 4 response tokens
+    per row: a paired loss runs 6 rows (chosen + rejected in one forward), KTO 3; a reference copy adds exactly
+    one weights' worth; a reference-free loss has no reference phase."""
+    from rlhf_lit.planner.settings import RunSettings
+
+    def plan(rows_per_example=2, reference="step", reference_copy=False, lora=True, response_len=4):
+        backbone = BackboneConfig(
+            tiny=TINY_GPT2,
+            tokenizer="byte",
+            lora=LoraSettings(r=4, target_modules=["c_attn"]) if lora else None,
+        )
+        settings = RunSettings(
+            stage="dpo",
+            backbone=backbone,
+            batch_size=3,
+            seq_len=10,
+            response_len=response_len,
+            rows_per_example=rows_per_example,
+            reference=reference,
+            reference_copy=reference_copy,
+        )
+        est = planner.estimate(settings, planner.model_shape(backbone))
+        return est, {name: (nbytes, note) for name, nbytes, note in est.rows}
+
+    sigmoid, rows = plan()
+    # the head sees rows x R positions; their logits and gradient in fp32: 6 x 4 x 260 x (4 + 4)
+    assert rows["response logits + loss"][0] == 6 * 4 * 260 * 8 == 49920
+    # the reference: one layer's intermediates 6 x 10 x (2 x 32 + 2 x 128) x 4 = 76800, the fp32 hidden states
+    # 6 x 10 x 32 x 4 = 7680, the response logits 6 x 4 x 260 x 4 = 24960
+    assert sigmoid.phases["reference forward"] == 76800 + 7680 + 24960
+    assert rows["activations (training step)"][1].startswith("6 x 10 tokens")
+    kto, kto_rows = plan(rows_per_example=1)
+    assert kto_rows["response logits + loss"][0] == 3 * 4 * 260 * 8
+    assert kto_rows["activations (training step)"][1].startswith("3 x 10 tokens")
+    assert kto.phases["reference forward"] == (76800 + 7680 + 24960) / 2
+    # R unknown: bounded by T - 1 = 9 positions per row
+    _, bound = plan(response_len=None)
+    assert bound["response logits + loss"][0] == 6 * 9 * 260 * 8
+    assert "bounded by T - 1" in bound["response logits + loss"][1]
+    # reference-free (simpo): no reference phase, nothing else changes
+    simpo, _ = plan(reference=None)
+    assert list(simpo.phases) == ["training step"] and simpo.static == sigmoid.static
+    assert simpo.phases["training step"] == sigmoid.phases["training step"]
+    # full fine-tuning: the cache keeps one copy of the weights, reference_copy two (fp32: 4 bytes a parameter)
+    cached, _ = plan(reference="cache", lora=False)
+    copied, copy_rows = plan(reference_copy=True, lora=False)
+    n = planner.model_shape(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte")).num_params
+    assert copied.static - cached.static == n * 4 == copy_rows["reference copy (frozen)"][0]
+    # with the cache the reference forward runs too, only while the cache is first written (before training)
+    assert cached.phases["reference forward"] == copied.phases["reference forward"]
+
+
+def test_dpo_settings_come_from_the_module_config(tmp_path):
+    """The loss type decides the rows (KTO: unpaired) and the reference; the module's own checks refuse what it
+    would refuse."""
+    from rlhf_lit.planner.settings import read_settings
+
+    with in_repo_root():
+        paired = read_settings(["configs/dpo/tiny.yaml"])
+        unpaired = read_settings(["configs/dpo/kto_tiny.yaml"])
+    assert (paired.stage, paired.rows_per_example, paired.reference) == ("dpo", 2, "step")
+    assert paired.response_len is None  # the data decides R: the estimate bounds it by T - 1
+    assert (unpaired.rows_per_example, unpaired.reference) == (1, "step")
+    spec = yaml.safe_load((REPO_ROOT / "configs/dpo/tiny.yaml").read_text())
+    backbone = spec["model"]["init_args"]["backbone"]
+    for init, expected in (
+        ({"loss_type": "simpo"}, (2, None, False)),
+        ({"reference_cache": "cache"}, (2, "cache", False)),
+        ({"backbone": {**backbone, "lora": None}, "reference_copy": True}, (2, "step", True)),
+    ):
+        changed = copy.deepcopy(spec)
+        changed["model"]["init_args"].update(init)
+        path = tmp_path / "dpo.yaml"
+        path.write_text(yaml.safe_dump(changed))
+        with in_repo_root():
+            s = read_settings([str(path)])
+        assert (s.rows_per_example, s.reference, s.reference_copy) == expected, init
+    # with LoRA the module refuses a reference copy, and so does the planner
+    spec["model"]["init_args"]["reference_copy"] = True
+    path.write_text(yaml.safe_dump(spec))
+    with in_repo_root(), pytest.raises(ConfigError, match="reference_copy is for full fine-tuning"):
+        read_settings([str(path)])

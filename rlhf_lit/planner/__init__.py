@@ -10,7 +10,8 @@ small table of known architectures (the output says which). The architecture is 
 transformer blocks (what 4-bit quantizes and LoRA adapts), the rest.
 
 Notation: N parameters; L layers, H hidden size, I MLP width, kv = key/value width (n_kv_heads x head_dim),
-V vocabulary; B sequences per micro-batch, T tokens per sequence (P prompt + R response in PPO); s_w weight
+V vocabulary; B examples per micro-batch (sequences, pairs, prompts), T tokens per sequence (P prompt + R
+response in PPO); s_w weight
 bytes (4 fp32, 2 bf16/fp16), s_a activation bytes (2 under bf16-mixed or a 4-bit base computing in bf16,
 else s_w); W data-parallel ranks (FSDP divides weights, gradients and optimizer states by W).
 
@@ -46,11 +47,21 @@ Formulae (bytes; every figure per device):
 * KV cache (PPO rollout): ``2 * L * B_rollout * (P + R) * kv * s_a``, plus the prefill's transient
   ``B_rollout * P * (2H + 2I) * s_a`` and per-step logits ``3 * B_rollout * V * 4``.
 * separate reward model: its weights as above; its forward is no-grad and short-lived.
+* DPO (``rlhf_lit.modules.DPOModule``; KTO too): one forward over ``rows = 2B`` sequences for a paired loss
+  (chosen and rejected stacked, ``rlhf_lit.modules.dpo.sequences``), ``rows = B`` for KTO's unpaired rows; the
+  loss tables of ``rlhf_lit.functional.preference`` say which is which. Logits are made for response positions
+  only (``response_logps_from_hidden``): ``rows * R * V * 2 * s_a``, R the response tokens per row, which
+  the data decides: the planner bounds it by ``T - 1`` (at most T - 1 positions score a token; the row's note
+  says so). The reference runs first, one no-grad forward over the same rows whose intermediates are freed
+  before the policy's graph exists, so it is a phase of its own, sized like PPO's experience forwards:
+  ``rows * T * (2H + 2I) * s_a + rows * T * H * 4 + rows * R * V * s_a``; with ``reference_cache`` it runs only
+  while the cache is first written (before training), a reference-free loss (``simpo``) has none.
+  ``reference_copy`` (full fine-tuning) holds a second frozen copy of the weights: ``+ N * s_w``.
 
-Peak = weights + adapters + heads + reward model + optimizer + the largest phase: SFT / reward step
-(activations + weight copies + logits + gradients); PPO rollout (KV cache + prefill); PPO experience
-(no-grad forwards over ``rollout_forward_batch_size`` rows: one layer's intermediates + the response
-logits); PPO update (micro-batch activations of one forward; with a separate critic adapter on several
+Peak = weights + adapters + heads + reward model + reference copy + optimizer + the largest phase: SFT /
+reward / DPO step (activations + weight copies + logits + gradients); DPO reference forward; PPO rollout (KV
+cache + prefill); PPO experience (no-grad forwards over ``rollout_forward_batch_size`` rows: one layer's
+intermediates + the response logits); PPO update (micro-batch activations of one forward; with a separate critic adapter on several
 processes of two, because there the actor's backward cannot run before the critic's forward + weight copies
 + response logits + gradients). FSDP adds the largest gathered unit.
 
@@ -62,9 +73,10 @@ implementations that do store the T x T matrix (``attn_implementation: eager``).
 Modules: ``settings`` (the configs, read by the CLI's own parser), ``shapes`` (parameter counts on the meta
 device), ``formulas``, ``estimate`` (the breakdown), ``report`` (text, JSON, the command).
 
-Validation: ``tests/test_planner.py`` runs the tiny and SmolLM2 configs on the CPU and compares this
-estimate with the measured peak of live tensor bytes (a dispatch mode that records every tensor storage
-created and freed: what ``torch.cuda.max_memory_allocated`` counts on a GPU), with the same batch shapes.
+Validation: ``tests/test_planner.py`` runs the tiny (SFT, reward, PPO, DPO, KTO) and SmolLM2 configs on the
+CPU and compares this estimate with the measured peak of live tensor bytes (a dispatch mode that records every
+tensor storage created and freed: what ``torch.cuda.max_memory_allocated`` counts on a GPU), with the same
+batch shapes.
 """
 
 from __future__ import annotations

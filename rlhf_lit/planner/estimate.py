@@ -83,10 +83,12 @@ def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape 
         block = shape.block_linear_params / shape.num_layers * z.s_w
         root = (shape.num_params - shape.block_linear_params) * z.s_w
         est.static += est.add("FSDP gathered units", block + root, "one transformer block + the root unit")
-    if settings.stage in ("sft", "reward"):
-        _training_step(est, z, grads, grad_bytes_per)
-    else:
+    if settings.stage == "ppo":
         _ppo_phases(est, z, grads)
+    else:
+        if settings.stage == "dpo" and settings.reference:
+            _reference_forward(est, z)
+        _training_step(est, z, grads, grad_bytes_per)
     return est
 
 
@@ -114,6 +116,12 @@ def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
         if s.stage == "reward":
             trainable += H + 1
             est.static += est.add("reward head", (H + 1) * 4, "fp32")
+        if s.reference_copy:  # DPO under full fine-tuning: a second, frozen copy of the weights
+            est.static += est.add(
+                "reference copy (frozen)",
+                weights_bytes(shape, cfg) / z.W,
+                "reference_copy: the weights again",
+            )
         return trainable
     critic_lora = s.critic_lora or {}
     critic_params = (
@@ -172,10 +180,42 @@ def _weight_copies(est: Estimate, z: _Sizes, forwards: int) -> float:
     return 0.0
 
 
+def _no_grad_forward(est: Estimate, z: _Sizes, rows: int, T: int, R: int) -> float:
+    """A no-grad forward over ``rows x T`` tokens with logits for ``R`` positions per row: one layer's
+    intermediates + the fp32 hidden states + the response logits (PPO's experience, DPO's reference)."""
+    shape = est.shape
+    H, V = shape.hidden, shape.vocab
+    return rows * T * (2 * H + 2 * shape.intermediate) * z.s_a + rows * T * H * 4 + rows * R * V * z.s_a
+
+
+def _dpo_rows_and_response(s: RunSettings) -> tuple[int, int, str]:
+    """DPO's rows per forward, response positions per row and how R was chosen (for the rows' notes)."""
+    rows = s.batch_size * s.rows_per_example
+    if s.response_len is None:
+        return rows, s.seq_len - 1, "R unknown: bounded by T - 1"
+    return rows, s.response_len, f"R = {s.response_len} response tokens per row"
+
+
+def _reference_forward(est: Estimate, z: _Sizes) -> None:
+    """DPO's reference: one no-grad forward before the policy's (its intermediates are freed before the
+    policy's graph exists, so it is a phase of its own); with ``reference_cache`` it runs only while the cache
+    is first written, before training."""
+    s = est.settings
+    rows, R, how = _dpo_rows_and_response(s)
+    when = "before training, while reference_cache is written" if s.reference == "cache" else "every step"
+    forward = est.add(
+        "reference forward (no grad)",
+        _no_grad_forward(est, z, rows, s.seq_len, R),
+        f"{rows} x {s.seq_len} tokens, {when}; {how}",
+    )
+    est.phases["reference forward"] = forward
+
+
 def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) -> None:
-    """The SFT / reward step: activations + weight copies + logits (SFT) + gradients."""
+    """The SFT / reward / DPO step: activations + weight copies + logits (SFT: all positions; DPO: the
+    response positions) + gradients."""
     s, V = est.settings, est.shape.vocab
-    rows = s.batch_size * (2 if s.stage == "reward" else 1)
+    rows = s.batch_size * s.rows_per_example
     tokens = rows * s.seq_len
     act, full, with_ckpt = _activations(est, z, tokens)
     est.add(
@@ -195,6 +235,13 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
             tokens * V * loss_bytes(z.s_a),
             f"B x T x V = {rows} x {s.seq_len} x {V}; a full log_softmax would add {tokens * V * 4 / GiB:.2f} GiB",
         )
+    elif s.stage == "dpo":
+        _, R, how = _dpo_rows_and_response(s)
+        logits = est.add(
+            "response logits + loss",
+            rows * R * V * loss_bytes(z.s_a),
+            f"rows x R x V = {rows} x {R} x {V}; {how}",
+        )
     est.add("gradients", grads, "fp32" if grad_bytes_per == 4 else s.backbone.dtype)
     est.phases["training step"] = act + copies + logits + grads
 
@@ -213,7 +260,7 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     f = s.rollout_forward_batch or B
     # explicit logprob_chunk_size rows: two fp32 temporaries of that many rows; by default a few positions
     pieces = min(s.logprob_chunk, f) * R * V * 8 if s.logprob_chunk else 0
-    experience = f * T * (2 * H + 2 * shape.intermediate) * z.s_a + f * T * H * 4 + f * R * V * z.s_a + pieces
+    experience = _no_grad_forward(est, z, f, T, R) + pieces
     est.add("experience forwards (no grad)", experience, f"{f} rows; logits over R={R} response positions")
     est.phases["experience"] = experience
     # one process: the actor's backward runs before the critic's forward (the two-pass update), so only one

@@ -30,18 +30,19 @@ UNKNOWN_SEQ_LEN_GUESS = 512
 class RunSettings:
     """What the estimate depends on, read from the stacked configs (each field can be overridden)."""
 
-    stage: str  # sft | reward | ppo
+    stage: str  # sft | reward | ppo | dpo
     backbone: BackboneConfig
     precision: str = "32-true"
     world_size: int = 1
     sharded: bool = False
     optimizer: str = "adamw"
-    batch_size: int = (
-        8  # sequences per micro-batch (SFT), pairs per batch (reward), prompts per rollout (PPO)
-    )
-    seq_len: int = 512  # T (SFT, reward)
+    # sequences per micro-batch (SFT), pairs per batch (reward, paired DPO), completions per batch (KTO),
+    # prompts per rollout (PPO)
+    batch_size: int = 8
+    rows_per_example: int = 1  # sequences in one forward per batch element: 2 for pairs (chosen + rejected)
+    seq_len: int = 512  # T (SFT, reward, DPO)
     prompt_len: int = 256  # P (PPO)
-    response_len: int = 48  # R (PPO)
+    response_len: int | None = 48  # R (PPO); DPO: mean response tokens per row, None = unknown (bound: T - 1)
     ppo_micro_batch: int = 4
     rollout_forward_batch: int | None = None
     logprob_chunk: int | None = None
@@ -54,6 +55,10 @@ class RunSettings:
     reward_backbone: BackboneConfig | None = None
     reward_load_in_4bit: bool | None = None
     reward_dtype: str | None = None
+    # DPO: the reference's no-grad forward runs every step (step), or only while reference_cache is first
+    # written (cache), or never (None: a reference-free loss); reference_copy: it is a frozen copy of the weights
+    reference: str | None = None
+    reference_copy: bool = False
 
 
 def read_settings(configs: list[str]) -> RunSettings:
@@ -136,9 +141,32 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
         batch_size=int(data.get("batch_size", 1)),
         seq_len=int(data.get("max_length") or UNKNOWN_SEQ_LEN_GUESS),
     )
+    if stage == "reward":
+        settings.rows_per_example = 2
     if stage == "ppo":
         _ppo_settings(settings, init, data, roots)
+    if stage == "dpo":
+        _dpo_settings(settings, init)
     return settings
+
+
+def _dpo_settings(settings: RunSettings, init: dict) -> None:
+    """Rows per batch element and where the reference log-probs come from, from the module's own loss-type
+    tables (a paired loss stacks chosen and rejected into one forward: ``rlhf_lit.modules.dpo.sequences``).
+
+    Raises:
+        ConfigError: for settings the module refuses (its own checks: e.g. ``reference_copy`` with LoRA).
+    """
+    from rlhf_lit.functional.preference import PAIRED_LOSS_TYPES, REFERENCE_FREE_LOSS_TYPES
+    from rlhf_lit.modules.dpo import _check_settings
+
+    loss_type, cache, copy = init["loss_type"], init["reference_cache"], init["reference_copy"]
+    _check_settings(settings.backbone, loss_type, init["beta"], init["label_smoothing"], cache, copy)
+    settings.rows_per_example = 2 if loss_type in PAIRED_LOSS_TYPES else 1
+    settings.response_len = None  # the data decides: the estimate bounds it by T - 1
+    free = loss_type in REFERENCE_FREE_LOSS_TYPES
+    settings.reference = None if free else "cache" if cache else "step"
+    settings.reference_copy = bool(copy) and not free
 
 
 def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:
