@@ -217,8 +217,8 @@ class FiniteSteps:
     """Keeps inf and nan out of the weights of an automatically optimised stage (SFT, reward, DPO).
 
     ``check`` (from ``on_before_optimizer_step``, after the last backward of the step, before gradient
-    clipping and the optimizer) looks at every gradient of the step; if any holds inf or nan (a nan loss, an
-    overflow) the step's gradients are dropped (set to None), so AdamW changes no parameter and no moment (the
+    clipping and the optimizer) looks at every gradient of the step; if any holds inf or nan (an overflow,
+    a nan loss) the step's gradients are dropped (set to None), so AdamW changes no parameter and no moment (the
     learning-rate schedule still advances one step). Skips are counted in ``train/skipped_steps`` and
     warned about; ``MAX_CONSECUTIVE_SKIPS`` in a row stop the run with :class:`DivergedTrainingError`. Under
     several processes the ranks agree (any rank's non-finite shard skips the step on all).
@@ -255,6 +255,8 @@ class FiniteSteps:
         self.consecutive += 1
         self.skipped += 1
         module.log(M.TRAIN_SKIPPED_STEPS, float(self.skipped), reduce_fx="max")
+        # written at once, not at the next log_every_n_steps boundary: a stop may come first
+        _write_now(trainer, M.TRAIN_SKIPPED_STEPS, self.skipped)
         step = module.global_step + 1
         log.warning(
             "step %d: optimizer step skipped, a gradient holds inf or nan (%d in a row)",
@@ -262,10 +264,36 @@ class FiniteSteps:
             self.consecutive,
         )
         if self.consecutive >= self.max_consecutive:
-            loss = trainer.callback_metrics.get(M.TRAIN_LOSS) if trainer is not None else None
             raise DivergedTrainingError(
                 f"training stopped at step {step}: {self.consecutive} optimizer steps in a row had inf or nan "
-                f"gradients ({M.TRAIN_LOSS} {float(loss) if loss is not None else 'n/a'}), so none was applied; the run "
-                "has diverged: lower model.init_args.optimizer.lr or set trainer.gradient_clip_val"
+                f"gradients, so none was applied (the weights are those of step {step - self.consecutive}); the run "
+                "has diverged: lower model.init_args.optimizer.lr"
             )
         return False
+
+    def summarize(self, module: L.LightningModule) -> None:
+        """One warning at the end of training when steps were skipped (call from ``on_train_end``): how many, and
+        whether the last ones were, i.e. whether the run ended diverging (its export then holds the weights of
+        the last applied step)."""
+        if not self.skipped:
+            return
+        tail = (
+            f"; the last {self.consecutive} in a row: the run was diverging when it ended, so the weights (and "
+            "the export) are those before it; lower model.init_args.optimizer.lr"
+            if self.consecutive
+            else ""
+        )
+        log.warning(
+            "%d of %d optimizer steps were skipped, their gradients held inf or nan (train/skipped_steps)%s",
+            self.skipped,
+            module.global_step,
+            tail,
+        )
+
+
+def _write_now(trainer: L.Trainer | None, name: str, value: float) -> None:
+    """Write a scalar to the trainer's loggers at once (rank 0), at the current global step."""
+    if trainer is None or not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics({name: float(value)}, step=trainer.global_step)

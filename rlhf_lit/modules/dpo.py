@@ -275,6 +275,9 @@ class DPOModule(L.LightningModule):
         # every pair (KTO: completion) weighs the same in an optimizer step (AccumulatedMean)
         return self._step_mean.scale(self, loss, units)
 
+    def on_train_end(self) -> None:
+        self._finite_steps.summarize(self)  # a warning when optimizer steps were skipped (FiniteSteps)
+
     def on_before_optimizer_step(self, optimizer) -> None:
         self._finite_steps.check(self, optimizer)  # inf / nan gradients: the step is skipped (FiniteSteps)
         self._step_mean.rescale_gradients(self, optimizer)

@@ -137,6 +137,9 @@ class SFTModule(L.LightningModule):
         # over-weight the short ones). The weighting is finished in on_before_optimizer_step.
         return self._token_mean.scale(self, loss, num_tokens)
 
+    def on_train_end(self) -> None:
+        self._finite_steps.summarize(self)  # a warning when optimizer steps were skipped (FiniteSteps)
+
     def on_before_optimizer_step(self, optimizer) -> None:
         self._finite_steps.check(self, optimizer)  # inf / nan gradients: the step is skipped (FiniteSteps)
         self._token_mean.rescale_gradients(self, optimizer)

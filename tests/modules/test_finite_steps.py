@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 
 from rlhf_lit import metrics as M
 from rlhf_lit.data import PreferenceDataModule, SFTDataModule
@@ -106,13 +107,36 @@ def _pref_data(tmp_path: Path, module):
     )
 
 
-def _fit(module, data, callback: L.Callback, steps: int = 3) -> L.Trainer:
+class RecordingLogger(Logger):
+    """Test collaborator: keeps every (name, value, step) the trainer writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[str, float, int]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.written += [(k, float(v), step) for k, v in metrics.items()]
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def _fit(module, data, callback: L.Callback, steps: int = 3, logger=None) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
         limit_val_batches=0,
-        logger=False,
+        logger=logger if logger is not None else False,
+        log_every_n_steps=50,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -125,11 +149,12 @@ def _fit(module, data, callback: L.Callback, steps: int = 3) -> L.Trainer:
 
 
 @pytest.mark.parametrize("build", [_sft, _reward, _dpo], ids=["sft", "reward", "dpo"])
-def test_a_nan_gradient_skips_the_step_and_changes_no_weight(tmp_path, build):
+def test_a_nan_gradient_skips_the_step_and_changes_no_weight(tmp_path, build, caplog):
     torch.manual_seed(0)
     module, data = build(tmp_path)
     poison = PoisonGradients(steps={1})
-    trainer = _fit(module, data, poison)
+    with caplog.at_level("WARNING", logger="rlhf_lit"):
+        trainer = _fit(module, data, poison)
     w = poison.weights  # before training, then after each of the 3 steps
     assert len(w) == 4
     assert not _equal(w[0], w[1])  # step 1 trained
@@ -140,6 +165,11 @@ def test_a_nan_gradient_skips_the_step_and_changes_no_weight(tmp_path, build):
     # AdamW saw two steps only: its step counter and moments were not touched by the skipped one
     state = next(iter(trainer.optimizers[0].state.values()))
     assert float(state["step"]) == 2.0
+    # the end of training says so, and that the run did not end skipping
+    ends = [r.getMessage() for r in caplog.records if "optimizer steps were skipped" in r.getMessage()]
+    assert ends == [
+        "1 of 3 optimizer steps were skipped, their gradients held inf or nan (train/skipped_steps)"
+    ]
 
 
 def test_too_many_skips_in_a_row_stop_the_run_with_a_one_line_user_error(tmp_path):
@@ -147,8 +177,9 @@ def test_too_many_skips_in_a_row_stop_the_run_with_a_one_line_user_error(tmp_pat
     module, data = _sft(tmp_path)
     module._finite_steps = FiniteSteps(max_consecutive=2)  # the guard is the module's collaborator
     poison = PoisonGradients(steps={0, 1, 2})
+    logger = RecordingLogger()
     with pytest.raises(DivergedTrainingError) as info:
-        _fit(module, data, poison)
+        _fit(module, data, poison, logger=logger)
     message = str(info.value)
     assert isinstance(info.value, UserError) and "\n" not in message
     assert message.startswith(
@@ -158,9 +189,13 @@ def test_too_many_skips_in_a_row_stop_the_run_with_a_one_line_user_error(tmp_pat
     assert _equal(poison.weights[0], _trainable(module))  # no step was ever applied
 
 
-def test_a_finite_step_resets_the_count_of_skips_in_a_row(tmp_path):
+def test_a_finite_step_resets_the_count_of_skips_in_a_row(tmp_path, caplog):
     torch.manual_seed(0)
     module, data = _sft(tmp_path)
     module._finite_steps = FiniteSteps(max_consecutive=2)
-    trainer = _fit(module, data, PoisonGradients(steps={0, 2}))  # never two in a row: the run completes
+    with caplog.at_level("WARNING", logger="rlhf_lit"):
+        trainer = _fit(module, data, PoisonGradients(steps={0, 2}))  # never two in a row: the run completes
     assert trainer.global_step == 3 and float(trainer.callback_metrics[M.TRAIN_SKIPPED_STEPS]) == 2.0
+    # the run ended on a skipped step: the closing warning says the weights are those before it
+    end = next(r.getMessage() for r in caplog.records if "optimizer steps were skipped" in r.getMessage())
+    assert end.startswith("2 of 3 optimizer steps were skipped") and "the last 1 in a row" in end
