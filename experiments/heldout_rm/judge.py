@@ -223,25 +223,53 @@ def main(argv: list[str] | None = None) -> dict:
         prog="python -m experiments.heldout_rm.judge",
         description="Judge the reference and policy exports on held-out prompts with RM-A and RM-B.",
     )
-    parser.add_argument("--rm-a", required=True)
-    parser.add_argument("--rm-b", required=True)
     parser.add_argument(
-        "--policy", action="append", default=[], metavar="NAME=FOLDER", help="a policy export (repeat)"
+        "--rm-a", required=True, help="export folder of the reward model the PPO arm optimised"
     )
-    parser.add_argument("--prompts", default="checkpoints/heldout_rm/prompts_eval.jsonl")
     parser.add_argument(
-        "--config", default="configs/ppo/smollm2_heldout_rm.yaml", help="settings (module docstring)"
+        "--rm-b", required=True, help="export folder of the held-out reward model (the judge)"
     )
-    parser.add_argument("--eval-prompts", type=int, default=96)
-    parser.add_argument("--eval-batch-size", type=int, default=16)
-    parser.add_argument("--out", default="checkpoints/heldout_rm")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="a policy export to judge (repeat)",
+    )
+    parser.add_argument(
+        "--prompts",
+        default="checkpoints/heldout_rm/prompts_eval.jsonl",
+        help="evaluation prompts, as the PPO or DPO arm writes them (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--config",
+        default="configs/ppo/smollm2_heldout_rm.yaml",
+        help="fit config whose reference backbone, sampling settings and prompt rendering are used "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--eval-prompts", type=int, default=96, help="prompts to judge (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--eval-batch-size", type=int, default=16, help="prompts per batch (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--out", default="checkpoints/heldout_rm", help="report folder (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     policies = {}
     for spec in args.policy:
         name, sep, folder = spec.partition("=")
-        if not sep or not name or not os.path.isdir(folder):
-            parser.exit(2, f"error: --policy {spec!r}: give NAME=FOLDER with an existing export folder\n")
+        if not sep or not name or not os.path.isfile(os.path.join(folder, "config.json")):
+            parser.exit(
+                2, f"error: --policy {spec!r}: give NAME=FOLDER, a policy export folder (with config.json)\n"
+            )
         policies[name] = folder
+    for flag, folder in (("--rm-a", args.rm_a), ("--rm-b", args.rm_b)):
+        if not os.path.isfile(os.path.join(folder, "rlhf_lit.json")):
+            parser.exit(2, f"error: {flag} {folder!r} is not a reward-model export (no rlhf_lit.json)\n")
+    if not os.path.isfile(args.prompts):
+        parser.exit(2, f"error: --prompts {args.prompts!r} does not exist (the PPO or DPO arm writes it)\n")
     t0 = time.perf_counter()
     report = judge(
         policies, args.rm_a, args.rm_b, args.prompts, args.config, args.eval_prompts, args.eval_batch_size

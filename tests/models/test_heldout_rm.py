@@ -284,10 +284,15 @@ def test_the_judge_reproduces_the_ppo_runs_before_evaluation_and_sees_both_polic
     assert "| dpo |" in md and "| ppo |" in md and "| reference |" in md
 
 
-def test_the_judge_refuses_a_policy_that_is_not_a_folder(experiment, capsys):
+def test_the_judge_refuses_what_is_not_an_export_before_loading(experiment, capsys):
     from experiments.heldout_rm import judge
 
     a, b = experiment["exports"]
+    for policy in ("dpo", f"dpo={experiment['out']}"):  # no '=', or a folder that is no export
+        with pytest.raises(SystemExit) as exit_info:
+            judge.main(["--rm-a", a, "--rm-b", b, "--policy", policy])
+        assert exit_info.value.code == 2 and "NAME=FOLDER" in capsys.readouterr().err
+    # a reward model that is not an export is refused before anything loads
     with pytest.raises(SystemExit) as exit_info:
-        judge.main(["--rm-a", a, "--rm-b", b, "--policy", "dpo"])
-    assert exit_info.value.code == 2 and "NAME=FOLDER" in capsys.readouterr().err
+        judge.main(["--rm-a", str(experiment["out"]), "--rm-b", b])
+    assert exit_info.value.code == 2 and "--rm-a" in capsys.readouterr().err
