@@ -75,14 +75,14 @@ def verdict(change: dict, num_se: float = 2.0) -> str:
     if not beyond(raw, raw_se):
         return f"RM-B sees no significant change ({raw:+.3f} +- {raw_se:.3f}, within {num_se:g} SE)"
     if raw < 0:
-        return f"RM-B scores the PPO policy LOWER ({raw:+.3f} +- {raw_se:.3f}): RM-A was over-optimised"
+        return f"RM-B scores the policy LOWER ({raw:+.3f} +- {raw_se:.3f}): RM-A (or its pairs) was over-optimised"
     if not beyond(adj, adj_se) or adj < 0:
         return (
             f"RM-B agrees the score rose ({raw:+.3f} +- {raw_se:.3f}), but it is only a length gain: with length "
             f"held fixed the change is {adj:+.3f} +- {adj_se:.3f}"
         )
     return (
-        f"RM-B agrees PPO improved the policy ({raw:+.3f} +- {raw_se:.3f}), beyond length: {adj:+.3f} +- "
+        f"RM-B agrees the policy improved ({raw:+.3f} +- {raw_se:.3f}), beyond length: {adj:+.3f} +- "
         f"{adj_se:.3f} with length held fixed"
     )
 
