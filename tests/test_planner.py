@@ -418,3 +418,24 @@ def test_dpo_settings_come_from_the_module_config(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with in_repo_root(), pytest.raises(ConfigError, match="reference_copy is for full fine-tuning"):
         read_settings([str(path)])
+
+
+def test_plan_takes_key_value_overrides_as_fit_does(capsys):
+    """``rlhf-lit plan --config c --key=value``: the overrides apply after the files, as ``fit`` applies them."""
+    with in_repo_root():
+        base = planner.plan(["configs/dpo/tiny.yaml"])
+        simpo = planner.plan(["configs/dpo/tiny.yaml"], cli_overrides=["--model.init_args.loss_type=simpo"])
+        main(["plan", "--config", "configs/dpo/tiny.yaml", "--data.init_args.batch_size", "2"])
+    assert "reference forward (no grad)" in _row_names(base)
+    assert "reference forward (no grad)" not in _row_names(simpo)
+    assert "4 x 384 tokens" in capsys.readouterr().out  # 2 pairs: 4 rows (the config has 8)
+    with in_repo_root(), pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", "configs/dpo/tiny.yaml", "--model.init_args.nonsense=1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and err == [
+        "rlhf-lit: error: unknown key model.init_args.nonsense; 'rlhf-lit fit --print_config' lists every key"
+    ]
+
+
+def _row_names(est) -> set[str]:
+    return {name for name, _, _ in est.rows}

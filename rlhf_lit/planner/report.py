@@ -58,14 +58,20 @@ def report(est: Estimate, device_memory_gb: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def plan(configs: list[str], model_config: str | None = None, overrides: dict | None = None) -> Estimate:
-    """Estimate the run that ``rlhf-lit fit --config <configs...>`` would start (``overrides``: fields of
+def plan(
+    configs: list[str],
+    model_config: str | None = None,
+    overrides: dict | None = None,
+    cli_overrides: list[str] | None = None,
+) -> Estimate:
+    """Estimate the run that ``rlhf-lit fit --config <configs...> <cli_overrides...>`` would start
+    (``cli_overrides``: ``--key=value`` arguments as ``fit`` takes them; ``overrides``: fields of
     :class:`~rlhf_lit.planner.settings.RunSettings` to set after reading the configs)."""
     from rlhf_lit.planner.estimate import estimate
     from rlhf_lit.planner.settings import read_settings
     from rlhf_lit.planner.shapes import model_shape
 
-    settings = read_settings(configs)
+    settings = read_settings(configs, cli_overrides)
     for key, value in (overrides or {}).items():
         setattr(settings, key, value)
     shape = model_shape(settings.backbone, model_config)
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         help="processes (default: trainer.devices x num_nodes; -1 counts as 1)",
     )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    args = parser.parse_args(argv)
+    args, cli_overrides = parser.parse_known_args(argv)  # the rest: --key=value overrides, as fit takes them
     for config in args.config:
         if not os.path.isfile(config):
             from rlhf_lit.errors import ConfigError
@@ -99,7 +105,12 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(
                 f"plan: --config {config}: no such config file (resolved to {os.path.abspath(config)})"
             )
-    est = plan(args.config, args.model_config, {"world_size": args.world_size} if args.world_size else None)
+    est = plan(
+        args.config,
+        args.model_config,
+        {"world_size": args.world_size} if args.world_size else None,
+        cli_overrides,
+    )
     if args.json:
         print(
             json.dumps(

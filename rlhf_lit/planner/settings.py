@@ -61,15 +61,16 @@ class RunSettings:
     reference_copy: bool = False
 
 
-def read_settings(configs: list[str]) -> RunSettings:
-    """The settings of ``rlhf-lit fit --config <configs...>``."""
-    return settings_from_config(_parse(configs), configs_root_of(configs))
+def read_settings(configs: list[str], cli_overrides: list[str] | None = None) -> RunSettings:
+    """The settings of ``rlhf-lit fit --config <configs...> <cli_overrides...>`` (``--key=value`` arguments,
+    applied after the files as ``fit`` applies them)."""
+    return settings_from_config(_parse(configs, cli_overrides), configs_root_of(configs))
 
 
-def _parse(configs: list[str]) -> dict:
+def _parse(configs: list[str], cli_overrides: list[str] | None = None) -> dict:
     from rlhf_lit.lightning_cli import parse_config
 
-    return parse_config([str(c) for c in configs])
+    return parse_config([str(c) for c in configs], cli_overrides)
 
 
 def _stage(class_path: str) -> str:
