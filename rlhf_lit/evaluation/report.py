@@ -160,7 +160,7 @@ def shift_warnings(summary: dict, reference: dict | None, threshold: float = SHI
             warnings.append(
                 f"{what}: mean {new['mean']:.3g} (sd {new['sd']:.3g}) against {ref['mean']:.3g} "
                 f"(sd {ref['sd']:.3g}) on the validation pairs, Cohen's d = {d:+.2f} (|d| > {threshold}): "
-                "the recorded temperature may not transfer to this file"
+                "the recorded temperature may not transfer to these pairs"
             )
     return warnings
 
