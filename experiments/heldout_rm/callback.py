@@ -9,9 +9,8 @@ import time
 import lightning as L
 import torch
 
-from experiments.heldout_rm.report import FIELDS, summarize, write_report
+from experiments.heldout_rm.report import FIELDS, record_batch, summarize, write_report
 from rlhf_lit import metrics as M
-from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.functional.summary import mean_se
 from rlhf_lit.generation import sample_responses
@@ -132,20 +131,11 @@ class HeldOutRewardCallback(L.Callback):
             P = ids.shape[1]
             logprobs = policy(full, full_mask, P, T, want_values=False).logprobs
             ref = policy.reference_logprobs(full, full_mask, P, T)
-            real = response_mask.float()
             args = (ids, mask, response_ids, response_mask, has_stop, batch.get("prompt"))
             rm_a = self._observed if self._observed is not None else pl_module.reward_source.score
-            out["rm_a"] += rm_a(*args).tolist()
-            out["rm_b"] += self.source.score(*args).tolist()
-            out["kl_k1"] += (kl_per_token(logprobs, ref, "k1") * real).sum(-1).tolist()
-            out["kl_k3"] += (kl_per_token(logprobs, ref, "k3") * real).sum(-1).tolist()
-            out["length"] += response_mask.sum(-1).float().tolist()
-            out["stopped"] += has_stop.float().tolist()
-            out["prompt"] += list(batch.get("prompt_text") or [""] * ids.shape[0])
-            out["response"] += [
-                pl_module.tokenizer.decode(r[m], skip_special_tokens=True)
-                for r, m in zip(response_ids, response_mask)
-            ]
+            scores = {"rm_a": rm_a(*args), "rm_b": self.source.score(*args)}
+            sample = (ids, response_ids, response_mask, has_stop)
+            record_batch(out, scores, logprobs, ref, batch, sample, pl_module.tokenizer)
         return out
 
     def on_train_start(self, trainer, pl_module) -> None:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from experiments.heldout_rm.experiment import _data_record, check_disjoint, write_prompt_files
+from experiments.heldout_rm.experiment import _data_record, arm_cli, check_disjoint, write_prompt_files
 
 HH_REPLY = "\n\nAssistant:"
 
@@ -90,8 +90,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("fit_args", nargs=argparse.REMAINDER, help="-- then overrides for rlhf-lit fit")
     args = parser.parse_args(argv)
     extra = [a for a in args.fit_args if a != "--"]
-    from rlhf_lit.cli import cli_main
-
     t0 = time.perf_counter()
     try:
         check_disjoint(_data_record(args.rm_a), _data_record(args.rm_b))
@@ -100,18 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     _, eval_file, _ = write_prompt_files(args.rm_a, args.out, args.eval_prompts)
     counts = write_pair_file(args.rm_a, eval_file, args.out, args.pairs)
     out = os.path.abspath(args.out)
-    cli = cli_main(
-        [
-            "--config",
-            args.config,
-            f"--data.init_args.train_files=[{counts['path']}]",
-            f"--trainer.default_root_dir={out}/dpo",
-            f"--trainer.logger.init_args.save_dir={out}/dpo",
-            f"--model.init_args.export_dir={out}/dpo/hf",
-            *extra,
-        ],
-        run=False,
-    )
+    cli = arm_cli(args.config, out, "dpo", counts["path"], extra)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     record = {"pairs": counts, "fit_s": time.perf_counter() - t0, "load_average": list(os.getloadavg())}
     with open(os.path.join(out, "dpo_run.json"), "w") as f:

@@ -101,6 +101,28 @@ def write_prompt_files(export_a: str, out: str, num_eval: int, seed: int = 0) ->
     )
 
 
+def arm_cli(config: str, out: str, arm: str, train_file: str, extra: list[str], *settings: str):
+    """``rlhf-lit fit``'s CLI, not run, for one arm of the experiment: ``config`` with ``train_file`` as its
+    data, and its log, checkpoints and export under ``<out>/<arm>`` (``<out>/<arm>/hf``), then ``settings``
+    and the user's ``extra`` overrides."""
+    from rlhf_lit.cli import cli_main
+
+    folder = os.path.join(os.path.abspath(out), arm)
+    return cli_main(
+        [
+            "--config",
+            config,
+            *settings,
+            f"--data.init_args.train_files=[{train_file}]",
+            f"--trainer.default_root_dir={folder}",
+            f"--trainer.logger.init_args.save_dir={folder}",
+            f"--model.init_args.export_dir={folder}/hf",
+            *extra,
+        ],
+        run=False,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the experiment (see the module docstring); extra arguments after ``--`` go to ``rlhf-lit fit``."""
     parser = argparse.ArgumentParser(
@@ -116,8 +138,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("fit_args", nargs=argparse.REMAINDER, help="-- then overrides for rlhf-lit fit")
     args = parser.parse_args(argv)
     extra = [a for a in args.fit_args if a != "--"]
-    from rlhf_lit.cli import cli_main
-
     t0 = time.perf_counter()
     try:
         check_disjoint(_data_record(args.rm_a), _data_record(args.rm_b))
@@ -125,18 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.exit(2, f"error: {err}\n")
     train_file, eval_file, counts = write_prompt_files(args.rm_a, args.out, args.eval_prompts)
     out = os.path.abspath(args.out)
-    cli = cli_main(
-        [
-            "--config",
-            args.config,
-            f"--model.init_args.reward_model.path={args.rm_a}",
-            f"--data.init_args.train_files=[{train_file}]",
-            f"--trainer.default_root_dir={out}/ppo",
-            f"--trainer.logger.init_args.save_dir={out}/ppo",
-            f"--model.init_args.export_dir={out}/ppo/hf",
-            *extra,
-        ],
-        run=False,
+    cli = arm_cli(
+        args.config, out, "ppo", train_file, extra, f"--model.init_args.reward_model.path={args.rm_a}"
     )
     callback = HeldOutRewardCallback(
         args.rm_b, eval_file, args.eval_prompts, args.eval_batch_size, report_dir=out

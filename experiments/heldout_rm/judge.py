@@ -27,7 +27,7 @@ import time
 import torch
 import yaml
 
-from experiments.heldout_rm.report import FIELDS, _fmt, summarize
+from experiments.heldout_rm.report import FIELDS, _fmt, record_batch, summarize
 
 log = logging.getLogger("rlhf_lit")
 
@@ -73,7 +73,6 @@ def evaluate(
     policy, reference, batches, tokenizer, sampling, stop_ids, scorers, seed: int
 ) -> dict[str, list]:
     """One response per prompt of ``batches`` from ``policy``, and its figures (module docstring)."""
-    from rlhf_lit.functional.kl import kl_per_token
     from rlhf_lit.functional.sequence import trim_left_padding
     from rlhf_lit.generation import sample_responses
 
@@ -90,18 +89,11 @@ def evaluate(
         T = sampling.temperature
         logprobs = response_logprobs(policy, ids, mask, response_ids, response_mask, T)
         ref = response_logprobs(reference, ids, mask, response_ids, response_mask, T)
-        real = response_mask.float()
         args = (ids, mask, response_ids, response_mask, has_stop, batch.get("prompt"))
-        for key, scorer in scorers.items():
-            out[key] += scorer.score(*args).tolist()
-        out["kl_k1"] += (kl_per_token(logprobs, ref, "k1") * real).sum(-1).tolist()
-        out["kl_k3"] += (kl_per_token(logprobs, ref, "k3") * real).sum(-1).tolist()
-        out["length"] += response_mask.sum(-1).float().tolist()
-        out["stopped"] += has_stop.float().tolist()
-        out["prompt"] += list(batch.get("prompt_text") or [""] * ids.shape[0])
-        out["response"] += [
-            tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(response_ids, response_mask)
-        ]
+        scores = {key: scorer.score(*args) for key, scorer in scorers.items()}
+        record_batch(
+            out, scores, logprobs, ref, batch, (ids, response_ids, response_mask, has_stop), tokenizer
+        )
     return out
 
 

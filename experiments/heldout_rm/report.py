@@ -25,6 +25,30 @@ LABELS = {
 }
 
 
+def record_batch(
+    out: dict[str, list], scores: dict[str, torch.Tensor], logprobs, ref_logprobs, batch, sample, tokenizer
+) -> None:
+    """Append one evaluation batch's per-response figures to ``out`` (``FIELDS`` plus ``prompt`` and
+    ``response``): the reward models' ``scores`` (``rm_a``, ``rm_b``), the KL to the reference (sum over the
+    response's tokens of the k1 and k3 estimators, nats), the length (tokens, stop token included), whether it
+    stopped, and the decoded texts. ``sample``: ``(prompt_ids, response_ids, response_mask, has_stop)``;
+    ``logprobs`` / ``ref_logprobs``: ``(B, R)`` of the sampled tokens."""
+    from rlhf_lit.functional.kl import kl_per_token
+
+    ids, response_ids, response_mask, has_stop = sample
+    real = response_mask.float()
+    for key, value in scores.items():
+        out[key] += value.tolist()
+    out["kl_k1"] += (kl_per_token(logprobs, ref_logprobs, "k1") * real).sum(-1).tolist()
+    out["kl_k3"] += (kl_per_token(logprobs, ref_logprobs, "k3") * real).sum(-1).tolist()
+    out["length"] += response_mask.sum(-1).float().tolist()
+    out["stopped"] += has_stop.float().tolist()
+    out["prompt"] += list(batch.get("prompt_text") or [""] * ids.shape[0])
+    out["response"] += [
+        tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(response_ids, response_mask)
+    ]
+
+
 def summarize(before: dict[str, list[float]], after: dict[str, list[float]], num_se: float = 2.0) -> dict:
     """Before/after statistics of a held-out evaluation (lists of per-response values, paired by prompt).
 
