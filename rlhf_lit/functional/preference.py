@@ -32,9 +32,11 @@ __all__ = [
     "dpo_loss",
     "implicit_rewards",
     "kto_loss",
+    "length_groups",
     "preference_loss",
     "response_logps",
     "response_logps_from_hidden",
+    "response_logps_in_length_groups",
     "response_scoring_mask",
     "reward_accuracy",
 ]
@@ -127,6 +129,81 @@ def response_logps_from_hidden(
     return torch.zeros(mask.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
         0, rows, token_logps
     )
+
+
+#: A row joins a length group while it holds at least this fraction of the group's longest row's tokens.
+LENGTH_GROUP_FILL = 0.9
+
+
+def length_groups(lengths: Tensor, fill: float = LENGTH_GROUP_FILL) -> list[Tensor]:
+    """Rows grouped by similar length, so a right-padded batch can run in pieces each trimmed to its longest row.
+
+    Rows are taken longest first (ties in row order); a row starts a new group when it is shorter than ``fill``
+    times the current group's longest row. So no row of a group is padded by more than ``1 - fill`` of the
+    group's width, whatever the batch's spread of lengths. E.g. lengths ``[5, 10, 9, 4]`` with ``fill = 0.9``
+    give ``[[1, 2], [0], [3]]``.
+
+    Args:
+        lengths: ``(B,)`` long, the real tokens of each row (>= 1).
+        fill: in (0, 1]; 1 groups equal lengths only.
+
+    Returns:
+        Long index tensors (on ``lengths``' device) that partition ``0 .. B - 1``, longest group first.
+
+    Raises:
+        ValueError: if ``fill`` is outside (0, 1] or ``lengths`` is not one-dimensional.
+    """
+    if not 0 < fill <= 1:
+        raise ValueError(f"fill must be in (0, 1], got {fill}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be (B,), got {tuple(lengths.shape)}")
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    values = lengths.tolist()
+    groups: list[list[int]] = []
+    for row in order:
+        if not groups or values[row] < fill * values[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(row)
+    return [torch.tensor(g, dtype=torch.long, device=lengths.device) for g in groups]
+
+
+def response_logps_in_length_groups(
+    trunk: Callable[[Tensor, Tensor], Tensor],
+    head: Callable[[Tensor], Tensor],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_len: Tensor,
+    response_len: Tensor,
+) -> Tensor:
+    """``response_logps_from_hidden`` with the trunk run once per ``length_groups`` group of rows, each group
+    cut to its longest row, so padding beyond a group's own width never goes through the model.
+
+    Rows are right padded, so cutting trailing columns changes no real token's hidden state (causal
+    attention; positions come from the mask); the values equal one padded forward's up to float summation
+    order. A batch of preference pairs is often half padding (HH-RLHF at 256 tokens: 33-67% real tokens per
+    batch of 16 rows), which costs activation memory and time in the policy's forward and backward.
+
+    Args:
+        trunk: ``(input_ids, attention_mask)`` ``(b, t)`` -> last hidden states ``(b, t, H)``.
+        head: the LM head, ``(N, H)`` -> ``(N, V)``.
+        input_ids, attention_mask: ``(B, T)``, right padded.
+        prompt_len, response_len: ``(B,)`` long, as in ``response_logps_from_hidden``.
+
+    Returns:
+        ``(B,)`` float32 sums in nats (<= 0), in the batch's row order; differentiable.
+
+    Raises:
+        ValueError: as ``response_logps_from_hidden``.
+    """
+    lengths = prompt_len + response_len
+    groups = length_groups(lengths)
+    parts = []
+    for rows in groups:
+        width = int(lengths[rows].max())
+        ids = input_ids[rows, :width]
+        hidden = trunk(ids, attention_mask[rows, :width])
+        parts.append(response_logps_from_hidden(hidden, head, ids, prompt_len[rows], response_len[rows]))
+    return torch.cat(parts)[torch.argsort(torch.cat(groups))]
 
 
 def _check_beta(beta: float) -> None:

@@ -2,7 +2,8 @@
 
 Each training step (the losses are pure functions in ``rlhf_lit.functional.preference``):
 
-1. stack chosen and rejected (or the KTO completions) into one batch and run the policy once;
+1. stack chosen and rejected (or the KTO completions) into one batch and run the policy on it (with
+   ``trim_padding``, once per group of rows of similar length, each group cut to its longest row);
 2. sum the log-probs of each response's tokens (``response_logps_from_hidden``: token ``x[i]`` scored at ``i - 1``,
    logits made for response positions only);
 3. the same sums under the reference: from the on-disk cache (``reference_cache``; then no reference forward
@@ -38,6 +39,7 @@ from rlhf_lit.functional.preference import (
     dpo_loss,
     kto_loss,
     response_logps_from_hidden,
+    response_logps_in_length_groups,
     reward_accuracy,
 )
 from rlhf_lit.models.adapters import AdaptedLM
@@ -74,9 +76,15 @@ def sequences(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return batch["input_ids"], batch["attention_mask"], batch["prompt_len"], response_len
 
 
-def lm_response_logps(lm: AdaptedLM, ids, mask, prompt_len, response_len) -> torch.Tensor:
+def lm_response_logps(lm: AdaptedLM, ids, mask, prompt_len, response_len, trim_padding: bool) -> torch.Tensor:
     """``(N,)`` summed response log-probs of ``lm`` (its current adapter setting); only the response
-    positions' hidden states reach the LM head (``response_logps_from_hidden``)."""
+    positions' hidden states reach the LM head (``response_logps_from_hidden``), and with ``trim_padding``
+    the trunk runs on groups of rows of similar length, each cut to its longest row
+    (``response_logps_in_length_groups``)."""
+    if trim_padding:
+        return response_logps_in_length_groups(
+            lm.hidden_states, lm.logits, ids, mask, prompt_len, response_len
+        )
     return response_logps_from_hidden(lm.hidden_states(ids, mask), lm.logits, ids, prompt_len, response_len)
 
 
@@ -100,6 +108,11 @@ class DPOModule(L.LightningModule):
             never runs during training.
         reference_copy: full fine-tuning only: keep a second, frozen copy of the model as the reference
             (twice the weight memory) instead of a ``reference_cache``.
+        trim_padding: run each batch's rows through the model in groups of similar length, each cut to its
+            longest row (``response_logps_in_length_groups``): a batch of pairs is often half padding, so this
+            cuts a step's activation memory and time (DPO benchmark: peak live tensors 304 -> 162 MB); the
+            values equal one padded forward's up to float summation order. False: one padded forward per
+            batch (fewer, larger calls; e.g. when each forward gathers sharded weights).
         export_dir: at the end of fit, the trained policy is written here in Hugging Face format.
         export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
     """
@@ -117,6 +130,7 @@ class DPOModule(L.LightningModule):
         undesirable_weight: float = 1.0,
         reference_cache: str | None = None,
         reference_copy: bool = False,
+        trim_padding: bool = True,
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
     ) -> None:
@@ -138,6 +152,7 @@ class DPOModule(L.LightningModule):
                 undesirable_weight=undesirable_weight,
                 reference_cache=reference_cache,
                 reference_copy=reference_copy,
+                trim_padding=trim_padding,
                 export_dir=export_dir,
                 export_mode=export_mode,
             )
@@ -145,6 +160,7 @@ class DPOModule(L.LightningModule):
         self.backbone_cfg, self.optim_cfg = backbone, optimizer
         self.loss_type, self.beta = loss_type, float(beta)
         self.export_dir, self.export_mode = export_dir, export_mode
+        self.trim_padding = bool(trim_padding)
         self.tokenizer = load_backbone_tokenizer(backbone)
         adapters = {"default": backbone.lora} if backbone.lora is not None else None
         self.lm = AdaptedLM(load_backbone(backbone, self.tokenizer), adapters)
@@ -168,16 +184,18 @@ class DPOModule(L.LightningModule):
     # -- the two forwards ------------------------------------------------------------------------------
     def policy_logps(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
         """``(N,)`` summed response log-probs under the policy (with gradient)."""
-        return lm_response_logps(self.lm, ids, mask, prompt_len, response_len)
+        return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self.trim_padding)
 
     @torch.no_grad()
     def run_reference(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
         """``(N,)`` summed response log-probs under the reference, one forward (``self.reference`` counts
         them)."""
         if self.reference_lm is not None:
-            return lm_response_logps(self.reference_lm, ids, mask, prompt_len, response_len)
+            return lm_response_logps(
+                self.reference_lm, ids, mask, prompt_len, response_len, self.trim_padding
+            )
         with self.lm.reference():
-            return lm_response_logps(self.lm, ids, mask, prompt_len, response_len)
+            return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self.trim_padding)
 
     def _reference_weights(self):
         """The tensors the reference reads: the copy's, or the base's and its frozen base adapters' (every

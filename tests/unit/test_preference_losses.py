@@ -23,7 +23,9 @@ from rlhf_lit.functional.preference import (
     kto_loss,
     preference_loss,
     response_logps,
+    length_groups,
     response_logps_from_hidden,
+    response_logps_in_length_groups,
     response_scoring_mask,
     reward_accuracy,
 )
@@ -271,6 +273,53 @@ def test_logps_from_hidden_equal_the_full_logits_path_and_the_head_sees_response
         assert_close(a, b, atol=1e-12, rtol=1e-12)
     # the hidden states of prompt and padding positions get no gradient
     assert g_packed[0][0, 2:].abs().sum() == 0 and g_packed[1].abs().sum() > 0
+
+
+def test_length_groups_keep_each_row_within_the_fill_of_its_groups_longest():
+    # longest first: 10 starts a group, 9 >= 0.9 * 10 joins it, 5 < 9 starts one, 4 < 0.9 * 5 another
+    groups = length_groups(torch.tensor([5, 10, 9, 4]))
+    assert [g.tolist() for g in groups] == [[1, 2], [0], [3]]
+    # equal lengths stay in one group, in row order; fill = 0.5 puts 6 with 10 but not 4
+    assert [g.tolist() for g in length_groups(torch.tensor([3, 3, 3]))] == [[0, 1, 2]]
+    assert [g.tolist() for g in length_groups(torch.tensor([4, 10, 6]), fill=0.5)] == [[1, 2], [0]]
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="fill"):
+            length_groups(torch.tensor([1, 2]), fill=bad)
+
+
+def test_logps_in_length_groups_equal_one_padded_forward_and_never_see_a_groups_extra_padding():
+    """A causal toy trunk (a running mean of embeddings, so every position depends on all earlier ones):
+    the grouped path gives the padded path's values and gradients, in row order, while each trunk call is
+    only as wide as its group's longest row."""
+    gen = torch.Generator().manual_seed(1)
+    V, H = 13, 5
+    emb = torch.randn(V, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    prompt_len, response_len = torch.tensor([2, 1, 3, 2]), torch.tensor([1, 6, 4, 1])  # lengths 3, 7, 7, 3
+    T = 9
+    ids = torch.randint(1, V, (4, T), generator=gen)
+    mask = (torch.arange(T)[None] < (prompt_len + response_len)[:, None]).long()
+    ids = ids * mask  # right padding with id 0
+    widths = []
+
+    def trunk(input_ids, attention_mask):
+        widths.append(tuple(input_ids.shape))
+        x = emb[input_ids] * attention_mask[..., None]
+        return x.cumsum(1) / torch.arange(1, input_ids.shape[1] + 1, dtype=x.dtype)[None, :, None]
+
+    def head(h):
+        return h @ weight.T
+
+    grouped = response_logps_in_length_groups(trunk, head, ids, mask, prompt_len, response_len)
+    assert widths == [(2, 7), (2, 3)]  # rows 1, 2 cut to 7 columns, rows 0, 3 to 3 (the batch is 9 wide)
+    padded = response_logps_from_hidden(trunk(ids, mask), head, ids, prompt_len, response_len)
+    assert_close(grouped, padded, atol=1e-12, rtol=1e-12)
+    for a, b in zip(
+        torch.autograd.grad(grouped.sum(), (emb, weight)), torch.autograd.grad(padded.sum(), (emb, weight))
+    ):
+        assert_close(a, b, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="within the T columns"):  # a row longer than the batch
+        response_logps_in_length_groups(trunk, head, ids, mask, prompt_len, response_len + 3)
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.1])
