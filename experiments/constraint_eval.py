@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rlhf_lit.functional.summary import mean_se
+from rlhf_lit.outputs import replace_file
 
 NUM_SE = 3.0  # the acceptance bar: the pass rate must rise by more than this many standard errors
 
@@ -238,6 +239,6 @@ def plot(report: dict, path: Path) -> None:
 
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+    replace_file(str(out / "report.json"), json.dumps(report, indent=2))
+    replace_file(str(out / "report.md"), markdown(report))
     plot(report, out / "curves.png")

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -42,6 +43,7 @@ __all__ = [
     "OutputError",
     "check_free_space",
     "holds_files",
+    "replace_file",
     "staged",
     "write_failure",
 ]
@@ -416,6 +418,34 @@ def write_file(path: str, data) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_file(path: str, data: str | bytes) -> None:
+    """Write a whole small output file (a report, a history, a table) so that ``path`` always holds either its
+    previous content or all of ``data``, never a part: a temporary sibling (``.<name>.tmp-<pid>``), fsync,
+    then ``os.replace``. A kill or a full disk mid-write leaves the previous file and no temporary one.
+
+    Raises:
+        OutputError: the disk is full or the folder is not writable (one line naming the folder).
+        OSError: any other write failure.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    raw = data.encode() if isinstance(data, str) else data
+    try:
+        write_file(tmp, raw)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        failure = write_failure(err, folder, len(raw), "output")
+        if failure is None:
+            raise
+        raise failure from err
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 # ------------------------------------------------------------------------------------------------- one run

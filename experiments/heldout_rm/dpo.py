@@ -22,6 +22,7 @@ import time
 import torch
 
 from experiments.heldout_rm.experiment import _data_record, arm_cli, check_disjoint, write_prompt_files
+from rlhf_lit.outputs import replace_file
 
 HH_REPLY = "\n\nAssistant:"
 
@@ -58,10 +59,10 @@ def write_pair_file(export_a: str, eval_file: str, out: str, max_pairs: int | No
         order = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed)).tolist()
         kept = [kept[i] for i in sorted(order[:max_pairs])]
     path = os.path.join(out, "pairs_train.jsonl")
-    with open(path, "w") as f:
-        for source, row in kept:
-            pair = rows[source][row]
-            f.write(json.dumps({"chosen": pair["chosen"], "rejected": pair["rejected"]}) + "\n")
+    lines = (
+        json.dumps({"chosen": rows[s][r]["chosen"], "rejected": rows[s][r]["rejected"]}) for s, r in kept
+    )
+    replace_file(path, "".join(line + "\n" for line in lines))
     return {"train_pairs": len(keys), "dropped_shared_prompt": dropped, "written": len(kept), "path": path}
 
 
@@ -101,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     cli = arm_cli(args.config, out, "dpo", counts["path"], extra)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     record = {"pairs": counts, "fit_s": time.perf_counter() - t0, "load_average": list(os.getloadavg())}
-    with open(os.path.join(out, "dpo_run.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    replace_file(os.path.join(out, "dpo_run.json"), json.dumps(record, indent=1))
     print(json.dumps(record))
     return record
 

@@ -12,6 +12,7 @@ import torch
 
 from experiments.heldout_rm.callback import HeldOutRewardCallback
 from experiments.heldout_rm.report import report_markdown, write_report
+from rlhf_lit.outputs import replace_file
 
 log = logging.getLogger("rlhf_lit")
 
@@ -92,8 +93,7 @@ def write_prompt_files(export_a: str, out: str, num_eval: int, seed: int = 0) ->
     os.makedirs(out, exist_ok=True)
     paths = (os.path.join(out, "prompts_train.jsonl"), os.path.join(out, "prompts_eval.jsonl"))
     for path, keys in zip(paths, (train, chosen)):
-        with open(path, "w") as f:
-            f.writelines(json.dumps({"chosen": prompts[k]}) + "\n" for k in keys)
+        replace_file(path, "".join(json.dumps({"chosen": prompts[k]}) + "\n" for k in keys))
     return (
         paths[0],
         paths[1],

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from experiments.heldout_rm.report import FIELDS, _fmt, record_batch, summarize
+from rlhf_lit.outputs import replace_file
 
 log = logging.getLogger("rlhf_lit")
 
@@ -269,10 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["timings"]["total_s"] = time.perf_counter() - t0
     report["load_average"] = list(os.getloadavg())
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "judge_report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "judge_report.md"), "w") as f:
-        f.write(judge_markdown(report))
+    replace_file(os.path.join(args.out, "judge_report.json"), json.dumps(report, indent=1))
+    replace_file(os.path.join(args.out, "judge_report.md"), judge_markdown(report))
     print(judge_markdown(report))
     return report
 

@@ -11,6 +11,7 @@ import torch
 
 from rlhf_lit.functional.length_bias import length_adjusted_change, score_length_spearman
 from rlhf_lit.functional.summary import mean_se
+from rlhf_lit.outputs import replace_file
 
 log = logging.getLogger("rlhf_lit")
 
@@ -149,7 +150,5 @@ def report_markdown(report: dict) -> str:
 
 def write_report(report: dict, folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "heldout_report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(folder, "heldout_report.md"), "w") as f:
-        f.write(report_markdown(report))
+    replace_file(os.path.join(folder, "heldout_report.json"), json.dumps(report, indent=1))
+    replace_file(os.path.join(folder, "heldout_report.md"), report_markdown(report))

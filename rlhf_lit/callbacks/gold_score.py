@@ -15,6 +15,7 @@ from rlhf_lit.metrics import (
     ROLLOUT_KL_REF,
     ROLLOUT_SCORE_MEAN,
 )
+from rlhf_lit.outputs import replace_file
 
 __all__ = ["GoldScoreCallback"]
 
@@ -57,5 +58,4 @@ class GoldScoreCallback(Callback):
         ]
         path = self.history_file or os.path.join(trainer.default_root_dir, "history.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(records, f, indent=1)
+        replace_file(path, json.dumps(records, indent=1))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 
 from rlhf_lit.data.demo_task import prompt_rows
 from rlhf_lit.demo.evaluate import PolicyEval, evaluate_policy, reward_model_accuracy
@@ -20,6 +19,7 @@ from rlhf_lit.demo.stages import (
 from rlhf_lit.functional.summary import mean_se
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.export import read_meta
+from rlhf_lit.outputs import replace_file
 
 __all__ = ["seeds_summary", "write_report", "write_seeds_report"]
 
@@ -96,11 +96,13 @@ def write_report(
         figures[os.path.join(rm_dir, "reliability.png")] = "reliability.png"
     for source, name in figures.items():
         if os.path.exists(source):
-            shutil.copyfile(source, os.path.join(out_dir, name))
-    with open(os.path.join(out_dir, "report.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(_markdown(summary, prompts, evals, os.path.exists(os.path.join(out_dir, "frontier.png"))))
+            with open(source, "rb") as f:
+                replace_file(os.path.join(out_dir, name), f.read())
+    replace_file(os.path.join(out_dir, "report.json"), json.dumps(summary, indent=2))
+    replace_file(
+        os.path.join(out_dir, "report.md"),
+        _markdown(summary, prompts, evals, os.path.exists(os.path.join(out_dir, "frontier.png"))),
+    )
     return summary
 
 
@@ -335,10 +337,8 @@ def write_seeds_report(out_dir: str, summaries: list[dict], machine: str | None 
         )
     lines += ["", verdict + "."]
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "seeds.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    with open(os.path.join(out_dir, "seeds.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    replace_file(os.path.join(out_dir, "seeds.json"), json.dumps(summary, indent=2))
+    replace_file(os.path.join(out_dir, "seeds.md"), "\n".join(lines) + "\n")
     return summary
 
 

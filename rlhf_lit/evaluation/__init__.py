@@ -34,6 +34,7 @@ import torch
 from rlhf_lit.errors import ConfigError, UserError
 from rlhf_lit.evaluation.report import SHIFT_THRESHOLD, evaluate_scores, markdown_table, shift_warnings
 from rlhf_lit.evaluation.scorers import PairScorer, RewardExportScorer
+from rlhf_lit.outputs import replace_file
 
 __all__ = ["evaluate_file", "main"]
 
@@ -124,14 +125,6 @@ def _unique_names(paths: list[str]) -> list[str]:
             unique, k = f"{name}_{k}", k + 1
         names.append(unique)
     return names
-
-
-def _write(path: str, text: str) -> None:
-    """Write ``text`` to a temporary sibling, then rename it over ``path`` (never a half-written file)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _json_safe(value):
@@ -236,9 +229,11 @@ def main(argv: list[str] | None = None, scorer: PairScorer | None = None) -> dic
             "reference": scorer.reference,
             "files": reports,
         }
-        _write(os.path.join(args.out, "evaluation.json"), json.dumps(_json_safe(record), indent=2) + "\n")
-        _write(os.path.join(args.out, "evaluation.md"), table)
+        replace_file(
+            os.path.join(args.out, "evaluation.json"), json.dumps(_json_safe(record), indent=2) + "\n"
+        )
+        replace_file(os.path.join(args.out, "evaluation.md"), table)
         for name, rows in scores.items():
             text = "".join(json.dumps(row) + "\n" for row in rows)
-            _write(os.path.join(args.out, f"{name}.scores.jsonl"), text)
+            replace_file(os.path.join(args.out, f"{name}.scores.jsonl"), text)
     return reports

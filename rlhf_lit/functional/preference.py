@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.functional.sequence import gather_logprobs, length_groups
 
 __all__ = [
     "LOSS_TYPES",
@@ -32,7 +32,6 @@ __all__ = [
     "dpo_loss",
     "implicit_rewards",
     "kto_loss",
-    "length_groups",
     "preference_loss",
     "response_logps",
     "response_logps_from_hidden",
@@ -129,42 +128,6 @@ def response_logps_from_hidden(
     return torch.zeros(mask.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
         0, rows, token_logps
     )
-
-
-#: A row joins a length group while it holds at least this fraction of the group's longest row's tokens.
-LENGTH_GROUP_FILL = 0.9
-
-
-def length_groups(lengths: Tensor, fill: float = LENGTH_GROUP_FILL) -> list[Tensor]:
-    """Rows grouped by similar length, so a right-padded batch can run in pieces each trimmed to its longest row.
-
-    Rows are taken longest first (ties in row order); a row starts a new group when it is shorter than ``fill``
-    times the current group's longest row. So no row of a group is padded by more than ``1 - fill`` of the
-    group's width, whatever the batch's spread of lengths. E.g. lengths ``[5, 10, 9, 4]`` with ``fill = 0.9``
-    give ``[[1, 2], [0], [3]]``.
-
-    Args:
-        lengths: ``(B,)`` long, the real tokens of each row (>= 1).
-        fill: in (0, 1]; 1 groups equal lengths only.
-
-    Returns:
-        Long index tensors (on ``lengths``' device) that partition ``0 .. B - 1``, longest group first.
-
-    Raises:
-        ValueError: if ``fill`` is outside (0, 1] or ``lengths`` is not one-dimensional.
-    """
-    if not 0 < fill <= 1:
-        raise ValueError(f"fill must be in (0, 1], got {fill}")
-    if lengths.dim() != 1:
-        raise ValueError(f"lengths must be (B,), got {tuple(lengths.shape)}")
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    values = lengths.tolist()
-    groups: list[list[int]] = []
-    for row in order:
-        if not groups or values[row] < fill * values[groups[-1][0]]:
-            groups.append([])
-        groups[-1].append(row)
-    return [torch.tensor(g, dtype=torch.long, device=lengths.device) for g in groups]
 
 
 def response_logps_in_length_groups(

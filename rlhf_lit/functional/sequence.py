@@ -27,6 +27,7 @@ __all__ = [
     "stop_mask",
     "truncate_after_stop",
     "trim_left_padding",
+    "length_groups",
 ]
 
 
@@ -304,3 +305,39 @@ def truncate_after_stop(
     mask, has_stop = stop_mask(response_ids, stop_token_ids)
     ids = torch.where(mask, response_ids, torch.full_like(response_ids, pad_token_id))
     return ids, mask, has_stop
+
+
+#: A row joins a length group while it holds at least this fraction of the group's longest row's tokens.
+LENGTH_GROUP_FILL = 0.9
+
+
+def length_groups(lengths: Tensor, fill: float = LENGTH_GROUP_FILL) -> list[Tensor]:
+    """Rows grouped by similar length, so a right-padded batch can run in pieces each trimmed to its longest row.
+
+    Rows are taken longest first (ties in row order); a row starts a new group when it is shorter than ``fill``
+    times the current group's longest row. So no row of a group is padded by more than ``1 - fill`` of the
+    group's width, whatever the batch's spread of lengths. E.g. lengths ``[5, 10, 9, 4]`` with ``fill = 0.9``
+    give ``[[1, 2], [0], [3]]``.
+
+    Args:
+        lengths: ``(B,)`` long, the real tokens of each row (>= 1).
+        fill: in (0, 1]; 1 groups equal lengths only.
+
+    Returns:
+        Long index tensors (on ``lengths``' device) that partition ``0 .. B - 1``, longest group first.
+
+    Raises:
+        ValueError: if ``fill`` is outside (0, 1] or ``lengths`` is not one-dimensional.
+    """
+    if not 0 < fill <= 1:
+        raise ValueError(f"fill must be in (0, 1], got {fill}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be (B,), got {tuple(lengths.shape)}")
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    values = lengths.tolist()
+    groups: list[list[int]] = []
+    for row in order:
+        if not groups or values[row] < fill * values[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(row)
+    return [torch.tensor(g, dtype=torch.long, device=lengths.device) for g in groups]

@@ -22,6 +22,7 @@ from rlhf_lit.outputs import (
     RunOutputs,
     check_free_space,
     disk_errno,
+    replace_file,
     staged,
 )
 
@@ -105,6 +106,34 @@ def test_full_disk_mid_export_leaves_the_previous_export_whole(tmp_path):
     assert folder in str(err.value) and "4.0 KiB" in str(err.value)
     assert read_export(folder) == b"old" * 100  # the earlier export, complete
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # no staging folder left behind
+
+
+def test_a_report_write_past_a_full_disk_keeps_the_previous_report_and_no_temporary(tmp_path):
+    """``replace_file`` (reports, histories, tables): a write cut short by the disk (a 64-byte file-size limit:
+    EFBIG, as a full disk gives ENOSPC) leaves the earlier complete file and one user-error line."""
+    path = tmp_path / "report.json"
+    replace_file(str(path), '{"gain": 1}')
+    assert path.read_text() == '{"gain": 1}' and sorted(os.listdir(tmp_path)) == ["report.json"]
+    script = (
+        "import resource, signal, sys\n"
+        "from rlhf_lit.outputs import OutputError, replace_file\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))\n"
+        "try:\n"
+        "    replace_file(sys.argv[1], 'x' * 1000)\n"
+        "except OutputError as err:\n"
+        "    print(err)\n"
+        "    sys.exit(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+    assert str(tmp_path) in done.stdout and "last complete output is untouched" in done.stdout
+    assert path.read_text() == '{"gain": 1}'  # the earlier report, whole
+    assert sorted(os.listdir(tmp_path)) == ["report.json"]  # no temporary file left
+    replace_file(str(path), b"\x00\x01")  # bytes too, replacing the whole file
+    assert path.read_bytes() == b"\x00\x01"
 
 
 def test_a_reused_folder_is_refused_or_replaced_whole(tmp_path):

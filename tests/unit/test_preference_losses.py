@@ -23,12 +23,12 @@ from rlhf_lit.functional.preference import (
     kto_loss,
     preference_loss,
     response_logps,
-    length_groups,
     response_logps_from_hidden,
     response_logps_in_length_groups,
     response_scoring_mask,
     reward_accuracy,
 )
+from rlhf_lit.functional.sequence import length_groups
 
 BETA = 0.5
 PC = torch.tensor([-4.0, -6.0, -5.0])
