@@ -208,6 +208,10 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
         args += ["--trainer.limit_train_batches=2", "--trainer.max_epochs=1"]
     if stage == "reward":
         args.append("--model.init_args.calibrate=false")
+    if stage == "dpo":
+        # the plan is of the worst batch, every row as long as the longest: trim_padding then makes one group
+        # and saves nothing. These batches' rows vary, so they are measured padded, as that batch would run.
+        args.append("--model.init_args.trim_padding=false")
     dims: dict[str, int] = {}
     with in_repo_root(), one_thread():
         cli = cli_main(args + extra, run=False)
