@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
@@ -36,6 +37,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rlhf_lit.errors import UserError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ExportFolder",
@@ -485,8 +488,14 @@ class RunOutputs:
         export_dir: the module's ``export_dir`` (None: no export).
         log_dirs: the log/checkpoint folders to lock (``trainer.default_root_dir``, ``ModelCheckpoint``'s
             ``dirpath``).
-        overwrite: replace an earlier export instead of refusing.
+        overwrite: replace an earlier export instead of refusing, and delete an earlier run's checkpoints in
+            ``checkpoint_dirs`` instead of refusing.
         export_bytes: the export's estimated size (free-space check and messages), None if unknown.
+        checkpoint_dirs: the folders where this run will keep its checkpoints (empty for a resumed run, which
+            writes beside the checkpoint it resumes from by design, or one without checkpointing). A ``*.ckpt``
+            file already there belongs to an earlier run: a fresh run would save beside it (Lightning names its
+            own ``last-v1.ckpt``) and ``--ckpt_path last`` would then pick whichever is newer, so the two runs'
+            checkpoints would mix. ``open`` refuses it, naming ``--ckpt_path last`` and ``--overwrite``.
     """
 
     def __init__(
@@ -495,9 +504,12 @@ class RunOutputs:
         log_dirs: list[str],
         overwrite: bool = False,
         export_bytes: int | None = None,
+        checkpoint_dirs: list[str] | tuple[str, ...] = (),
     ) -> None:
         self.export = ExportFolder(export_dir, overwrite, export_bytes) if export_dir else None
         self.export_bytes = export_bytes
+        self.overwrite = overwrite
+        self.checkpoint_dirs = list(checkpoint_dirs)
         seen: set[str] = set()
         self.locks = []
         for folder, role in [(d, "log/checkpoint folder") for d in log_dirs] + (
@@ -534,11 +546,45 @@ class RunOutputs:
             if estimate_bytes is not None and export_dir and isinstance(backbone, dict)
             else None
         )
-        return cls(export_dir, log_dirs, overwrite, export_bytes)
+        checkpoint_dirs = []
+        if not config.get("ckpt_path") and trainer.get("enable_checkpointing") is not False:
+            # where rlhf_lit.callbacks.checkpoints keeps last.ckpt (PPO: the root; other stages: checkpoints/),
+            # and every ModelCheckpoint dirpath of the config
+            root = trainer.get("default_root_dir")
+            checkpoint_dirs = [root, os.path.join(root, "checkpoints")] if root else []
+            checkpoint_dirs += log_dirs[1 if root else 0 :]
+        return cls(export_dir, log_dirs, overwrite, export_bytes, checkpoint_dirs)
+
+    def earlier_checkpoints(self) -> list[str]:
+        """The ``*.ckpt`` files already in ``checkpoint_dirs`` (sorted paths)."""
+        found: set[str] = set()
+        for folder in self.checkpoint_dirs:
+            if os.path.isdir(folder):
+                found.update(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".ckpt"))
+        return sorted(found)
+
+    def _check_checkpoints(self) -> None:
+        earlier = self.earlier_checkpoints()
+        if not earlier:
+            return
+        if not self.overwrite:
+            names = ", ".join(os.path.basename(p) for p in earlier[:3]) + (
+                ", ..." if len(earlier) > 3 else ""
+            )
+            raise OutputError(
+                f"{os.path.dirname(earlier[0])} holds checkpoints of an earlier run ({names}): resume it with "
+                "--ckpt_path last, or add --overwrite to start afresh there (its checkpoints are deleted)"
+            )
+        for path in earlier:
+            os.remove(path)
+        log.warning(
+            "--overwrite: deleted %d checkpoint(s) of an earlier run: %s", len(earlier), ", ".join(earlier)
+        )
 
     def open(self) -> None:
-        """Take the locks, refuse a folder holding an earlier export (unless overwrite) or without room for the
-        export, and open the export transaction.
+        """Take the locks, refuse a folder holding an earlier export or an earlier run's checkpoints (unless
+        overwrite: then those checkpoints are deleted now) or without room for the export, and open the export
+        transaction.
 
         Raises:
             OutputError: one line naming the folder (and the other run, or the bytes needed).
@@ -548,8 +594,10 @@ class RunOutputs:
                 lock.acquire()
             if self.export is not None:
                 self.export.recover()
-                self.export.check()
+                self.export.check()  # an ended run's export is named first: resuming it would be refused
                 check_free_space(self.export.folder, self.export_bytes)
+            self._check_checkpoints()
+            if self.export is not None:
                 self.export.begin()
         except BaseException:
             self.close(ok=False)

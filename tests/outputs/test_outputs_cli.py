@@ -78,3 +78,42 @@ def test_the_cli_writes_checkpoints_atomically(tmp_path):
     with in_repo_root(), one_thread():
         cli = cli_main(sft_args(tmp_path)[1:], run=False)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def _checkpointing_args(root) -> list[str]:
+    """A 1-step tiny SFT fit that keeps ``last.ckpt`` in ``<root>/run/checkpoints`` and exports nothing."""
+    args = [
+        a
+        for a in sft_args(root)
+        if not a.startswith(("--trainer.enable_checkpointing", "--model.init_args.export"))
+    ]
+    return [*args, "--trainer.enable_checkpointing=true", "--model.init_args.export_dir=null"]
+
+
+def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_and_overwrite_replaces_them(
+    tmp_path, capsys
+):
+    """Two runs' checkpoints never share a folder: a second fresh run there is refused before anything loads
+    (one line: resume with --ckpt_path last, or --overwrite); --overwrite deletes the earlier ones (Lightning
+    would otherwise save the new run's as last-v1.ckpt beside them); a resumed run is not refused."""
+    folder = tmp_path / "run" / "checkpoints"
+    code, err = run_main(_checkpointing_args(tmp_path), capsys)
+    assert code == 0, err
+    first = sorted(os.listdir(folder))
+    assert "last.ckpt" in first
+    stamp = os.path.getmtime(folder / "last.ckpt")
+    code, err = run_main(_checkpointing_args(tmp_path), capsys)
+    assert code == 2 and len(err) <= 2, err
+    assert str(folder) in err[-1] and "--ckpt_path last" in err[-1] and "--overwrite" in err[-1]
+    assert (
+        sorted(os.listdir(folder)) == first and os.path.getmtime(folder / "last.ckpt") == stamp
+    )  # untouched
+    code, err = run_main(
+        [*_checkpointing_args(tmp_path), "--ckpt_path=last", "--trainer.max_steps=2"], capsys
+    )
+    assert code == 0, err  # resuming writes beside its own checkpoints, by design
+    code, err = run_main([*_checkpointing_args(tmp_path), "--overwrite"], capsys)
+    assert code == 0, err
+    names = sorted(os.listdir(folder))
+    assert names == first and not any("-v1" in n for n in names), names  # the resumed run's step-2 file is gone
+    assert os.path.getmtime(folder / "last.ckpt") > stamp
