@@ -426,7 +426,8 @@ def write_file(path: str, data) -> None:
 def replace_file(path: str, data: str | bytes) -> None:
     """Write a whole small output file (a report, a history, a table) so that ``path`` always holds either its
     previous content or all of ``data``, never a part: a temporary sibling (``.<name>.tmp-<pid>``), fsync,
-    then ``os.replace``. A kill or a full disk mid-write leaves the previous file and no temporary one.
+    then ``os.replace``. A full disk or any error mid-write leaves the previous file and removes the temporary
+    one; a kill -9 leaves the previous file and, at most, that hidden temporary sibling.
 
     Raises:
         OutputError: the disk is full or the folder is not writable (one line naming the folder).
