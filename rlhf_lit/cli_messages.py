@@ -47,6 +47,7 @@ _UNRECOGNIZED = re.compile(r"^unrecognized arguments: (?P<args>.+)$")
 _EXPECTED = re.compile(r"^Expected an? (?P<type>.+?)\. Got value: (?P<value>.*)$")
 _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'$")
 _NUMBER_EXPECTED = re.compile(r"^Expected an? <class '(int|float)'>$")  # a Union's first subtype error
+_SUBTYPES = re.compile(r"^\s*Subtypes: \[(?P<types>.*)\]\s*$", re.MULTILINE)
 _GIVEN_VALUE = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
 _NON_FINITE = ("nan", "inf", "infinity")
 # jsonargparse 4.53 hands a nested key's null (--model.init_args.backbone.tiny=null) to its type check as the
@@ -128,6 +129,8 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
     the deepest key is noise, that key's stack and an empty text."""
     stack: list[tuple[int, str, str]] = []
     deepest: list[tuple[str, str]] = []
+    # a type error listed as noise (a Union's bool subtype, say) is still the error when nothing else is
+    fallback: tuple[list[tuple[str, str]], str] | None = None
     for raw in message.splitlines():
         if not raw.strip():
             continue
@@ -148,8 +151,12 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
             stack.append((indent, "class", match["path"]))
             continue
         if line.startswith(_NOISE):
+            if fallback is None and _EXPECTED.match(line) and "NoneType" not in line:
+                fallback = ([(k, v) for _, k, v in stack], line)
             continue
         return [(k, v) for _, k, v in stack], line
+    if fallback is not None:
+        return fallback
     return (deepest, "") if deepest else None
 
 
@@ -193,6 +200,11 @@ def condense(message: str, options: list[str] | None = None) -> str:
             f"section: --{section}='{{...}}'"
         )
     if not text:
+        subtypes, given = _SUBTYPES.search(message), _GIVEN_VALUE.search(message)
+        if len(stack) == 1 and subtypes and given:  # one key's Union, e.g. bool | None: name its types
+            names = re.findall(r"<class '([^']+)'>", subtypes["types"])
+            names = ["null" if n == "NoneType" else n.rsplit(".", 1)[-1] for n in names]
+            return f"{path}: expected {' or '.join(names)}, got {given['value'].strip()!r}"
         return message.strip().splitlines()[0]
     if text == "Expected a <class 'dict'>" and (given := _GIVEN_VALUE.search(message)):
         return f"{path}: expected a mapping ({{key: value, ...}}), got {given['value'].strip()!r}"

@@ -177,6 +177,15 @@ def _parse(monkeypatch, args):
         ),
         (["--model.init_args.backbone.tiny=null"], NULL_ADVICE.format(key="tiny")),
         (["--model.init_args.backbone.tiny=5"], "model.init_args.backbone.tiny: expected a mapping"),
+        # a bool given a word: a class's bool key, and a top-level bool | None (the Union's types named)
+        (
+            ["--model.init_args.sampling.merge_adapter=maybe"],
+            "model.init_args.sampling.merge_adapter: expected bool, got 'maybe'",
+        ),
+        (
+            ["--trainer.enable_checkpointing=maybe"],
+            "trainer.enable_checkpointing: expected bool or null, got 'maybe'",
+        ),
     ],
     ids=[
         "nested_key",
@@ -189,6 +198,8 @@ def _parse(monkeypatch, args):
         "nan_int",
         "nested_null",
         "not_a_mapping",
+        "bool_in_a_class",
+        "bool_or_null",
     ],
 )
 def test_real_parse_errors_condense_to_one_line(monkeypatch, args, expected):
