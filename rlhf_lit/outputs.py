@@ -595,7 +595,16 @@ class RunOutputs:
                 lock.acquire()
             if self.export is not None:
                 self.export.recover()
-                self.export.check()  # an ended run's export is named first: resuming it would be refused
+                try:  # an ended run's export is named first (resuming it would be refused), with its checkpoints
+                    self.export.check()
+                except OutputError as err:
+                    earlier = self.earlier_checkpoints()
+                    if not earlier:
+                        raise
+                    raise OutputError(
+                        f"{err}; {os.path.dirname(earlier[0])} also holds that run's checkpoints, which "
+                        "--overwrite deletes (another export_dir alone would be refused for them)"
+                    ) from err
                 check_free_space(self.export.folder, self.export_bytes)
             self._check_checkpoints()
             if self.export is not None:

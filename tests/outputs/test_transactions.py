@@ -254,3 +254,29 @@ def test_run_outputs_locks_both_folders_and_releases_them(tmp_path):
     assert read_export(str(tmp_path / "run" / "hf")) == b"x"
     assert not [e for e in os.listdir(tmp_path) if e.endswith(".lock")]
     assert not [e for e in os.listdir(tmp_path / "run") if e.startswith(".")]
+
+
+def test_a_refused_export_names_the_earlier_runs_checkpoints_too(tmp_path):
+    """Re-running an ended run: one refusal names both what blocks a fresh run there (the export and the
+    checkpoints), so a user who picks another export_dir is not refused a second time by surprise."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "rlhf_lit.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    config = {
+        "trainer": {"default_root_dir": str(tmp_path / "run")},
+        "model": {"init_args": {"export_dir": str(tmp_path / "hf")}},
+    }
+    with pytest.raises(OutputError) as err:
+        RunOutputs.from_config(config).open()
+    message = str(err.value)
+    assert "already holds an earlier export" in message and str(tmp_path / "run" / "checkpoints") in message
+    assert "\n" not in message
+    # without an export in the way, the checkpoints alone are refused; a resumed run is not
+    (tmp_path / "hf" / "rlhf_lit.json").unlink()
+    with pytest.raises(OutputError, match="holds checkpoints of an earlier run \\(last.ckpt\\)"):
+        RunOutputs.from_config(config).open()
+    outputs = RunOutputs.from_config({**config, "ckpt_path": "last"})
+    outputs.open()
+    outputs.close(ok=False)
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").read_bytes() == b"x"
