@@ -441,5 +441,14 @@ def test_plan_takes_key_value_overrides_as_fit_does(capsys):
     ]
 
 
+def test_a_dpo_plan_says_trim_padding_peaks_lower_than_its_worst_batch():
+    with in_repo_root():
+        trimmed = planner.plan(["configs/dpo/tiny.yaml"])
+        padded = planner.plan(["configs/dpo/tiny.yaml"], cli_overrides=["--model.init_args.trim_padding=false"])
+    assert any("trim_padding is on" in note for note in trimmed.notes)
+    assert not any("trim_padding" in note for note in padded.notes)
+    assert trimmed.peak == padded.peak  # the worst batch: one group, no saving
+
+
 def _row_names(est) -> set[str]:
     return {name for name, _, _ in est.rows}

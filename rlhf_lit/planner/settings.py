@@ -59,6 +59,7 @@ class RunSettings:
     # written (cache), or never (None: a reference-free loss); reference_copy: it is a frozen copy of the weights
     reference: str | None = None
     reference_copy: bool = False
+    trim_padding: bool = False  # DPO: rows run in length groups (the plan stays the worst batch's)
 
 
 def read_settings(configs: list[str], cli_overrides: list[str] | None = None) -> RunSettings:
@@ -168,6 +169,7 @@ def _dpo_settings(settings: RunSettings, init: dict) -> None:
     free = loss_type in REFERENCE_FREE_LOSS_TYPES
     settings.reference = None if free else "cache" if cache else "step"
     settings.reference_copy = bool(copy) and not free
+    settings.trim_padding = bool(init.get("trim_padding", True))
 
 
 def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:
