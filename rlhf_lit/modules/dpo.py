@@ -112,7 +112,8 @@ class DPOModule(L.LightningModule):
             longest row (``response_logps_in_length_groups``): a batch of pairs is often half padding, so this
             cuts a step's activation memory and time (DPO benchmark: peak live tensors 304 -> 162 MB); the
             values equal one padded forward's up to float summation order. False: one padded forward per
-            batch (fewer, larger calls; e.g. when each forward gathers sharded weights).
+            batch (fewer, larger calls). Not used under FSDP2 (``ModelParallelStrategy``): every forward there
+            gathers weights with the other ranks, which must run as many forwards.
         export_dir: at the end of fit, the trained policy is written here in Hugging Face format.
         export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
     """
@@ -182,20 +183,23 @@ class DPOModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the trained parameters only (on_save_checkpoint)
 
     # -- the two forwards ------------------------------------------------------------------------------
+    def _trims(self) -> bool:
+        """``trim_padding``, except under FSDP2: there every forward gathers weights with the other ranks, which
+        must run as many forwards (their batches would group differently and the run would hang)."""
+        return self.trim_padding and self.device_mesh is None
+
     def policy_logps(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
         """``(N,)`` summed response log-probs under the policy (with gradient)."""
-        return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self.trim_padding)
+        return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self._trims())
 
     @torch.no_grad()
     def run_reference(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
         """``(N,)`` summed response log-probs under the reference, one forward (``self.reference`` counts
         them)."""
         if self.reference_lm is not None:
-            return lm_response_logps(
-                self.reference_lm, ids, mask, prompt_len, response_len, self.trim_padding
-            )
+            return lm_response_logps(self.reference_lm, ids, mask, prompt_len, response_len, self._trims())
         with self.lm.reference():
-            return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self.trim_padding)
+            return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self._trims())
 
     def _reference_weights(self):
         """The tensors the reference reads: the copy's, or the base's and its frozen base adapters' (every

@@ -38,8 +38,8 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("worker.py")
 SCENARIOS = {
-    "ddp": ["equality", "equality_grpo", "reward_tiny", "ppo_tiny"],
-    "fsdp2": ["equality", "equality_grpo", "resume", "reward_tiny", "ppo_tiny"],
+    "ddp": ["equality", "equality_grpo", "reward_tiny", "dpo_tiny", "ppo_tiny"],
+    "fsdp2": ["equality", "equality_grpo", "resume", "reward_tiny", "dpo_tiny", "ppo_tiny"],
 }
 # Statistics that must agree between 1 and 2 ranks (global by construction); the rest are timings.
 GLOBAL_STATS = (
@@ -162,6 +162,17 @@ def test_tiny_reward_config_runs_on_two_processes(run):
     assert result["finished"] and result["world_size"] == 2 and result["global_step"] == 2
     assert {"reward_head.safetensors", "model.safetensors", "eval_results.json"} <= set(result["export"])
     assert result["temperature"] > 0
+
+
+def test_tiny_dpo_config_runs_on_two_processes(run):
+    """trim_padding is on by default: under DDP each rank groups its own rows (forwards need no other rank);
+    under FSDP2 every forward gathers with the other rank, so the module runs one padded forward there (ranks
+    grouping differently would wait for each other forever)."""
+    strategy, out = run
+    result = _read(out / "dpo_tiny.json")
+    assert result["finished"] and result["world_size"] == 2 and result["global_step"] == 2
+    assert {"model.safetensors", "rlhf_lit.json"} <= set(result["export"])
+    assert 0.5 < result["loss"] < 0.9  # near ln 2 after 2 small steps
 
 
 def test_tiny_ppo_config_runs_and_generation_waits_for_the_slowest_rank(run):

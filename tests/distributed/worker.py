@@ -10,6 +10,7 @@ reuse the process group. Each rank runs the scenarios in the same order; results
 
 Scenarios:
     reward_tiny  ``configs/reward/tiny.yaml`` through the CLI, 2 steps, outputs in ``<out_dir>``.
+    dpo_tiny     ``configs/dpo/tiny.yaml`` through the CLI, 2 steps (``trim_padding`` on).
     ppo_tiny     ``configs/ppo/tiny.yaml`` through the CLI, 2 iterations, with rank 0 forced to emit its
                  stop token first (docs/pitfalls.md: FSDP generation: it must keep stepping until rank 1 finishes).
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
@@ -60,6 +61,23 @@ def reward_tiny(out: Path, strategy: str) -> None:
                 "finished": cli.trainer.state.finished,
                 "export": sorted(os.listdir(out / "reward_tiny" / "hf")),
                 "temperature": float(cli.model.temperature),
+            },
+        )
+
+
+def dpo_tiny(out: Path, strategy: str) -> None:
+    """``configs/dpo/tiny.yaml`` through the CLI, 2 steps, ``trim_padding`` on (the default): each rank's pairs
+    differ in length, so the ranks group their rows differently."""
+    cli = _cli_fit("configs/dpo/tiny.yaml", out / "dpo_tiny", strategy)
+    if S.rank() == 0:
+        S.write_json(
+            out / "dpo_tiny.json",
+            {
+                "global_step": cli.trainer.global_step,
+                "world_size": cli.trainer.world_size,
+                "finished": cli.trainer.state.finished,
+                "export": sorted(os.listdir(out / "dpo_tiny" / "hf")),
+                "loss": float(cli.trainer.callback_metrics["train/loss"]),
             },
         )
 
@@ -188,6 +206,7 @@ def equality_grpo(out: Path, strategy: str) -> None:
 
 SCENARIOS = {
     "reward_tiny": reward_tiny,
+    "dpo_tiny": dpo_tiny,
     "ppo_tiny": ppo_tiny,
     "equality": equality,
     "equality_grpo": equality_grpo,
