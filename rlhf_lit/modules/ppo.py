@@ -54,10 +54,11 @@ from rlhf_lit.modules.ppo_config import (
     check_advantage_estimator,
     check_batch_sizes,
     refuse_impossible_settings,
+    refuse_sharded_settings,
 )
 from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
 from rlhf_lit.rewards import RewardSourceConfig
-from rlhf_lit.rl.sampler import HFSampler, Sampler
+from rlhf_lit.rl.sampler import Sampler, build_sampler
 from rlhf_lit.rl.schedule import epoch_schedule
 from rlhf_lit.rl.stats import all_stats, global_kl_per_response, peak_memory
 from rlhf_lit.rl.update import UpdateBatch, clip_global_grad_norm
@@ -68,8 +69,7 @@ __all__ = ["PPOModule"]
 
 class PPOModule(L.LightningModule):
     """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; with a
-    critic-free ``ppo.advantage_estimator`` (any registered one that declares no critic) the same iteration
-    without a critic.
+    critic-free ``ppo.advantage_estimator`` (one that declares no critic) the same iteration without a critic.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
@@ -95,7 +95,7 @@ class PPOModule(L.LightningModule):
         rollout_batch_size: prompts per rollout per rank; linked by the CLI from ``data.init_args.batch_size``
             (not set in YAML); sizes the learning-rate schedule. Default: the trainer's data module's.
         sampler: a factory ``(sampling, stop_ids, pad_token_id) -> Sampler`` (``rlhf_lit.rl.sampler``);
-            default ``HFSampler`` (Hugging Face ``generate``).
+            default ``build_sampler`` (``HFSampler``; ``CopySampler`` with ``sampling.copy_dtype``).
         schedule: the minibatch schedule (``rlhf_lit.rl.update.epoch_schedule`` or one with its signature).
     """
 
@@ -155,7 +155,7 @@ class PPOModule(L.LightningModule):
             backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo
         )
         self.tokenizer, self.stop_ids, self.policy, self.reward_source = models
-        build_components(self, sampler or HFSampler, schedule or epoch_schedule)  # rlhf_lit.rl's parts
+        build_components(self, sampler or build_sampler, schedule or epoch_schedule)  # rlhf_lit.rl's parts
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.last_rollout: dict[str, list] = {}
@@ -170,9 +170,9 @@ class PPOModule(L.LightningModule):
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model
         (``rlhf_lit.parallel``); nothing under other strategies (DDP wraps the whole module itself)."""
-        mesh = data_parallel_mesh(self.device_mesh)
-        if mesh is None:
+        if (mesh := data_parallel_mesh(self.device_mesh)) is None:
             return
+        refuse_sharded_settings(self.sampling)
         shard_lm(self.policy.lm, mesh)
         if self.policy.value_head is not None:
             shard_head(self.policy.value_head, mesh)

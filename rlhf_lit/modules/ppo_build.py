@@ -93,7 +93,7 @@ def rollout_settings(module, kl_estimator: str) -> RolloutSettings:
         skip_non_finite=module.shaping.skip_non_finite,
         seed=ppo.seed,
         reward_description=describe_reward_source(module.reward_model_cfg),
-        logprob_gap_tolerance=sampling.logprob_gap_tolerance,
+        logprob_gap_tolerance=sampling.gap_tolerance,
         strict_sync=sampling.strict_sync,
     )
 

@@ -273,8 +273,14 @@ def refuse_impossible_settings(backbone, sampling) -> None:
 
     Raises:
         ConfigError: for ``backbone.disable_dropout: false`` (pitfall: dropout), ``do_sample: false``, or
-            ``top_k`` / ``top_p`` sampling (pitfall: sampling temperature).
+            ``top_k`` / ``top_p`` sampling (pitfall: sampling temperature), or a ``sampling.copy_dtype``
+            copy of a 4-bit base.
     """
+    if sampling.copy_dtype is not None and backbone.load_in_4bit:
+        raise ConfigError(
+            "sampling.copy_dtype cannot copy a 4-bit base (its weights are quantized). Remove "
+            "sampling.copy_dtype, or load the base unquantized (backbone.load_in_4bit: false)"
+        )
     if not backbone.disable_dropout:
         raise ConfigError(
             "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
@@ -291,6 +297,20 @@ def refuse_impossible_settings(backbone, sampling) -> None:
             f"PPO refuses sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: responses would "
             "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
             "the sampling temperature (an off-policy mismatch). Use top_k: 0 and top_p: 1.0"
+        )
+
+
+def refuse_sharded_settings(sampling) -> None:
+    """Settings that need the whole weights in each process, refused when FSDP shards them
+    (``PPOModule.configure_model``).
+
+    Raises:
+        ConfigError: for ``sampling.copy_dtype`` (its copy is built from the whole weights).
+    """
+    if sampling.copy_dtype is not None:
+        raise ConfigError(
+            "sampling.copy_dtype needs the whole weights in each process; under FSDP they are sharded. "
+            "Remove sampling.copy_dtype or use the ddp strategy"
         )
 
 

@@ -34,7 +34,7 @@ import torch
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.sequence import trim_left_padding
-from rlhf_lit.generation import SamplingConfig
+from rlhf_lit.generation import GAP_TOLERANCE
 from rlhf_lit.parallel.collectives import global_sum, is_distributed
 from rlhf_lit.reward_norm import ScoreShaper
 from rlhf_lit.rl.guard import check_sampler
@@ -187,7 +187,7 @@ class RolloutSettings:
     skip_non_finite: bool = False
     seed: int = 0
     reward_description: str = "the reward model"
-    logprob_gap_tolerance: float = SamplingConfig.logprob_gap_tolerance
+    logprob_gap_tolerance: float = GAP_TOLERANCE["float32"]
     strict_sync: bool = False
 
 

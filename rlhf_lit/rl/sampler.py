@@ -4,7 +4,9 @@ A :class:`Sampler` draws responses from the current policy (``sample``) and is t
 weights have changed (``sync``, after each update), so an engine that holds its own copy of the weights
 (an inference server) can refresh it. :class:`HFSampler` is the first implementation: Hugging Face
 ``generate`` on the policy itself (``rlhf_lit.generation.sample_responses``), which reads the live weights,
-so its ``sync`` does nothing.
+so its ``sync`` does nothing. :class:`CopySampler` runs the same ``generate`` on a separate copy of the policy
+in ``sampling.copy_dtype`` (``rlhf_lit.models.inference_copy``), which ``sync`` refreshes. :func:`build_sampler`
+picks one from the sampling settings.
 
 For the rollout-policy guard (``rlhf_lit.rl.guard``) a sampler keeps, after each ``sample``, a
 :class:`SampleRecord` in ``last_record``: the tokens it drew, each one's log-prob under the distribution it
@@ -24,7 +26,7 @@ import torch
 
 from rlhf_lit.generation import SampledLogprobs, SamplingConfig, sample_responses
 
-__all__ = ["HFSampler", "SampleRecord", "Sampler", "adapter_fingerprint"]
+__all__ = ["CopySampler", "HFSampler", "SampleRecord", "Sampler", "adapter_fingerprint", "build_sampler"]
 
 
 def adapter_fingerprint(params: Iterable[torch.Tensor]) -> str:
@@ -131,3 +133,57 @@ class HFSampler:
 
     def sync(self, policy) -> None:
         """Nothing to do: ``generate`` runs on the policy's live weights."""
+
+
+class CopySampler(HFSampler):
+    """``generate`` on a separate copy of the policy in ``sampling.copy_dtype``, the actor adapter (and any
+    frozen base adapter) merged into its weights (``rlhf_lit.models.inference_copy``): one matmul per linear
+    layer and, in bf16, half the bytes per decoding step. The copy is built at the first ``sample`` and
+    refreshed by every ``sync``; between two syncs it is the policy of the last one, so a missed ``sync`` is a
+    stale sampler, which the rollout-policy guard reports (the record's fingerprint is the adapter's at the
+    last refresh). Log-probs for the PPO ratio and the KL are still the trainer's (the rollout recomputes
+    them); a 16-bit copy samples from a distribution that differs from the trainer's by rounding
+    (``rollout/sampler_logprob_gap``; ``SamplingConfig.gap_tolerance``).
+
+    Args: as :class:`HFSampler`; ``sampling.copy_dtype`` names the copy's dtype.
+    """
+
+    def __init__(self, sampling, stop_ids, pad_token_id, generate=None) -> None:
+        super().__init__(sampling, stop_ids, pad_token_id, generate)
+        self.dtype = getattr(torch, sampling.copy_dtype)
+        self.copy: torch.nn.Module | None = None
+        self.copy_fingerprint: str | None = None  # the actor adapter's at the last refresh
+
+    def sample(self, policy, prompt_ids, prompt_mask, *, synced_gpus=False, merge=False):
+        if self.copy is None:
+            self.sync(policy)
+        recorder = SampledLogprobs(self.sampling) if self.generate is None else None
+        generate = self.generate or sample_responses
+        out = generate(
+            self.copy,
+            prompt_ids,
+            prompt_mask,
+            self.sampling,
+            self.stop_ids,
+            self.pad_token_id,
+            synced_gpus=synced_gpus,
+            **({"logprobs": recorder} if recorder is not None else {}),
+        )
+        logprobs = recorder.finish(out[0]) if recorder is not None else None
+        self.last_record = SampleRecord(out[0], logprobs, self.copy_fingerprint)
+        return out
+
+    def sync(self, policy) -> None:
+        """Write the policy's current weights, actor adapter merged, into the copy (built on first use)."""
+        from rlhf_lit.models.inference_copy import build_inference_copy, load_merged_weights
+
+        if self.copy is None:
+            self.copy = build_inference_copy(policy.lm, self.dtype)
+        load_merged_weights(policy.lm, "actor" if policy.lm.is_peft else None, self.copy)
+        self.copy_fingerprint = adapter_fingerprint(policy.actor_parameters())
+
+
+def build_sampler(sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int) -> Sampler:
+    """The sampler ``sampling`` asks for: :class:`CopySampler` with ``copy_dtype`` set, else :class:`HFSampler`."""
+    cls = CopySampler if sampling.copy_dtype is not None else HFSampler
+    return cls(sampling, stop_ids, pad_token_id)

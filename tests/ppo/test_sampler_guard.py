@@ -102,7 +102,7 @@ def test_the_gap_is_zero_within_tolerance_on_every_iteration(tmp_path, caplog, m
     assert len(module.history) == 3
     for stats in module.history:
         # float32 on CPU: ~2e-7 mean, ~1e-6 max (KV-cache decoding against one full forward)
-        assert 0.0 <= stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5 < sampling.logprob_gap_tolerance
+        assert 0.0 <= stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5 < sampling.gap_tolerance
         assert stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP_MAX] < 1e-4
     assert (
         module.history[-1][M.ROLLOUT_KL_REF] != 0.0
