@@ -452,3 +452,23 @@ def test_a_dpo_plan_says_trim_padding_peaks_lower_than_its_worst_batch():
 
 def _row_names(est) -> set[str]:
     return {name for name, _, _ in est.rows}
+
+
+def test_a_sampling_copy_adds_the_weights_in_its_dtype_to_every_phase():
+    """``sampling.copy_dtype`` keeps a second copy of the whole model for the sampler (``CopySampler``): its
+    bytes are the parameter count x 2 for bf16 (x 4 for float32), held the whole run; read from the config."""
+    from rlhf_lit.planner.settings import read_settings
+
+    with in_repo_root():
+        plain = read_settings(["configs/ppo/tiny.yaml"])
+        bf16 = read_settings(["configs/ppo/tiny.yaml"], ["--model.init_args.sampling.copy_dtype=bfloat16"])
+    assert plain.sampling_copy_dtype is None and bf16.sampling_copy_dtype == "bfloat16"
+    shape = planner.model_shape(plain.backbone)
+    reward_shape = planner.model_shape(plain.reward_backbone) if plain.reward_backbone else None
+    a, b = planner.estimate(plain, shape, reward_shape), planner.estimate(bf16, shape, reward_shape)
+    rows = {name: size for name, size, _ in b.rows}
+    assert "sampling copy" not in _row_names(a) and rows["sampling copy"] == shape.num_params * 2
+    assert b.static - a.static == shape.num_params * 2
+    f32 = copy.deepcopy(bf16)
+    f32.sampling_copy_dtype = "float32"
+    assert planner.estimate(f32, shape, reward_shape).static - a.static == shape.num_params * 4

@@ -159,6 +159,12 @@ def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
             rbytes / z.W + (reward_shape.hidden + 1) * 4,
             f"{reward_shape.num_params / 1e6:,.1f} M params",
         )
+    if s.sampling_copy_dtype:  # CopySampler: the whole weights again in each process, adapters merged in
+        est.static += est.add(
+            "sampling copy",
+            weights_bytes(shape, cfg, s.sampling_copy_dtype, False),
+            f"sampling.copy_dtype: {s.sampling_copy_dtype}, adapters merged",
+        )
     return lora_params + critic_params + (0 if s.critic_free else H + 1)
 
 

@@ -51,6 +51,7 @@ class RunSettings:
     critic_lora: dict | None = None
     critic_free: bool = False  # a critic-free advantage estimator (PPO): no critic adapter, no value head
     samples_per_prompt: int = 1  # responses per prompt (PPO): the rollout holds batch_size x this
+    sampling_copy_dtype: str | None = None  # PPO: the sampler's own copy of the weights (sampling.copy_dtype)
     reward_mode: str | None = None  # separate | adapter (PPO)
     reward_backbone: BackboneConfig | None = None
     reward_load_in_4bit: bool | None = None
@@ -191,6 +192,7 @@ def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Pat
     settings.shared_critic = critic.shared_trunk
     settings.critic_free = not ppo.needs_critic
     settings.samples_per_prompt = sampling.num_samples_per_prompt
+    settings.sampling_copy_dtype = sampling.copy_dtype
     settings.critic_lora = {"r": critic.lora.r, "target_modules": critic.lora.target_modules}
     reward_model = init["reward_model"]
     if isinstance(reward_model, list):  # a list of reward sources: the planner counts its first model, if any
