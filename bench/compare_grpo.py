@@ -9,7 +9,8 @@ both sides) and the first iteration's KL to the reference), and a Markdown table
 ``--grpo-model smollm2`` runs the same workload on SmolLM2-135M-Instruct (ratio names ``grpo_smollm2_*``; targets:
 iteration wall time <= 0.5, peak RSS <= 0.7). ``--grpo-backends hf,static`` adds our run with
 ``sampling.backend: static`` after ours with the default ``hf`` in every repetition (TRL, ours, ours[static],
-...); the ``sampling`` entry compares the sampling tokens/s of the backends (target: best >= 1.5x hf).
+...), and ``bf16copy`` one sampling from a bf16 copy of the policy (``sampling.copy_dtype: bfloat16``); the
+``sampling`` entry compares the sampling tokens/s of the backends (target: best >= 1.5x hf).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ SIDE_BY_SIDE = (
     "first_step_ratio_max_dev",
     "kl_ref_iter1",
 )
-BACKENDS = ("hf", "static")
+BACKENDS = ("hf", "static", "bf16copy")  # bf16copy: hf on a bf16 copy (sampling.copy_dtype)
 SAMPLING_TARGET = 1.5  # sampling tokens/s of the best backend / hf's
 
 

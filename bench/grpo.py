@@ -48,7 +48,8 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf"):
             stop_at_eos=True,
             num_samples_per_prompt=g["group_size"],
             merge_adapter=True,  # a speed knob, off by default (as in the PPO workload)
-            backend=backend,  # hf (the default) or static (--grpo-backends)
+            backend="hf" if backend == "bf16copy" else backend,  # hf (default) or static (--grpo-backends)
+            copy_dtype="bfloat16" if backend == "bf16copy" else None,  # bf16copy: hf on a bf16 copy
         ),
         ppo=PPOConfig(
             advantage_estimator="grpo",

@@ -55,7 +55,7 @@ def parse_args(argv=None):
                         "SmolLM2-135M-Instruct in fp32, de-quantized from the PyPI GGUF wheel)")
     p.add_argument("--grpo-backends", default="hf",
                    help="grpo --vs-trl: our sampling.backend variants, comma-separated (hf = the default; "
-                        "static = transformers' static KV cache)")
+                        "static = transformers' static KV cache; bf16copy = hf on a bf16 copy of the policy)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads in each run")
     p.add_argument("--vs-trl", action="store_true",
                    help="alternate TRL and rlhf_lit runs (TRL, ours, TRL, ours, ...) and print the ratios")

@@ -19,6 +19,7 @@ def test_our_systems_maps_backends_to_systems_and_child_kinds():
     assert our_systems("hf") == [("rlhf_lit", "grpo")]
     assert our_systems("hf,static") == [("rlhf_lit", "grpo"), ("rlhf_lit[static]", "grpo-static")]
     assert our_systems(" static , hf,static") == [("rlhf_lit[static]", "grpo-static"), ("rlhf_lit", "grpo")]
+    assert our_systems("hf,bf16copy") == [("rlhf_lit", "grpo"), ("rlhf_lit[bf16copy]", "grpo-bf16copy")]
 
 
 @pytest.mark.parametrize("bad", ["static", "hf,vllm", ""])
