@@ -65,8 +65,8 @@ class SamplingConfig:
             (the same weights, KV-cache decoding against one full forward); on the tiny test model one stale
             AdamW step of learning rate lr moves the mean by ~2 lr, so a sampler one small step behind is
             caught by the adapter fingerprint rather than the gap. 0.1 from a 16-bit ``copy_dtype``: a bf16 copy
-            of SmolLM2-135M measured 0.034 mean and 0.24 max against the float32 trainer (Intel Xeon,
-            2026-12-03). ``min_new_tokens`` > 0 also raises the gap: the stop tokens are suppressed while
+            of SmolLM2-135M measured 0.034-0.037 mean and 0.22-0.33 max against the float32 trainer (Intel
+            Xeon, 2026-12-03, bench/RESULTS.md). ``min_new_tokens`` > 0 also raises the gap: the stop tokens are suppressed while
             sampling but not in the trainer's softmax (a true off-policy gap).
         strict_sync: stop the run (``SamplerSyncError``) instead of warning when the guard fires: the gap
             exceeds ``logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's
@@ -88,8 +88,8 @@ class SamplingConfig:
             parameter in bf16); works with either ``backend``; ``merge_adapter`` is then unused. A 16-bit
             copy draws from the policy rounded to 16 bits: the PPO ratio and KL still use the trainer's
             log-probs, and ``rollout/sampler_logprob_gap`` reports the difference. On this project's CPU
-            (Intel Xeon with AMX bf16) a bf16 copy decodes SmolLM2-135M 1.8x faster than float32; a CPU
-            without bf16 matmul units may be slower. Refused for a 4-bit base and under FSDP.
+            (Intel Xeon with AMX bf16) a bf16 copy sampled SmolLM2-135M at 1.79x the float32 policy's
+            tokens/s (bench/RESULTS.md); a CPU without bf16 matmul units may be slower. Refused for a 4-bit base and under FSDP.
     """
 
     max_new_tokens: int = ranged(48, "int >= 1")

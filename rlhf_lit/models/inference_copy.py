@@ -6,7 +6,8 @@ rollouts come from a stale policy while every loss stays finite (veRL #7495; the
 ``rlhf_lit.rl.guard`` checks for it). This module builds such a copy with transformers and fills it:
 
 * :func:`build_inference_copy`: a fresh model of the policy's architecture (``from_config``), in ``dtype``,
-  eval mode, no gradients; it holds no adapter layers, so a decoding step is one matmul per linear layer.
+  eval mode, run under ``no_grad`` only; it holds no adapter layers, so a decoding step is one matmul per
+  linear layer.
 * :func:`load_merged_weights`: writes into the copy the policy's weights as the active adapters compute them,
   ``W + sum_a s_a B_a A_a`` per adapted layer (peft's ``get_delta_weight``, which handles ``fan_in_fan_out``
   and the scaling) for adapter ``name`` and the frozen base adapters beneath it (an adapter-only SFT export),
@@ -15,7 +16,8 @@ rollouts come from a stale policy while every loss stays finite (veRL #7495; the
 
 Cost: one copy of the model in ``dtype`` (for 135M parameters in bf16: 270 MB), and per refresh one pass
 over the weights plus one ``B @ A`` per adapted layer. Not for a 4-bit base (its weights are not plain
-tensors) nor a sharded one (FSDP); ``refuse_copy_settings`` in ``rlhf_lit.modules.ppo_config`` refuses both.
+tensors) nor a sharded one (FSDP): ``refuse_impossible_settings`` and ``refuse_sharded_settings`` in
+``rlhf_lit.modules.ppo_config`` refuse them.
 """
 
 from __future__ import annotations

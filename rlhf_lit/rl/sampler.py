@@ -112,21 +112,26 @@ class HFSampler:
 
     def sample(self, policy, prompt_ids, prompt_mask, *, synced_gpus=False, merge=False):
         lm = policy.lm
-        # the default records log-probs while it samples; an injected function is called as before
-        recorder = SampledLogprobs(self.sampling) if self.generate is None else None
-        generate = self.generate or sample_responses
         with lm.merged("actor") if merge else lm.adapter("actor"):
             fingerprint = adapter_fingerprint(policy.actor_parameters())  # the weights that sample
-            out = generate(
-                lm,  # AdaptedLM.generate: an FSDP forward method when sharded
-                prompt_ids,
-                prompt_mask,
-                self.sampling,
-                self.stop_ids,
-                self.pad_token_id,
-                synced_gpus=synced_gpus,
-                **({"logprobs": recorder} if recorder is not None else {}),
-            )
+            # AdaptedLM.generate: an FSDP forward method when sharded
+            return self._draw(lm, prompt_ids, prompt_mask, synced_gpus, fingerprint)
+
+    def _draw(self, model, prompt_ids, prompt_mask, synced_gpus: bool, fingerprint: str | None):
+        """``generate`` on ``model``, keeping the :class:`SampleRecord` (the default records log-probs while it
+        samples; an injected function is called as before and records none)."""
+        recorder = SampledLogprobs(self.sampling) if self.generate is None else None
+        generate = self.generate or sample_responses
+        out = generate(
+            model,
+            prompt_ids,
+            prompt_mask,
+            self.sampling,
+            self.stop_ids,
+            self.pad_token_id,
+            synced_gpus=synced_gpus,
+            **({"logprobs": recorder} if recorder is not None else {}),
+        )
         logprobs = recorder.finish(out[0]) if recorder is not None else None
         self.last_record = SampleRecord(out[0], logprobs, fingerprint)
         return out
@@ -157,21 +162,7 @@ class CopySampler(HFSampler):
     def sample(self, policy, prompt_ids, prompt_mask, *, synced_gpus=False, merge=False):
         if self.copy is None:
             self.sync(policy)
-        recorder = SampledLogprobs(self.sampling) if self.generate is None else None
-        generate = self.generate or sample_responses
-        out = generate(
-            self.copy,
-            prompt_ids,
-            prompt_mask,
-            self.sampling,
-            self.stop_ids,
-            self.pad_token_id,
-            synced_gpus=synced_gpus,
-            **({"logprobs": recorder} if recorder is not None else {}),
-        )
-        logprobs = recorder.finish(out[0]) if recorder is not None else None
-        self.last_record = SampleRecord(out[0], logprobs, self.copy_fingerprint)
-        return out
+        return self._draw(self.copy, prompt_ids, prompt_mask, synced_gpus, self.copy_fingerprint)
 
     def sync(self, policy) -> None:
         """Write the policy's current weights, actor adapter merged, into the copy (built on first use)."""
