@@ -50,6 +50,16 @@ def _adapted(arch: str, base_adapter: bool = False) -> AdaptedLM:
     return lm
 
 
+class _Policy:
+    """What a sampler reads of an ``ActorCritic``: its ``lm`` and the actor adapter's parameters."""
+
+    def __init__(self, lm: AdaptedLM) -> None:
+        self.lm = lm
+
+    def actor_parameters(self):
+        return self.lm.adapter_parameters("actor")
+
+
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(3, 200, (3, 9), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
@@ -92,15 +102,7 @@ def test_the_policy_is_untouched_and_a_sync_follows_the_adapter():
     lm = _adapted("gpt2")
     before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
     sampler = CopySampler(SamplingConfig(max_new_tokens=4, copy_dtype="float32"), [], 0)
-
-    class Policy:  # what the sampler reads of an ActorCritic
-        def __init__(self, lm):
-            self.lm = lm
-
-        def actor_parameters(self):
-            return self.lm.adapter_parameters("actor")
-
-    policy = Policy(lm)
+    policy = _Policy(lm)
     ids, mask = _prompts()
     sampler.sample(policy, ids, mask)
     assert all(torch.equal(p, before[n]) for n, p in lm.model.named_parameters())
@@ -119,19 +121,12 @@ def test_a_float32_copy_draws_the_tokens_the_policy_draws():
     log-probs each records agree."""
     lm = _adapted("llama")
 
-    class Policy:
-        def __init__(self, lm):
-            self.lm = lm
-
-        def actor_parameters(self):
-            return self.lm.adapter_parameters("actor")
-
     ids, mask = _prompts()
     out, records = {}, {}
     for name, cls in (("hf", HFSampler), ("copy", CopySampler)):
         sampler = cls(SamplingConfig(max_new_tokens=10, temperature=0.7, copy_dtype="float32"), [], 0)
         torch.manual_seed(5)
-        out[name] = sampler.sample(Policy(lm), ids, mask)
+        out[name] = sampler.sample(_Policy(lm), ids, mask)
         records[name] = sampler.last_record.logprobs
     assert torch.equal(out["hf"][0], out["copy"][0]) and out["hf"][0].shape == (3, 10)
     torch.testing.assert_close(records["copy"], records["hf"], atol=1e-5, rtol=0)
