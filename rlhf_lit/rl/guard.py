@@ -97,7 +97,7 @@ def check_sampler(
             f"PPO iteration {iteration + 1}: the sampler is not the policy being trained: "
             + "; ".join(problems)
             + ". A stale sampler learns from off-policy data: check that the sampler receives every update "
-            "(Sampler.sync); a bf16 sampler differs by ~0.03 nats per token (sampling.logprob_gap_tolerance)"
+            "(Sampler.sync); a bf16 sampler differs from a float32 trainer by ~0.03 nats per token"
         )
         if settings.strict_sync:
             raise SamplerSyncError(message)
