@@ -49,6 +49,8 @@ _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<n
 _NUMBER_EXPECTED = re.compile(r"^Expected an? <class '(int|float)'>$")  # a Union's first subtype error
 _SUBTYPES = re.compile(r"^\s*Subtypes: \[(?P<types>.*)\]\s*$", re.MULTILINE)
 _GIVEN_VALUE = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
+# an optional choice (Literal[...] | None) given another word: the Union's first subtype error, no "Got value"
+_OPTIONAL_CHOICE = re.compile(r"^Expected a typing\.Literal\[(?P<choices>.*)\]$")
 _NON_FINITE = ("nan", "inf", "infinity")
 # jsonargparse 4.53 hands a nested key's null (--model.init_args.backbone.tiny=null) to its type check as the
 # text 'None': the outer value is NestedArg(key=..., val=None), the inner "Given value type: <class 'str'>"
@@ -206,6 +208,12 @@ def condense(message: str, options: list[str] | None = None) -> str:
             names = ["null" if n == "NoneType" else n.rsplit(".", 1)[-1] for n in names]
             return f"{path}: expected {' or '.join(names)}, got {given['value'].strip()!r}"
         return message.strip().splitlines()[0]
+    if (choices := _OPTIONAL_CHOICE.match(text)) and (given := _GIVEN_VALUE.search(message)):
+        union = [
+            m["types"] for m in _SUBTYPES.finditer(message) if f"Literal[{choices['choices']}]" in m["types"]
+        ]
+        null = " or null" if union and "NoneType" in union[0] else ""
+        return f"{path}: expected one of {choices['choices']}{null}, got {given['value'].strip()!r}"
     if text == "Expected a <class 'dict'>" and (given := _GIVEN_VALUE.search(message)):
         return f"{path}: expected a mapping ({{key: value, ...}}), got {given['value'].strip()!r}"
     keys = [o.lstrip("-") for o in options]

@@ -186,6 +186,12 @@ def _parse(monkeypatch, args):
             ["--trainer.enable_checkpointing=maybe"],
             "trainer.enable_checkpointing: expected bool or null, got 'maybe'",
         ),
+        # an optional choice (Literal | None): the choices, null, and the value given
+        (
+            ["--model.init_args.sampling.copy_dtype=bf16"],
+            "model.init_args.sampling.copy_dtype: expected one of 'float32', 'bfloat16', 'float16' or null, "
+            "got 'bf16'",
+        ),
     ],
     ids=[
         "nested_key",
@@ -200,6 +206,7 @@ def _parse(monkeypatch, args):
         "not_a_mapping",
         "bool_in_a_class",
         "bool_or_null",
+        "choice_or_null",
     ],
 )
 def test_real_parse_errors_condense_to_one_line(monkeypatch, args, expected):
