@@ -82,8 +82,9 @@ class SamplingConfig:
             project's CPU machine, transformers 5.24, it took 114 s for 4 prompts x 12 new tokens of a 2-layer
             model against 0.5 s for ``generate``, so it cannot be tested here; docs/ppo.md.)
         copy_dtype: sample from a separate copy of the policy in this dtype (``float32``, ``bfloat16`` or
-            ``float16``) with the actor adapter merged into its weights, refreshed after every update
-            (``rlhf_lit.rl.sampler.CopySampler``), the way inference engines hold their own bf16 weights;
+            ``float16``) with the actor adapter (and a frozen SFT adapter beneath it) merged into its weights,
+            refreshed after each iteration's update phase (``rlhf_lit.rl.sampler.CopySampler``; the refresh
+            counts in ``perf/update_s``), the way inference engines hold their own bf16 weights;
             null (the default) samples from the policy itself. Costs the copy's memory (2 bytes per
             parameter in bf16); works with either ``backend``; ``merge_adapter`` is then unused. A 16-bit
             copy draws from the policy rounded to 16 bits: the PPO ratio and KL still use the trainer's

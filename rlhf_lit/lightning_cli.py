@@ -89,6 +89,10 @@ class RLHFCLI(LightningCLI):
         # taken out of the config, so the config.yaml saved beside the run never carries it to a later run
         overwrite = bool(config.pop("overwrite", False))
         check_config(config.as_dict(), subcommand)
+        if _model_parallel(config.get("trainer")):  # refused here, before the launcher starts any process
+            from rlhf_lit.modules.ppo_config import refuse_sharded_settings
+
+            refuse_sharded_settings(_sampling_section(config.as_dict()))
         from rlhf_lit.models.architecture import estimate_export_bytes
         from rlhf_lit.outputs import RunOutputs, is_first_process
 
@@ -218,6 +222,16 @@ def _is_checkpoint(entry) -> bool:
     path = str(getattr(entry, "class_path", None) or "")
     cls = import_class(path) if path else None
     return (isinstance(cls, type) and issubclass(cls, ModelCheckpoint)) or path.endswith("ModelCheckpoint")
+
+
+def _sampling_section(config: dict):
+    """The model's ``sampling`` settings as given in the parsed config (attribute access; unset ones None)."""
+    from types import SimpleNamespace
+
+    init = (config.get("model") or {}).get("init_args") or {}
+    sampling = init.get("sampling") or {}
+    sampling = sampling.get("init_args", sampling) if isinstance(sampling, dict) else {}
+    return SimpleNamespace(copy_dtype=sampling.get("copy_dtype"))
 
 
 def _model_parallel(trainer_config) -> bool:

@@ -228,9 +228,9 @@ class PPOModule(L.LightningModule):
         # 6. PPO epochs over shuffled minibatches
         update_batch = UpdateBatch.from_rollout(rollout, adv, kl_coef if kl_in_loss else None)
         update_stats = self.updater.update(update_batch, self.iteration)
+        self.sampler.sync(self.policy)  # 7. the sampler sees the new weights (timed with the update)
         t3 = time.perf_counter()
-        # 7. the sampler sees the new weights; KL controller (every rank moves beta alike); metrics
-        self.sampler.sync(self.policy)
+        # KL controller (every rank moves beta alike); metrics
         self.kl_ctl.update(*global_kl_per_response(self.trainer, rollout))
         self.iteration += 1
         stats = all_stats(self.trainer, rollout, adv, update_stats, bool(self.stop_ids), (t0, t1, t2, t3))

@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from rlhf_lit import metrics as M
+from rlhf_lit.cli import cli_main
 from rlhf_lit.errors import ConfigError, SamplerSyncError
 from rlhf_lit.generation import GAP_TOLERANCE, SamplingConfig
 from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
@@ -23,6 +24,7 @@ from rlhf_lit.modules.ppo_config import refuse_impossible_settings
 from rlhf_lit.rl.sampler import CopySampler, HFSampler, adapter_fingerprint, build_sampler
 from tests.conftest import TINY_GPT2, TINY_LLAMA
 from tests.ppo.test_sampler_guard import FIRES, _guard_warnings, _run
+from tests.tiny_runs import in_repo_root
 
 ACTOR = {
     "gpt2": LoraSettings(r=4, alpha=8, target_modules=["c_attn", "c_fc", "c_proj"]),  # Conv1D: fan_in_fan_out
@@ -185,3 +187,12 @@ def test_the_settings_of_a_copy():
     refuse_impossible_settings(
         BackboneConfig(tiny=TINY_GPT2, load_in_4bit=True), SamplingConfig()
     )  # no copy: fine
+
+
+def test_a_copy_under_fsdp_is_refused_from_the_config_before_any_process_starts(tmp_path):
+    """The strategy is in the config: the refusal comes while the command line is checked (no model built, no
+    process launched, so one line, not one per rank); ``configure_model`` refuses it too, for Python users."""
+    args = ["--config", "configs/ppo/tiny.yaml", "--config", "configs/trainer/cpu_fsdp2.yaml"]
+    args += [f"--trainer.default_root_dir={tmp_path}", "--model.init_args.sampling.copy_dtype=bfloat16"]
+    with in_repo_root(), pytest.raises(ConfigError, match="^sampling.copy_dtype needs the whole weights"):
+        cli_main(args, run=False)
