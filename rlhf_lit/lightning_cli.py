@@ -80,6 +80,26 @@ class RLHFCLI(LightningCLI):
 
         check_ckpt_path(self.config)
 
+    def _parse_ckpt_path(self) -> None:
+        """Rebuild the model from the checkpoint's hyper-parameters also for ``--ckpt_path last`` (Lightning does
+        it for a file path only, so with ``last`` a config setting that differs from the checkpoint's silently
+        won): the file ``last`` will resume from is found in the config's checkpoint folders
+        (``rlhf_lit.checks.checkpoint.last_checkpoint``), its differing settings named in one warning, and
+        ``ckpt_path`` stays ``last`` for Lightning to resolve."""
+        from rlhf_lit.checks import check_ckpt_path
+        from rlhf_lit.checks.checkpoint import last_checkpoint
+
+        subcommand = self.config.get("subcommand")
+        if not subcommand or self.config[subcommand].get("ckpt_path") != "last":
+            return super()._parse_ckpt_path()
+        found = last_checkpoint(self.config[subcommand].as_dict())
+        if found is None:
+            return super()._parse_ckpt_path()
+        self.config[subcommand].ckpt_path = found
+        check_ckpt_path(self.config)
+        super()._parse_ckpt_path()
+        self.config[subcommand].ckpt_path = "last"
+
     def before_instantiate_classes(self) -> None:
         """Check values, paths and the stage/data pairing of the parsed config before any model loads."""
         from rlhf_lit.checks import check_config

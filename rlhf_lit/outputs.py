@@ -45,6 +45,7 @@ __all__ = [
     "FolderLock",
     "OutputError",
     "check_free_space",
+    "checkpoint_folders",
     "holds_files",
     "replace_file",
     "staged",
@@ -481,6 +482,21 @@ def is_first_process() -> bool:
     return all(os.environ.get(name, "0") in ("", "0") for name in RANK_VARIABLES)
 
 
+def checkpoint_folders(config: dict[str, Any]) -> list[str]:
+    """Where a parsed ``fit`` config's run keeps its checkpoints: the folder ``rlhf_lit.callbacks.checkpoints``
+    keeps ``last.ckpt`` in (PPO: ``trainer.default_root_dir``; other stages: its ``checkpoints/``), and every
+    ``ModelCheckpoint`` ``dirpath`` of ``trainer.callbacks``."""
+    trainer = config.get("trainer") or {}
+    root = trainer.get("default_root_dir")
+    folders = [root, os.path.join(root, "checkpoints")] if root else []
+    for callback in trainer.get("callbacks") or []:
+        if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("ModelCheckpoint"):
+            dirpath = (callback.get("init_args") or {}).get("dirpath")
+            if dirpath:
+                folders.append(str(dirpath))
+    return folders
+
+
 class RunOutputs:
     """The outputs of one ``fit`` run: the locks on its export folder and its log/checkpoint folders, and the
     export transaction. Opened before any model loads, closed after the run.
@@ -549,11 +565,7 @@ class RunOutputs:
         )
         checkpoint_dirs = []
         if not config.get("ckpt_path") and trainer.get("enable_checkpointing") is not False:
-            # where rlhf_lit.callbacks.checkpoints keeps last.ckpt (PPO: the root; other stages: checkpoints/),
-            # and every ModelCheckpoint dirpath of the config
-            root = trainer.get("default_root_dir")
-            checkpoint_dirs = [root, os.path.join(root, "checkpoints")] if root else []
-            checkpoint_dirs += log_dirs[1 if root else 0 :]
+            checkpoint_dirs = checkpoint_folders(config)
         return cls(export_dir, log_dirs, overwrite, export_bytes, checkpoint_dirs)
 
     def earlier_checkpoints(self) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 from rlhf_lit.checks.rules import import_class
 from rlhf_lit.errors import ConfigError
 
-__all__ = ["check_ckpt_path"]
+__all__ = ["check_ckpt_path", "last_checkpoint"]
 
 
 def check_ckpt_path(config: Any) -> None:
@@ -69,6 +69,24 @@ def check_ckpt_path(config: Any) -> None:
                 shown,
                 "differs from it and is" if len(differ) == 1 else "differ from them and are",
             )
+
+
+def last_checkpoint(config: dict[str, Any]) -> str | None:
+    """The file ``--ckpt_path last`` resumes from for a parsed ``fit`` / ``validate`` config (plain dicts): the
+    newest ``last*.ckpt`` (by modification time, as Lightning picks among its candidates) in the config's
+    checkpoint folders (``rlhf_lit.outputs.checkpoint_folders``); None when there is none."""
+    import os
+
+    from rlhf_lit.outputs import checkpoint_folders
+
+    found = [
+        os.path.join(folder, name)
+        for folder in dict.fromkeys(checkpoint_folders(config))
+        if os.path.isdir(folder)
+        for name in os.listdir(folder)
+        if name.startswith("last") and name.endswith(".ckpt")
+    ]
+    return max(found, key=os.path.getmtime) if found else None
 
 
 def _diff(mine: Any, theirs: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:

@@ -12,6 +12,7 @@ in the same order on one CPU thread, so the comparison is exact (``torch.equal``
 
 from __future__ import annotations
 
+import logging
 import re
 
 import lightning as L
@@ -20,8 +21,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlhf_lit.callbacks.checkpoints import missing_last_note, run_folder_checkpoint
+from rlhf_lit.cli import RLHFCLI, cli_main
 from tests.cli.helpers import assert_same, run_cli, stderr_lines, without_timings
-from tests.tiny_runs import read_scalars
+from tests.tiny_runs import in_repo_root, read_scalars
 
 STEPS_PER_ITERATION = 2  # ppo_epochs 1 x (4 prompts / minibatch 2)
 PPO_ARGS = [
@@ -238,3 +240,34 @@ def test_validate_ckpt_path_last_finds_the_fits_last_checkpoint(tmp_path):
         "epoch=0-step=2.ckpt",
         "last.ckpt",
     ]
+
+
+def test_ckpt_path_last_rebuilds_the_model_from_the_checkpoint_and_names_what_the_config_changed(
+    tmp_path, monkeypatch, caplog
+):
+    """Lightning rebuilds the model from a checkpoint's hyper-parameters only for a file path; with ``last`` a
+    changed setting won silently. Now ``last`` is found where the run keeps it, the checkpoint's settings are
+    used and the changed one is named, as for a file path; ``ckpt_path`` stays ``last`` for Lightning."""
+    root = tmp_path / "run"
+    _fit(root, "--model.init_args.ppo.total_iterations=1")
+    monkeypatch.setattr(RLHFCLI, "before_instantiate_classes", lambda self: None)
+    monkeypatch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
+    monkeypatch.setattr(RLHFCLI, "_run_subcommand", lambda self, subcommand: None)
+    args = [
+        "fit",
+        *PPO_ARGS,
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.callbacks.dirpath={root / 'ck'}",
+    ]
+    with in_repo_root(), caplog.at_level(logging.WARNING, logger="rlhf_lit"):
+        cli = cli_main([*args, "--ckpt_path", "last", "--model.init_args.sampling.temperature=0.9"])
+    sampling = cli.config.fit.model.init_args.sampling
+    temperature = sampling.init_args.temperature if "init_args" in sampling else sampling.temperature
+    assert temperature == 0.7 and cli.config.fit.ckpt_path == "last"
+    (warning,) = [r.getMessage() for r in caplog.records if "ckpt_path:" in r.getMessage()]
+    assert "sampling.temperature" in warning and "ppo.total_iterations" in warning and "not used" in warning
+    caplog.clear()
+    with in_repo_root(), caplog.at_level(logging.WARNING, logger="rlhf_lit"):
+        same = ["--model.init_args.ppo.total_iterations=1", "--ckpt_path", "last"]  # as the checkpoint
+        cli_main([*args, *same])
+    assert not [r for r in caplog.records if "ckpt_path:" in r.getMessage()]
