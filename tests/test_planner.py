@@ -444,7 +444,9 @@ def test_plan_takes_key_value_overrides_as_fit_does(capsys):
 def test_a_dpo_plan_says_trim_padding_peaks_lower_than_its_worst_batch():
     with in_repo_root():
         trimmed = planner.plan(["configs/dpo/tiny.yaml"])
-        padded = planner.plan(["configs/dpo/tiny.yaml"], cli_overrides=["--model.init_args.trim_padding=false"])
+        padded = planner.plan(
+            ["configs/dpo/tiny.yaml"], cli_overrides=["--model.init_args.trim_padding=false"]
+        )
     assert any("trim_padding is on" in note for note in trimmed.notes)
     assert not any("trim_padding" in note for note in padded.notes)
     assert trimmed.peak == padded.peak  # the worst batch: one group, no saving
@@ -469,6 +471,14 @@ def test_a_sampling_copy_adds_the_weights_in_its_dtype_to_every_phase():
     rows = {name: size for name, size, _ in b.rows}
     assert "sampling copy" not in _row_names(a) and rows["sampling copy"] == shape.num_params * 2
     assert b.static - a.static == shape.num_params * 2
+    with in_repo_root(), pytest.raises(ConfigError, match="sampling.copy_dtype cannot copy a 4-bit base"):
+        read_settings(
+            ["configs/ppo/tiny.yaml"],
+            [
+                "--model.init_args.sampling.copy_dtype=bfloat16",
+                "--model.init_args.backbone.load_in_4bit=true",
+            ],
+        )  # refused as fit refuses it
     f32 = copy.deepcopy(bf16)
     f32.sampling_copy_dtype = "float32"
     assert planner.estimate(f32, shape, reward_shape).static - a.static == shape.num_params * 4

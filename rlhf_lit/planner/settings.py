@@ -176,10 +176,11 @@ def _dpo_settings(settings: RunSettings, init: dict) -> None:
 def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:
     from rlhf_lit.models.reward_source import RewardModelConfig
     from rlhf_lit.modules.common import as_config
-    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig
+    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig, refuse_impossible_settings
 
     ppo = as_config(PPOConfig, init.get("ppo")) or PPOConfig()
     sampling = as_config(SamplingConfig, init.get("sampling")) or SamplingConfig()
+    refuse_impossible_settings(settings.backbone, sampling)  # what fit refuses is not planned either
     critic = as_config(CriticConfig, init.get("critic")) or CriticConfig()
     settings.prompt_len = int(
         data.get("max_prompt_length") or data.get("pad_to_length") or UNLIMITED_PROMPT_GUESS
