@@ -25,8 +25,10 @@ other) and 1 for GRPO; peak = 989 TFLOP/s, the H200 SXM's dense bf16 rate by the
 full-training convention: LoRA computes no gradient for the frozen base weights (about 4N), so this MFU
 overstates the useful work by up to 1.5x and is comparable between runs, not with full fine-tuning figures.
 
-The PPO/GRPO iterations sample through the module's own path (``hf``); ``static`` and ``paged`` iterations are
-reported unavailable until the module can be given a sampling backend.
+The PPO/GRPO iterations sample through the module's own samplers: ``hf`` on every size and ``static``
+(``sampling.backend: static``; on CUDA transformers compiles its decoding step) on the sizes where the compiled
+sampler is measured; ``paged`` iterations are reported unavailable (the module does not offer continuous
+batching: ``rlhf_lit.generation.SamplingConfig``'s ``backend`` says why).
 
     python scripts/gpu_check.py --out DIR [--sizes 0.5b,1.5b] [--budget-s 360] [--dry-run]
 
@@ -335,10 +337,12 @@ class _Prompts(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i])}
 
 
-def build_module(spec: dict, algorithm: str, work: dict, dry_run: bool, load_in_4bit: bool = False):
+def build_module(
+    spec: dict, algorithm: str, work: dict, dry_run: bool, load_in_4bit: bool = False, backend: str = "hf"
+):
     """A ``PPOModule`` in Python (no CLI): the Qwen2-shaped policy with LoRA, a random reward model of the
     same shape, PPO (GAE with a critic adapter) or GRPO (``advantage_estimator: grpo``, ``group`` samples
-    per prompt). Returns ``(module, rollout prompts)``."""
+    per prompt), sampling with ``sampling.backend: backend``. Returns ``(module, rollout prompts)``."""
     from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
     from rlhf_lit.modules import PPOModule
@@ -361,6 +365,7 @@ def build_module(spec: dict, algorithm: str, work: dict, dry_run: bool, load_in_
             min_new_tokens=work["new_tokens"],
             temperature=1.0,
             num_samples_per_prompt=group,
+            backend=backend,
         ),
         ppo=PPOConfig(
             ppo_epochs=1,
@@ -384,8 +389,10 @@ def run_iteration(
     dry_run: bool,
     out: Path,
     load_in_4bit: bool = False,
+    backend: str = "hf",
 ) -> dict:
-    """Two iterations through a Lightning ``Trainer``; the second one's ``perf/*`` metrics, MFU and peak memory."""
+    """Two iterations through a Lightning ``Trainer`` sampling with ``sampling.backend: backend``; the second
+    one's ``perf/*`` metrics, MFU and peak memory."""
     import lightning as L
 
     from rlhf_lit import metrics as M
@@ -394,13 +401,13 @@ def run_iteration(
     t = time.perf_counter()
     try:  # built on the GPU directly: no random initialisation on the CPU and no copy
         with torch.device(device) if device.type == "cuda" and not load_in_4bit else _nullcontext():
-            module, prompts = build_module(spec, algorithm, work, dry_run, load_in_4bit)
+            module, prompts = build_module(spec, algorithm, work, dry_run, load_in_4bit, backend)
     except Exception:
         if device.type != "cuda" or load_in_4bit:
             raise
         traceback.print_exc()
         print("   building on the GPU failed (above); building on the CPU", flush=True)
-        module, prompts = build_module(spec, algorithm, work, dry_run, load_in_4bit)
+        module, prompts = build_module(spec, algorithm, work, dry_run, load_in_4bit, backend)
     build_s = time.perf_counter() - t
     loader = torch.utils.data.DataLoader(
         _Prompts(synthetic_prompts(4 * prompts, work["prompt_len"], seed=2)),
@@ -498,17 +505,25 @@ def measure_size(
     for algorithm in ("ppo", "grpo"):
         per_backend: dict = {}
         for backend in ITERATION_BACKENDS:
-            if backend != "hf":
+            if backend == "paged":
                 per_backend[backend] = (
-                    "unavailable: PPOModule samples with transformers generate and a dynamic cache (hf) on this "
-                    "branch; measured once it takes sampling.backend"
+                    "unavailable: PPOModule's sampling.backend is hf or static; continuous batching "
+                    "(generate_batch) is not offered (rlhf_lit.generation.SamplingConfig, backend)"
+                )
+                continue
+            if backend == "static":  # after every size's hf iterations (main: static_iterations)
+                per_backend[backend] = (
+                    f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
+                    "(time budget)"
                 )
                 continue
             print(
                 f"== {name}: one {algorithm.upper()} iteration ({backend}; {clock.used():.0f} s so far)",
                 flush=True,
             )
-            per_backend[backend] = _guarded(clock, run_iteration, spec, algorithm, work, device, dry_run, out)
+            per_backend[backend] = _guarded(
+                clock, run_iteration, spec, algorithm, work, device, dry_run, out, backend=backend
+            )
             print(f"   {algorithm} {backend}: {per_backend[backend]}", flush=True)
         result[algorithm] = per_backend
     if name in nf4_sizes:
@@ -517,6 +532,16 @@ def measure_size(
         reason = f"skipped: NF4 measured on {', '.join(sorted(nf4_sizes))} only (time budget)"
         result["nf4"] = {"sampling_hf": reason, "grpo_hf": reason}
     return result
+
+
+def static_iterations(name: str, spec: dict, work: dict, device, dry_run: bool, clock: Clock, out: Path, result):
+    """One PPO and one GRPO iteration sampling with ``sampling.backend: static``, into ``result[algorithm]``;
+    run after every size's ``hf`` iterations, so a slow compile costs only what comes after it."""
+    for algorithm in ("ppo", "grpo"):
+        print(f"== {name}: one {algorithm.upper()} iteration (static; {clock.used():.0f} s so far)", flush=True)
+        value = _guarded(clock, run_iteration, spec, algorithm, work, device, dry_run, out, backend="static")
+        result[algorithm]["static"] = value
+        print(f"   {algorithm} static: {value}", flush=True)
 
 
 def measure_nf4(name, spec, work, device, dry_run, clock, out) -> dict:
@@ -682,6 +707,10 @@ def main(argv: list[str] | None = None) -> dict:
             traceback.print_exc()
             results["models"][name] = _failed(err)
         _reset_peak(device)
+    for name, spec in sizes.items():
+        if name in compile_sizes and isinstance(results["models"][name], dict):
+            static_iterations(name, spec, work, device, dry, clock, out, results["models"][name])
+            _reset_peak(device)
     results["elapsed_s"] = clock.used()
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=_json_default))
     table = markdown(results)

@@ -4,7 +4,8 @@
 # dimensions, built in code; the offline byte tokenizer; no weights, nothing downloaded):
 #   - sampling tokens/s and peak GPU memory per backend: hf (dynamic cache), static (static cache),
 #     static_compiled (static cache + compiled decode; 0.5B only by default), paged (generate_batch);
-#   - one PPO and one GRPO iteration end to end (PPOModule + a Lightning Trainer, no CLI): tokens/s, the phase
+#   - one PPO and one GRPO iteration end to end (PPOModule + a Lightning Trainer, no CLI), sampling with hf, then
+#     (after every size's hf runs, 0.5B only by default) with sampling.backend: static: tokens/s, the phase
 #     split generation / experience / update, update MFU (6 x params per token, against 989 TFLOP/s, the H200's
 #     dense bf16 datasheet rate), peak GPU memory;
 #   - the 4-bit NF4 base (sampling + one GRPO iteration, 0.5B) when bitsandbytes is there, else

@@ -133,11 +133,11 @@ def test_dry_run_measures_every_backend_without_the_missing_packages(tmp_path):
         assert isinstance(model["sampling"][backend], dict), model["sampling"][backend]
     for algorithm in ("ppo", "grpo"):
         assert set(model[algorithm]) == {"hf", "static", "paged"}
-        for backend, value in model[algorithm].items():
-            if backend != "hf":
-                assert _is_reason(value), value
-                continue
-            assert isinstance(value, dict), value
+        # paged: the module offers no continuous batching; hf and static run through PPOModule
+        assert model[algorithm]["paged"].startswith("unavailable: PPOModule's sampling.backend is hf or static")
+        for backend in ("hf", "static"):
+            value = model[algorithm][backend]
+            assert isinstance(value, dict), (algorithm, backend, value)
             for field in ITERATION_FIELDS:
                 assert _is_number(value[field]) and value[field] > 0, (algorithm, field, value)
             # the phase split adds up to the iteration
@@ -152,6 +152,7 @@ def test_dry_run_measures_every_backend_without_the_missing_packages(tmp_path):
     for backend in results["backends"]:
         assert f"| tiny | 0M | {backend} |" in table
     assert "| tiny | PPO | hf |" in table and "| tiny | GRPO | hf |" in table
+    assert "| tiny | PPO | static |" in table and "| tiny | GRPO | static |" in table
 
 
 def test_update_mfu_is_six_n_per_token_over_the_h200_peak():
