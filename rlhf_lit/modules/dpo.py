@@ -104,8 +104,10 @@ class DPOModule(L.LightningModule):
         desirable_weight: KTO's lambda_D.
         undesirable_weight: KTO's lambda_U.
         reference_cache: a folder for reference log-probs computed once before training and reused by
-            every run with the same data, tokenizer, reference weights and lengths; with it the reference
-            never runs during training.
+            every run with the same data, tokenizer, reference weights, lengths, trainer precision and
+            ``trim_padding``; computed in the training step's precision context (under ``bf16-mixed``, its
+            autocast), so a cached run's losses are an uncached run's. With it the reference never runs during
+            training.
         reference_copy: full fine-tuning only: keep a second, frozen copy of the model as the reference
             (twice the weight memory) instead of a ``reference_cache``.
         trim_padding: run each batch's rows through the model in groups of similar length, each cut to its
@@ -289,7 +291,12 @@ class DPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         log_data_report(self)
-        self.reference.prepare(getattr(self.trainer, "datamodule", None), resumed=self.global_step > 0)
+        self.reference.prepare(
+            getattr(self.trainer, "datamodule", None),
+            resumed=self.global_step > 0,
+            numerics={"precision": str(self.trainer.precision), "trim_padding": self._trims()},
+            context=self.trainer.precision_plugin.train_step_context,
+        )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, units = self._loss(batch, "train")

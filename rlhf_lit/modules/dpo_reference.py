@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -60,8 +61,24 @@ class ReferenceSource:
         if self.folder and not self.reference_free and self._fingerprint is None:
             self._fingerprint = tensor_fingerprint(self._weights())
 
-    def prepare(self, datamodule: Any, resumed: bool) -> None:
+    def prepare(
+        self,
+        datamodule: Any,
+        resumed: bool,
+        numerics: dict[str, Any] | None = None,
+        context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
         """Load the cache of this key, or compute it over the train and val splits and write it.
+
+        Args:
+            datamodule: the fit's data module (its train and val loaders are read).
+            resumed: the run restarts from a checkpoint.
+            numerics: the settings besides the weights that change the numbers (the trainer's precision,
+                ``trim_padding``), hashed into the key: a cache written under ``32-true`` is not read under
+                ``bf16-mixed``.
+            context: the context the training step's forwards run in (the precision plugin's autocast), so
+                the cached numbers are those an uncached step computes (a reference computed outside
+                ``bf16-mixed``'s autocast made the first DPO loss 0.69343, not ln 2, on the tiny config).
 
         Raises:
             ConfigError: if a resumed run needs a cache that is gone and the weights no longer are the
@@ -76,6 +93,7 @@ class ReferenceSource:
             "data": data_fingerprint(datamodule),
             "tokenizer": tokenizer_fingerprint(self._tokenizer),
             "reference": self._fingerprint,
+            **(numerics or {}),
         }
         cache = ReferenceLogpCache(self.folder, parts)
         if cache.load():
@@ -95,7 +113,9 @@ class ReferenceSource:
         for loader in loaders:
             for batch in loader:
                 ids, mask, prompt_len, response_len = (t.to(device) for t in self._sequences(batch))
-                cache.add(ids, prompt_len, response_len, self._forward(ids, mask, prompt_len, response_len))
+                with context():
+                    logps = self._forward(ids, mask, prompt_len, response_len)
+                cache.add(ids, prompt_len, response_len, logps)
         cache.save()
         log.info("reference log-probs: %d sequences computed, written to %s", len(cache), cache.path)
         self.cache = cache

@@ -2,8 +2,9 @@
 any training or validation step), a second run reuses the file and runs none at all, and both give the same
 losses as a run without the cache, bit for bit on CPU when the cache saw the same batches as training
 (``shuffle: false``; with shuffled batches a sequence's reference log-prob can differ in the last bit, since
-CPU kernels sum in an order that depends on the batch's shape). Any change of the key's parts (data bytes, length
-limits, tokenizer, reference weights) gives another file."""
+CPU kernels sum in an order that depends on the batch's shape), also under bf16 autocast (the cache is computed in
+the training step's precision context). Any change of the key's parts (data bytes, length limits, tokenizer,
+reference weights, the trainer's precision, ``trim_padding``) gives another file."""
 
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ class Record(L.Callback):
         self.forwards["end"] = pl_module.reference.forwards
 
 
-def _fit(tmp_path, data_path, cache=None, **data_kw):
+def _fit(tmp_path, data_path, cache=None, precision="32-true", **data_kw):
     torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
     module = make_module(optimizer={"lr": 1e-2}, reference_cache=cache)
     record = Record()
     data = make_data(module, data_path, **data_kw)
-    make_trainer(tmp_path, callbacks=[record], max_epochs=2, limit_val_batches=2).fit(module, datamodule=data)
+    trainer = make_trainer(tmp_path, callbacks=[record], max_epochs=2, limit_val_batches=2, precision=precision)
+    trainer.fit(module, datamodule=data)
     return module, record
 
 
@@ -73,6 +75,21 @@ def test_cached_runs_never_run_the_reference_in_steps_and_match_an_uncached_run_
     cached, cached_record = _fit(tmp_path / "shuffled_cached", data_path, cache, shuffle=True)
     assert cached_record.forwards == {"start": 0, "end": 0}
     torch.testing.assert_close(torch.stack(cached_record.losses), torch.stack(shuffled_record.losses))
+
+
+def test_under_bf16_autocast_the_cache_holds_what_an_uncached_step_computes_and_is_not_the_float32_file(tmp_path):
+    # the training step runs under the precision plugin's autocast; a cache computed outside it (in float32)
+    # made the first loss of a bf16-mixed run differ from ln 2 and from the uncached run's
+    data_path = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    cache = str(tmp_path / "cache")
+    _, plain = _fit(tmp_path / "plain", data_path, precision="bf16-mixed", shuffle=False)
+    _, cached = _fit(tmp_path / "cached", data_path, cache, precision="bf16-mixed", shuffle=False)
+    assert cached.forwards == {"start": 3, "end": 3}
+    for a, b in zip(plain.losses, cached.losses, strict=True):
+        assert torch.equal(a, b)
+    # the same data, tokenizer and weights under float32: another file, not the bf16 one
+    _, fp32 = _fit(tmp_path / "fp32", data_path, cache, shuffle=False)
+    assert fp32.forwards["start"] == 3 and len(os.listdir(cache)) == 2
 
 
 def test_changing_a_part_of_the_key_recomputes(tmp_path):
