@@ -167,7 +167,7 @@ def test_the_planner_reads_configs_with_the_cli_parser_and_follows_changed_defau
     assert (before.settings.response_len, before.settings.batch_size) == (48, 8)
     assert (after.settings.response_len, after.settings.batch_size) == (5, 12)
     kv = [dict((n, note) for n, _, note in est.rows)["KV cache (rollout)"] for est in (before, after)]
-    assert kv == ["2 x L x 8 x 144 tokens x kv 64", "2 x L x 12 x 101 tokens x kv 64"]  # P = 96, + R
+    assert kv == ["2 x L x 8 x 144 tokens x kv 64 x 4 bytes", "2 x L x 12 x 101 tokens x kv 64 x 4 bytes"]  # P = 96, + R
     with pytest.raises(ConfigError, match="unknown key trainr.max_epochs"):  # the same parser as fit
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump({**spec, "trainr": {"max_epochs": 1}}))
@@ -481,4 +481,8 @@ def test_a_sampling_copy_adds_the_weights_in_its_dtype_to_every_phase():
         )  # refused as fit refuses it
     f32 = copy.deepcopy(bf16)
     f32.sampling_copy_dtype = "float32"
-    assert planner.estimate(f32, shape, reward_shape).static - a.static == shape.num_params * 4
+    c = planner.estimate(f32, shape, reward_shape)
+    assert c.static - a.static == shape.num_params * 4
+    # the copy decodes in its own dtype: the rollout's KV cache is half the float32 trainer's in bf16
+    kv = {name: size for name, size, _ in a.rows}["KV cache (rollout)"]
+    assert rows["KV cache (rollout)"] * 2 == kv == {name: size for name, size, _ in c.rows}["KV cache (rollout)"]

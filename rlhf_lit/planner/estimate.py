@@ -263,10 +263,14 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     L, H, V = shape.num_layers, shape.hidden, shape.vocab
     B, P, R, m = s.batch_size * s.samples_per_prompt, s.prompt_len, s.response_len, s.ppo_micro_batch
     T = P + R
+    # a sampling copy decodes in its own dtype (no autocast there); otherwise the trainer's activation bytes
+    s_kv = {"float32": 4, "bfloat16": 2, "float16": 2}[s.sampling_copy_dtype] if s.sampling_copy_dtype else z.s_a
     kv_cache = est.add(
-        "KV cache (rollout)", 2 * L * B * T * shape.kv * z.s_a, f"2 x L x {B} x {T} tokens x kv {shape.kv}"
+        "KV cache (rollout)",
+        2 * L * B * T * shape.kv * s_kv,
+        f"2 x L x {B} x {T} tokens x kv {shape.kv} x {s_kv} bytes",
     )
-    prefill = B * P * (2 * H + 2 * shape.intermediate) * z.s_a + 3 * B * V * 4
+    prefill = B * P * (2 * H + 2 * shape.intermediate) * s_kv + 3 * B * V * 4
     est.phases["rollout"] = kv_cache + prefill
     f = s.rollout_forward_batch or B
     # explicit logprob_chunk_size rows: two fp32 temporaries of that many rows; by default a few positions
