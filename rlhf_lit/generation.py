@@ -11,6 +11,8 @@ distribution it was drawn from (the rollout-policy guard of ``rlhf_lit.rl.guard`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -60,13 +62,14 @@ class SamplingConfig:
             stops the run, when the mean |sampler log-prob - trainer log-prob| over an iteration's sampled
             tokens (``rollout/sampler_logprob_gap``, nats per token) exceeds this. The sampler's log-prob is
             that of the scores it drew from; the trainer's is the rollout's ``old_logprobs``. null (the
-            default) takes :data:`GAP_TOLERANCE` for the sampler's weights (``gap_tolerance``): 1e-3 when it
-            samples in float32, where CPU measures ~2e-7 mean and ~1e-6 max, with or without ``merge_adapter``
+            default) takes :data:`GAP_TOLERANCE` for the dtype the policy computes in (``gap_tolerance``, from
+            the trainer's precision and ``backbone.dtype``: :func:`compute_dtype`) or a 16-bit ``copy_dtype``
+            samples in: 1e-3 in float32, where CPU measures ~2e-7 mean and ~1e-6 max, with or without ``merge_adapter``
             (the same weights, KV-cache decoding against one full forward); on the tiny test model one stale
             AdamW step of learning rate lr moves the mean by ~2 lr, so a sampler one small step behind is
-            caught by the adapter fingerprint rather than the gap. 0.1 from a 16-bit ``copy_dtype``: a bf16 copy
-            of SmolLM2-135M measured 0.034-0.037 mean and 0.22-0.33 max against the float32 trainer (Intel
-            Xeon, 2026-12-03, bench/RESULTS.md). ``min_new_tokens`` > 0 also raises the gap: the stop tokens are suppressed while
+            caught by the adapter fingerprint rather than the gap. 0.1 in 16 bits: a bf16 copy of SmolLM2-135M
+            measured 0.034-0.037 mean and 0.22-0.33 max against the float32 trainer (Intel Xeon, 2026-12-03,
+            bench/RESULTS.md), and the policy itself under ``bf16-mixed`` 0.033 (max 0.27). ``min_new_tokens`` > 0 also raises the gap: the stop tokens are suppressed while
             sampling but not in the trainer's softmax (a true off-policy gap).
         strict_sync: stop the run (``SamplerSyncError``) instead of warning when the guard fires: the gap
             exceeds ``logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's
@@ -112,17 +115,33 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         check_field_ranges(self, "sampling.")  # the ranges declared above (ConfigError)
 
-    @property
-    def gap_tolerance(self) -> float:
-        """``logprob_gap_tolerance``, or when null the :data:`GAP_TOLERANCE` of the sampler's weights' dtype."""
+    def gap_tolerance(self, compute: str = "float32") -> float:
+        """``logprob_gap_tolerance``, or when null the larger :data:`GAP_TOLERANCE` of the dtype the policy
+        computes in (``compute``, from :func:`compute_dtype`) and of a sampling copy's ``copy_dtype``."""
         if self.logprob_gap_tolerance is not None:
             return self.logprob_gap_tolerance
-        return GAP_TOLERANCE[self.copy_dtype or "float32"]
+        return max(GAP_TOLERANCE[compute], GAP_TOLERANCE[self.copy_dtype or compute])
 
 
 # The rollout-policy guard's default tolerance on the mean sampler-trainer log-prob gap (nats per token), by
-# the dtype the sampler's weights are in (``SamplingConfig.logprob_gap_tolerance`` says where they come from).
+# the dtype the sampler or the trainer computes in (``SamplingConfig.logprob_gap_tolerance`` says where the
+# figures come from).
 GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+
+
+def compute_dtype(precision: str | None, weights_dtype: str) -> str:
+    """The dtype a policy's forwards compute in: ``bfloat16`` under a Lightning ``bf16-*`` precision,
+    ``float16`` under ``16-*``, else the weights' (``backbone.dtype``; under 4-bit, the compute dtype).
+
+    Sampling (KV-cache decoding) and the trainer's full forward round differently in 16 bits: SmolLM2-135M
+    under ``bf16-mixed`` measured a mean gap of 0.033 nats per token (max 0.27) against ~4e-6 in float32
+    (Intel Xeon, 2026-12-03), so the guard's default tolerance follows this dtype.
+    """
+    if precision is not None and str(precision).startswith("bf16"):
+        return "bfloat16"
+    if precision is not None and str(precision).startswith("16"):
+        return "float16"
+    return weights_dtype if weights_dtype in GAP_TOLERANCE else "float32"
 
 
 def bucket_length(length: int, minimum: int = 16) -> int:
@@ -201,6 +220,28 @@ class SampledLogprobs(LogitsProcessor):
         return torch.stack(steps, dim=1)
 
 
+@contextmanager
+def contiguous_head_inputs(model: torch.nn.Module) -> Iterator[None]:
+    """While inside, the LM head (``get_output_embeddings()``) receives contiguous hidden states.
+
+    ``generate`` feeds the head a strided slice of the last hidden states (its ``logits_to_keep`` positions).
+    With torch 2.13 on a CPU, a strided 3-D input times a 16-bit weight that does not require grad (a LoRA
+    policy's frozen base, a sampling copy) goes through a batched matmul that first copies the weight once
+    per row: SmolLM2-135M in bf16, 16 rows, 24 new tokens took 4.7-6.4 s per ``generate`` instead of 2.4-2.5 s
+    (Intel Xeon, 2026-12-03). A contiguous ``(B, 1, H)`` input folds into one matrix product; the copy is B x H
+    values. Nothing changes for a model without output embeddings.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def sample_responses(
     model: torch.nn.Module,
@@ -250,13 +291,14 @@ def sample_responses(
     # mode); dropout is already 0, so this changes no number.
     model.eval()
     try:
-        sequences = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=gen_cfg,
-            synced_gpus=synced_gpus,
-            **({"logits_processor": LogitsProcessorList([logprobs])} if logprobs is not None else {}),
-        )
+        with contiguous_head_inputs(model):
+            sequences = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=gen_cfg,
+                synced_gpus=synced_gpus,
+                **({"logits_processor": LogitsProcessorList([logprobs])} if logprobs is not None else {}),
+            )
     finally:
         model.train(was_training)
     response = sequences[:, input_ids.shape[1] :]

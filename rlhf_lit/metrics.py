@@ -153,8 +153,8 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_SAMPLER_LOGPROB_GAP: "rollout-policy guard: mean |sampler log-prob - trainer log-prob| over the "
     "sampled tokens of the iteration (all ranks), before the first update; the sampler's log-prob is that of "
     "the scores it drew each token from, the trainer's the rollout's old log-prob (nats per token; ~0 when the "
-    "sampler runs the policy's weights, ~1e-3 from a bf16 `sampling.copy_dtype` copy on the tiny config and "
-    "~0.03 on SmolLM2-135M; above sampling.logprob_gap_tolerance: a warning, or an error with "
+    "sampler runs the policy's weights in float32, ~1e-3 from a bf16 `sampling.copy_dtype` copy on the tiny "
+    "config and ~0.03 on SmolLM2-135M, as under bf16-mixed; above sampling.logprob_gap_tolerance: a warning, or an error with "
     "sampling.strict_sync)",
     ROLLOUT_SAMPLER_LOGPROB_GAP_MAX: "the largest of those per-token differences (nats per token)",
     PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",

@@ -59,9 +59,9 @@ def build_inference_copy(lm, dtype: torch.dtype) -> nn.Module:
     with torch.no_grad():
         for name, buffer in copy.named_buffers():
             buffer.copy_(buffers[name.replace(".base_layer.", ".")])
-    # requires_grad stays on (the copy only ever runs under no_grad and is in no optimizer): with it off,
-    # torch 2.13 on CPU multiplies generate's prefill slice (a strided view) by a frozen bf16 LM head through a
-    # batched matmul that first copies the weight once per row (SmolLM2, 16 rows: 7.5 s per generate, not 4.7)
+    # frozen: the copy is in no optimizer (generation.sample_responses gives its LM head contiguous inputs, which
+    # a frozen 16-bit head on a CPU needs to be fast: generation.contiguous_head_inputs)
+    copy.requires_grad_(False)
     copy.eval()
     return copy
 

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlhf_lit.generation import resolve_stop_ids
+from rlhf_lit.generation import compute_dtype, resolve_stop_ids
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
@@ -93,7 +93,8 @@ def rollout_settings(module, kl_estimator: str) -> RolloutSettings:
         skip_non_finite=module.shaping.skip_non_finite,
         seed=ppo.seed,
         reward_description=describe_reward_source(module.reward_model_cfg),
-        logprob_gap_tolerance=sampling.gap_tolerance,
+        # the trainer's precision is known at fit: PPOModule.on_fit_start resolves it again with it
+        logprob_gap_tolerance=sampling.gap_tolerance(compute_dtype(None, module.backbone_cfg.dtype)),
         strict_sync=sampling.strict_sync,
     )
 

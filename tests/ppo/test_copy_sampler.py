@@ -145,7 +145,7 @@ def test_ppo_samples_from_a_copy_with_the_gap_within_its_tolerance(tmp_path, cap
     if dtype == "float32":
         assert max(gaps) < 1e-5
     else:  # bf16 rounding is visible, within the stated tolerance
-        assert 1e-4 < min(gaps) and max(gaps) < GAP_TOLERANCE["bfloat16"] == sampling.gap_tolerance
+        assert 1e-4 < min(gaps) and max(gaps) < GAP_TOLERANCE["bfloat16"] == sampling.gap_tolerance()
     assert module.history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: the copy kept up with it
     assert _guard_warnings(caplog) == []
 
@@ -174,10 +174,13 @@ def test_a_copy_that_misses_its_updates_is_caught_on_every_later_iteration(tmp_p
 
 
 def test_the_settings_of_a_copy():
-    assert SamplingConfig().gap_tolerance == 1e-3 == GAP_TOLERANCE["float32"]
-    assert SamplingConfig(copy_dtype="float32").gap_tolerance == 1e-3
-    assert SamplingConfig(copy_dtype="bfloat16").gap_tolerance == 0.1
-    assert SamplingConfig(copy_dtype="bfloat16", logprob_gap_tolerance=0.02).gap_tolerance == 0.02
+    assert SamplingConfig().gap_tolerance() == 1e-3 == GAP_TOLERANCE["float32"]
+    assert SamplingConfig(copy_dtype="float32").gap_tolerance() == 1e-3
+    assert SamplingConfig(copy_dtype="bfloat16").gap_tolerance() == 0.1
+    assert SamplingConfig(copy_dtype="bfloat16", logprob_gap_tolerance=0.02).gap_tolerance() == 0.02
+    # a float32 copy checked against a bf16 trainer: the trainer's rounding sets the tolerance
+    assert SamplingConfig(copy_dtype="float32").gap_tolerance("bfloat16") == 0.1
+    assert SamplingConfig(logprob_gap_tolerance=0.02).gap_tolerance("bfloat16") == 0.02
     assert type(build_sampler(SamplingConfig(), [], 0)) is HFSampler
     assert type(build_sampler(SamplingConfig(copy_dtype="bfloat16"), [], 0)) is CopySampler
     with pytest.raises(ConfigError, match="sampling.copy_dtype cannot copy a 4-bit base"):

@@ -18,7 +18,13 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import ConfigError, SamplerSyncError, UserError
 from rlhf_lit.functional.sampler_gap import logprob_gap
-from rlhf_lit.generation import SampledLogprobs, SamplingConfig, bucket_length, sample_responses
+from rlhf_lit.generation import (
+    SampledLogprobs,
+    SamplingConfig,
+    bucket_length,
+    compute_dtype,
+    sample_responses,
+)
 from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import PPOConfig
@@ -102,7 +108,7 @@ def test_the_gap_is_zero_within_tolerance_on_every_iteration(tmp_path, caplog, m
     assert len(module.history) == 3
     for stats in module.history:
         # float32 on CPU: ~2e-7 mean, ~1e-6 max (KV-cache decoding against one full forward)
-        assert 0.0 <= stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5 < sampling.gap_tolerance
+        assert 0.0 <= stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5 < sampling.gap_tolerance()
         assert stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP_MAX] < 1e-4
     assert (
         module.history[-1][M.ROLLOUT_KL_REF] != 0.0
@@ -194,6 +200,41 @@ def test_a_sampler_without_the_adapter_is_caught_by_the_gap(tmp_path, caplog):
         _run(tmp_path, lr=1e-2, sampling=sampling, sampler=adapterless_sampler)
 
 
+def test_compute_dtype_by_hand():
+    assert compute_dtype("32-true", "float32") == "float32"
+    assert compute_dtype("bf16-mixed", "float32") == compute_dtype("bf16-true", "float32") == "bfloat16"
+    assert compute_dtype("16-mixed", "float32") == "float16"
+    assert compute_dtype(None, "bfloat16") == compute_dtype("32-true", "bfloat16") == "bfloat16"
+    assert compute_dtype(None, "float16") == "float16"
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "tolerance", "expected"),
+    [
+        ("32-true", "float32", None, 1e-3),
+        ("bf16-mixed", "float32", None, 0.1),
+        ("32-true", "bfloat16", None, 0.1),
+        ("bf16-mixed", "float32", 0.02, 0.02),
+    ],
+    ids=["fp32", "bf16-mixed", "bf16-weights", "set-by-user"],
+)
+def test_the_default_tolerance_follows_the_dtype_the_run_computes_in(tmp_path, precision, dtype, tolerance, expected):
+    """16-bit forwards make the sampler's KV-cache decoding and the trainer's full forward round differently
+    (SmolLM2-135M under bf16-mixed: 0.033 nats per token, far above float32's 1e-3), so the guard's default
+    tolerance is resolved at fit from the trainer's precision and the weights' dtype; a set value is kept."""
+    torch.manual_seed(0)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.7, logprob_gap_tolerance=tolerance)
+    module = make_module(
+        backbone=BackboneConfig(
+            tiny=TINY_GPT2, tokenizer="byte", dtype=dtype, lora=LoraSettings(r=4, alpha=8, target_modules=["c_attn"])
+        ),
+        sampling=sampling,
+        ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=1),
+    )
+    make_trainer(tmp_path, precision=precision).fit(module, datamodule=make_data(module, batch_size=4))
+    assert module.collector.settings.logprob_gap_tolerance == expected
+
+
 # -------------------------------------------------------------------------------------------- the backends
 def test_bucket_length_by_hand():
     assert [bucket_length(n) for n in (1, 16, 17, 31, 32, 33, 100)] == [16, 16, 32, 32, 32, 64, 128]
@@ -224,6 +265,35 @@ def test_the_static_backend_draws_what_hf_draws(do_sample):
         records[backend] = recorder.finish(out[backend][0])
     assert torch.equal(out["hf"][0], out["static"][0]) and out["hf"][0].shape == (3, 10)
     torch.testing.assert_close(records["static"], records["hf"], atol=1e-5, rtol=0)
+
+
+def test_the_lm_head_sees_contiguous_inputs_while_sampling_and_the_hook_is_removed():
+    """generate slices the last hidden states for the LM head (a strided view); sample_responses hands the head
+    a contiguous copy (a frozen 16-bit head on a CPU is slow on a strided input:
+    generation.contiguous_head_inputs), with the same tokens, and leaves no hook behind."""
+    torch.manual_seed(0)
+    base = load_backbone(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte")).requires_grad_(False)
+    lm = AdaptedLM(base, {"actor": LoraSettings(r=4, alpha=8, target_modules=["c_attn"])})
+    head = lm.model.get_output_embeddings()
+    seen: list[bool] = []
+    watch = head.register_forward_hook(lambda module, args, output: seen.append(args[0].is_contiguous()))
+    ids = torch.randint(3, 200, (3, 9))
+    mask = torch.ones_like(ids)
+    cfg = SamplingConfig(max_new_tokens=4, temperature=0.7)
+    with lm.adapter("actor"):
+        torch.manual_seed(1)
+        plain = lm.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.7, top_k=0,
+            pad_token_id=0, eos_token_id=[],
+        )
+        assert seen and not all(seen)  # without it, the prefill's slice is strided
+        seen.clear()
+        torch.manual_seed(1)
+        response, _, _ = sample_responses(lm.model, ids, mask, cfg, [], 0)
+    watch.remove()
+    assert len(seen) == 4 and all(seen)
+    assert torch.equal(response, plain[:, 9:])
+    assert not head._forward_pre_hooks
 
 
 # ------------------------------------------------------------------------------- the merged-adapter path
