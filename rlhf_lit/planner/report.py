@@ -50,10 +50,12 @@ def report(est: Estimate, device_memory_gb: float | None = None) -> str:
     for note in est.notes:
         lines.append(f"  note: {note}")
     if device_memory_gb:
-        need = est.peak * 1.10 + GiB
+        cpu = s.accelerator == "cpu"  # host memory: no CUDA context
+        need = est.peak * 1.10 + (0 if cpu else GiB)
         verdict = "fits" if need <= device_memory_gb * GiB else "does NOT fit"
         lines.append(
-            f"  {verdict} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB with 10 % allocator slack + 1 GiB CUDA context"
+            f"  {verdict} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB with 10 % allocator slack"
+            + ("" if cpu else " + 1 GiB CUDA context")
         )
     return "\n".join(lines)
 

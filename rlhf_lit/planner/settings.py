@@ -34,6 +34,7 @@ class RunSettings:
     backbone: BackboneConfig
     precision: str = "32-true"
     world_size: int = 1
+    accelerator: str = "auto"  # trainer.accelerator: "cpu" has no CUDA context to add
     sharded: bool = False
     optimizer: str = "adamw"
     # sequences per micro-batch (SFT), pairs per batch (reward, paired DPO), completions per batch (KTO),
@@ -139,6 +140,7 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
         backbone=backbone,
         precision=str(trainer.get("precision") or "32-true"),
         world_size=world * int(trainer.get("num_nodes") or 1),
+        accelerator=str(trainer.get("accelerator") or "auto"),
         sharded=any(k in strategy_name for k in ("fsdp", "modelparallel")),
         optimizer=(as_config(OptimizerConfig, init.get("optimizer")) or OptimizerConfig()).name,
         batch_size=int(data.get("batch_size", 1)),
