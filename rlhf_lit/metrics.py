@@ -51,6 +51,8 @@ ROLLOUT_NO_EOS_FRAC = "rollout/no_eos_frac"
 ROLLOUT_NON_FINITE_SCORES = "rollout/non_finite_scores"
 ROLLOUT_SAMPLER_LOGPROB_GAP = "rollout/sampler_logprob_gap"
 ROLLOUT_SAMPLER_LOGPROB_GAP_MAX = "rollout/sampler_logprob_gap_max"
+ROLLOUT_TIS_WEIGHT = "rollout/tis_weight"
+ROLLOUT_TIS_CAPPED_FRAC = "rollout/tis_capped_frac"
 
 # PPO update (means over the iteration's minibatches)
 PPO_POLICY_LOSS = "ppo/policy_loss"
@@ -157,6 +159,9 @@ GLOSSARY: dict[str, str] = {
     "config and ~0.03 on SmolLM2-135M, as under bf16-mixed; above sampling.logprob_gap_tolerance: a warning, or an error with "
     "sampling.strict_sync)",
     ROLLOUT_SAMPLER_LOGPROB_GAP_MAX: "the largest of those per-token differences (nats per token)",
+    ROLLOUT_TIS_WEIGHT: "with ppo.tis_cap: mean truncated importance-sampling weight min(pi_trainer / pi_sampler, "
+    "tis_cap) over the update tokens (all ranks); 1 when the sampler is the trainer's policy",
+    ROLLOUT_TIS_CAPPED_FRAC: "with ppo.tis_cap: fraction of the update tokens whose weight was capped at tis_cap",
     PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",
     PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2), aggregated as ppo.loss_aggregation",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",

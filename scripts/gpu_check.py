@@ -362,7 +362,9 @@ def build_module(
         ),
         sampling=SamplingConfig(
             max_new_tokens=work["new_tokens"],
-            min_new_tokens=work["new_tokens"],
+            # every response runs to max_new_tokens with no stop token (min_new_tokens would suppress the
+            # stop tokens while sampling but not in the trainer's softmax: a real gap the guard reports)
+            stop_at_eos=False,
             temperature=1.0,
             num_samples_per_prompt=group,
             backend=backend,

@@ -107,6 +107,7 @@ def ppo_policy_loss(
     clip_range: float,
     dual_clip: float | None = None,
     weights: Tensor | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss, optionally dual-clipped.
 
@@ -125,6 +126,9 @@ def ppo_policy_loss(
         dual_clip: c > 1, or None to disable.
         weights: (B, R) token weights of the loss (``masked_weighted_mean``; the loss aggregation); None =
             the token mean. The statistics are token means either way.
+        is_weights: (B, R) importance-sampling weights (no grad) multiplying each token's clipped term before
+            the aggregation (truncated importance sampling of a sampler that is not the trainer:
+            ``functional.sampler_gap.truncated_is_weights``); None = 1. The statistics ignore them.
 
     Returns:
         ``(loss, stats)``: 0-dim loss, the token-level masked mean (weighted by ``weights``). ``stats`` holds detached 0-dim
@@ -152,6 +156,8 @@ def ppo_policy_loss(
         cap = -dual_clip * advantages
         dual_bound = (advantages < 0) & (per_token > cap)
         per_token = torch.where(dual_bound, cap, per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     loss = masked_weighted_mean(per_token, mask, weights)
     with torch.no_grad():
         stats = {

@@ -24,9 +24,9 @@ temporary sibling and renamed (``os.replace``): a crash never leaves a half-writ
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
 from typing import Any
@@ -214,22 +214,23 @@ class ReferenceLogpCache:
         return self._tensor
 
     def save(self) -> None:
-        """Write the file atomically: a temporary file in the same folder, then ``os.replace``."""
+        """Write the file atomically (``rlhf_lit.outputs.replace_file``: a temporary sibling, fsync, then
+        ``os.replace``), readable as a plain ``open`` under the umask makes it (a cache folder may be shared).
+
+        Raises:
+            OutputError: the disk is full or the folder is not writable.
+        """
+        from rlhf_lit.outputs import replace_file
+
         os.makedirs(self.folder, exist_ok=True)
         payload = {
             "index": dict(self._index),
             "logps": self._table(),
             "key_parts": json.dumps(self.key_parts, default=str),
         }
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".ref_logps-", suffix=".tmp")
-        os.close(fd)
-        try:
-            torch.save(payload, tmp)
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        replace_file(self.path, buffer.getvalue())
 
     def __len__(self) -> int:
         return len(self._index)

@@ -23,7 +23,7 @@ from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
 from rlhf_lit.data.ptx import PTXStream
-from rlhf_lit.generation import SamplingConfig, compute_dtype
+from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.backbone import BackboneConfig
 from rlhf_lit.models.reward_source import RewardModelConfig
 from rlhf_lit.modules.common import (
@@ -41,6 +41,7 @@ from rlhf_lit.modules.ppo_build import (
     export_policy,
     hparams_of,
     optimizer_steps_per_iteration,
+    prepare_fit,
     reward_config,
     rollout_prompts,
 )
@@ -201,11 +202,7 @@ class PPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         log_data_report(self)
-        # the rollout-policy guard's default tolerance follows the dtype the forwards compute in (16-bit: 0.1)
-        compute = compute_dtype(str(self.trainer.precision), self.backbone_cfg.dtype)
-        self.collector.settings.logprob_gap_tolerance = self.sampling.gap_tolerance(compute)
-        if rollout_prompts(self):
-            check_batch_sizes(self.ppo, rollout_prompts(self), self.sampling.num_samples_per_prompt)
+        prepare_fit(self)  # the batch sizes; the guard's tolerance for the trainer's precision
         if self.ptx_cfg.coef > 0:
             stream = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
             if self._ptx_consumed:

@@ -14,13 +14,13 @@ from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
-from rlhf_lit.modules.ppo_config import check_stop_tokens
+from rlhf_lit.modules.ppo_config import check_batch_sizes, check_stop_tokens
 from rlhf_lit.parallel import gathered_parameters
 from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
 from rlhf_lit.rewards import MixedReward, RewardSourceConfig
 from rlhf_lit.rl.kl_control import build_kl_controller
 from rlhf_lit.rl.objectives import PPOObjective
-from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings, describe_reward_source
+from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings
 from rlhf_lit.rl.sampler import Sampler
 from rlhf_lit.rl.update import PPOUpdater, UpdateSettings
 
@@ -79,6 +79,20 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
     return tokenizer, stop_ids, policy, reward_source
 
 
+def prepare_fit(module) -> None:
+    """At fit start: check the batch sizes when the rollout size is known (``check_batch_sizes``), and set the
+    rollout-policy guard's tolerance for the dtype the forwards compute in, now that the trainer's precision is
+    known (``generation.compute_dtype``; ``sampling.logprob_gap_tolerance`` when set).
+
+    Raises:
+        ValueError: the minibatch sizes do not divide the rollout (``check_batch_sizes``).
+    """
+    if rollout_prompts(module):
+        check_batch_sizes(module.ppo, rollout_prompts(module), module.sampling.num_samples_per_prompt)
+    compute = compute_dtype(str(module.trainer.precision), module.backbone_cfg.dtype)
+    module.collector.settings.logprob_gap_tolerance = module.sampling.gap_tolerance(compute)
+
+
 def rollout_settings(module, kl_estimator: str) -> RolloutSettings:
     """The collector's settings from the module's configs (``sampling``, ``ppo``, ``shaping``, ``backbone_cfg``,
     ``reward_model_cfg``)."""
@@ -96,6 +110,7 @@ def rollout_settings(module, kl_estimator: str) -> RolloutSettings:
         # the trainer's precision is known at fit: PPOModule.on_fit_start resolves it again with it
         logprob_gap_tolerance=sampling.gap_tolerance(compute_dtype(None, module.backbone_cfg.dtype)),
         strict_sync=sampling.strict_sync,
+        tis_cap=ppo.tis_cap,
     )
 
 
@@ -215,3 +230,12 @@ def export_policy(module, path: str) -> None:
                 adapter_name="actor",
                 meta=meta,
             )
+
+
+def describe_reward_source(cfg) -> str:
+    """The reward model as the config (``RewardModelConfig``) names it, for error messages."""
+    if isinstance(cfg, list):
+        return "reward_model (a list of " + ", ".join(e.function or "model" for e in cfg) + ")"
+    if cfg.path is not None:
+        return f"reward_model.path={cfg.path!r} (mode {cfg.mode})"
+    return "reward_model.backbone (an untrained reward model built from config)"

@@ -72,6 +72,14 @@ class PPOConfig:
             default there, aggregated like the policy loss, added to it; GRPO, Shao et al. 2024 eq. 3-4).
             Default: the ``AlgorithmSpec``'s (``loss`` for ``grpo``, ``reward`` otherwise). ``kl.kl_coef``
             (and its controller) sets the weight either way.
+        tis_cap: truncated importance sampling of the policy loss: each update token's clipped-surrogate term
+            is multiplied by ``min(pi_trainer / pi_sampler, tis_cap)``, the trainer's probability of the token at
+            rollout time over the sampler's (its recorded log-prob), which removes the off-policy bias of a
+            sampler whose numbers differ from the trainer's (a 16-bit ``sampling.copy_dtype`` copy, or 16-bit
+            sampling against a float32 trainer) at a variance the cap bounds (Yao et al. 2025, "Your Efficient RL
+            Framework Secretly Brings You Off-Policy RL Training", their C; veRL's token-level
+            ``rollout_is_threshold``). Tokens without a recorded sampler log-prob weigh 1. Logged as
+            ``rollout/tis_weight`` and ``rollout/tis_capped_frac``. Null (the default): off.
         checkpoint_every: write a resumable checkpoint, ``<trainer.default_root_dir>/last.ckpt`` (replaced
             each time, atomically), after every this many iterations, so a run killed at any point
             resumes with ``--ckpt_path last`` and loses at most this many iterations
@@ -103,6 +111,7 @@ class PPOConfig:
     loss_norm_constant: float | None = ranged(None, "> 0 or null")
     kl_placement: Literal["reward", "loss"] | None = None
     checkpoint_every: int | None = ranged(None, "int >= 1 or null")
+    tis_cap: float | None = ranged(None, ">= 1 or null")
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "ppo.")  # the ranges declared above (ConfigError)

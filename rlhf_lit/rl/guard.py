@@ -25,13 +25,13 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import SamplerSyncError
-from rlhf_lit.functional.sampler_gap import logprob_gap
+from rlhf_lit.functional.sampler_gap import logprob_gap, truncated_is_weights
 from rlhf_lit.parallel.collectives import gather, global_sum, is_distributed
 from rlhf_lit.rl.sampler import adapter_fingerprint
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["check_sampler", "local_gap"]
+__all__ = ["check_sampler", "importance_weights", "local_gap", "sampler_logprobs"]
 
 
 def check_sampler(
@@ -97,7 +97,8 @@ def check_sampler(
             f"PPO iteration {iteration + 1}: the sampler is not the policy being trained: "
             + "; ".join(problems)
             + ". A stale sampler learns from off-policy data: check that the sampler receives every update "
-            "(Sampler.sync); a bf16 sampler differs from a float32 trainer by ~0.03 nats per token"
+            "(Sampler.sync); a bf16 sampler differs from a float32 trainer by ~0.03 nats per token, and "
+            "sampling.min_new_tokens > 0 widens the gap (stop tokens are suppressed while sampling only)"
         )
         if settings.strict_sync:
             raise SamplerSyncError(message)
@@ -106,17 +107,41 @@ def check_sampler(
     return stats
 
 
+def sampler_logprobs(
+    record, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The record's log-probs laid over the rollout's responses: ``(logprobs, known)``, each ``(B, R)``;
+    ``known`` is True on the real response tokens that are still the tokens the sampler drew (a wrapper of a
+    sampler may edit some) and that it recorded; ``logprobs`` is 0 elsewhere. All False when the record holds
+    no log-probs for these rows."""
+    logprobs = torch.zeros(response_ids.shape, dtype=torch.float32, device=response_ids.device)
+    known = torch.zeros(response_ids.shape, dtype=torch.bool, device=response_ids.device)
+    if record is None or record.logprobs is None or record.logprobs.shape[0] != response_ids.shape[0]:
+        return logprobs, known
+    width = min(record.logprobs.shape[1], response_ids.shape[1])
+    drawn = record.response_ids[:, :width].to(response_ids.device)
+    known[:, :width] = response_mask[:, :width] & (drawn == response_ids[:, :width])
+    logprobs[:, :width] = record.logprobs[:, :width].to(response_ids.device, torch.float32)
+    return logprobs, known
+
+
 def local_gap(
     record, response_ids: torch.Tensor, response_mask: torch.Tensor, old_logprobs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logprob_gap``'s ``(sum, count, max)`` on this rank: the record's log-probs against ``old_logprobs`` on
-    the real response tokens that are still the tokens the sampler drew (a wrapper of a sampler may edit some);
-    zeros when the record holds no log-probs for these rows."""
-    zero = torch.zeros((), dtype=torch.float64, device=old_logprobs.device)
-    if record is None or record.logprobs is None or record.logprobs.shape[0] != response_ids.shape[0]:
-        return zero, zero, zero
-    width = min(record.logprobs.shape[1], response_ids.shape[1])
-    drawn = record.response_ids[:, :width].to(response_ids.device)
-    mask = response_mask[:, :width] & (drawn == response_ids[:, :width])
-    sampler_logprobs = record.logprobs[:, :width].to(old_logprobs.device)
-    return logprob_gap(sampler_logprobs, old_logprobs[:, :width], mask)
+    the tokens :func:`sampler_logprobs` knows; zeros when the record holds no log-probs for these rows."""
+    logprobs, known = sampler_logprobs(record, response_ids, response_mask)
+    return logprob_gap(logprobs.to(old_logprobs.device), old_logprobs, known.to(old_logprobs.device))
+
+
+def importance_weights(
+    sampler, response_ids: torch.Tensor, response_mask: torch.Tensor, old_logprobs: torch.Tensor, cap: float | None
+) -> torch.Tensor | None:
+    """``(B, R)`` truncated importance-sampling weights of the policy loss (``ppo.tis_cap``;
+    ``functional.sampler_gap.truncated_is_weights``) from the log-probs the sampler recorded, 1 where it recorded
+    none; None when ``cap`` is None."""
+    if cap is None:
+        return None
+    drawn, known = sampler_logprobs(getattr(sampler, "last_record", None), response_ids, response_mask)
+    device = old_logprobs.device
+    return truncated_is_weights(old_logprobs, drawn.to(device), known.to(device), cap)

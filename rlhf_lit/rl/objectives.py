@@ -41,6 +41,7 @@ class MicroBatch:
         kl_coef: the weight of that KL term (this iteration's ``kl_coef``).
         token_weights: ``(b, R)`` the loss aggregation's token weights (``functional.aggregation.aggregation_weights``),
             or None for the plain token mean.
+        is_weights: ``(b, R)`` truncated importance-sampling weights of the policy term (``ppo.tis_cap``), or None.
     """
 
     input_ids: torch.Tensor
@@ -54,6 +55,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
     kl_coef: float = 0.0
     token_weights: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
 
 class Objective(Protocol):
@@ -76,7 +78,8 @@ class PPOObjective:
     means over the micro-batch's update tokens (weighted by ``mb.token_weights`` for another loss
     aggregation: ``ppo.loss_aggregation``).
 
-    Terms: ``policy`` = the clipped surrogate (``functional.losses.ppo_policy_loss``, dual clip optional)
+    Terms: ``policy`` = the clipped surrogate (``functional.losses.ppo_policy_loss``, dual clip optional;
+    each token's term times ``mb.is_weights`` when given: truncated importance sampling, ``ppo.tis_cap``)
     minus the entropy bonus, plus, with the KL in the loss (``mb.ref_logprobs`` given), ``kl_coef`` times the
     per-token estimate of KL(policy || reference) that ``kl.estimator`` names (default there: k3,
     ``exp(ref - logp) - (ref - logp) - 1``; GRPO: Shao et al. 2024, eq. 4), aggregated the same way; ``value`` = ``vf_coef`` times the (optionally clipped) value
@@ -131,6 +134,7 @@ class PPOObjective:
                 self.clip_range,
                 self.dual_clip,
                 weights=mb.token_weights,
+                is_weights=mb.is_weights,
             )
             stats[M.PPO_POLICY_LOSS] = loss
             stats[M.PPO_CLIPFRAC] = pg_stats["clipfrac"]

@@ -37,7 +37,7 @@ from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.generation import GAP_TOLERANCE
 from rlhf_lit.parallel.collectives import global_sum, is_distributed
 from rlhf_lit.reward_norm import ScoreShaper
-from rlhf_lit.rl.guard import check_sampler
+from rlhf_lit.rl.guard import check_sampler, importance_weights
 from rlhf_lit.rl.sampler import Sampler
 
 log = logging.getLogger("rlhf_lit")
@@ -96,6 +96,8 @@ class Rollout:
         reward_components: ``{name: (B,)}`` each source's unweighted scores when ``reward_model`` is a list
             (``rlhf_lit.rewards.MixedReward``), else empty.
         sampler_stats: the rollout-policy guard's figures (``rlhf_lit.rl.guard``), global over ranks.
+        is_weights: ``(B, R)`` truncated importance-sampling weights of the policy loss
+            (``functional.sampler_gap.truncated_is_weights``) with ``ppo.tis_cap``, else None; ``is_cap`` the cap.
     """
 
     prompt_ids: torch.Tensor
@@ -116,6 +118,8 @@ class Rollout:
     generation_s: float
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     sampler_stats: dict[str, float] = field(default_factory=dict)
+    is_weights: torch.Tensor | None = None
+    is_cap: float | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -176,6 +180,7 @@ class RolloutSettings:
         seed: ``ppo.seed``, seeds validation sampling.
         reward_description: how error messages name the reward function.
         logprob_gap_tolerance, strict_sync: the rollout-policy guard's (``sampling.*``; ``rlhf_lit.rl.guard``).
+        tis_cap: ``ppo.tis_cap`` (truncated importance-sampling weights from the sampler's log-probs), or None.
     """
 
     temperature: float
@@ -189,6 +194,7 @@ class RolloutSettings:
     reward_description: str = "the reward model"
     logprob_gap_tolerance: float = GAP_TOLERANCE["float32"]
     strict_sync: bool = False
+    tis_cap: float | None = None
 
 
 class RolloutCollector:
@@ -278,6 +284,8 @@ class RolloutCollector:
             generation_s=generation_s,
             reward_components=dict(getattr(self.reward_fn, "last_components", None) or {}),
             sampler_stats=sampler_stats,
+            is_weights=importance_weights(self.sampler, response_ids, response_mask, old_logprobs, s.tis_cap),
+            is_cap=s.tis_cap,
         )
 
     @torch.no_grad()
@@ -386,12 +394,3 @@ class RolloutCollector:
             + (f", and {len(bad) - 1} more (indices {bad[1:6]})" if len(bad) > 1 else "")
             + ". Set reward.skip_non_finite: true to drop such responses from the update instead"
         )
-
-
-def describe_reward_source(cfg) -> str:
-    """The reward model as the config (``RewardModelConfig``) names it, for error messages."""
-    if isinstance(cfg, list):
-        return "reward_model (a list of " + ", ".join(e.function or "model" for e in cfg) + ")"
-    if cfg.path is not None:
-        return f"reward_model.path={cfg.path!r} (mode {cfg.mode})"
-    return "reward_model.backbone (an untrained reward model built from config)"

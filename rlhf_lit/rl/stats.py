@@ -60,6 +60,10 @@ def iteration_stats(rollout: Rollout, adv: Advantages, has_stop_token: bool, dis
     stats[M.MONITOR_REF_PERPLEXITY] = torch.exp(
         -masked_mean(r.ref_logprobs, update_mask, distributed=distributed)
     )
+    if r.is_weights is not None:  # ppo.tis_cap: token means over the update tokens of every rank
+        capped = r.is_weights >= r.is_cap  # clamped to exactly the cap
+        stats[M.ROLLOUT_TIS_WEIGHT] = masked_mean(r.is_weights, update_mask, distributed=distributed)
+        stats[M.ROLLOUT_TIS_CAPPED_FRAC] = masked_mean(capped.float(), update_mask, distributed=distributed)
     return stats
 
 

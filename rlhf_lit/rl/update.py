@@ -65,6 +65,7 @@ class UpdateBatch:
         ref_logprobs: ``(B, R)`` with the KL in the loss, else None; ``kl_coef`` its weight.
         token_weights: ``(B, R)`` the loss aggregation's weights (``functional.aggregation.aggregation_weights``), or None for
             the plain token mean.
+        is_weights: ``(B, R)`` the policy loss's truncated importance-sampling weights (``Rollout.is_weights``), or None.
     """
 
     input_ids: torch.Tensor
@@ -78,6 +79,7 @@ class UpdateBatch:
     ref_logprobs: torch.Tensor | None = None
     kl_coef: float = 0.0
     token_weights: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(cls, rollout, adv, kl_coef: float | None = None) -> UpdateBatch:
@@ -94,6 +96,7 @@ class UpdateBatch:
             adv.advantages,
             adv.returns,
             **kl,
+            is_weights=rollout.is_weights,
         )
 
     def micro_batch(self, rows: torch.Tensor) -> MicroBatch:
@@ -117,6 +120,7 @@ class UpdateBatch:
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
             kl_coef=self.kl_coef,
             token_weights=None if self.token_weights is None else self.token_weights[rows],
+            is_weights=None if self.is_weights is None else self.is_weights[rows],
         )
 
 

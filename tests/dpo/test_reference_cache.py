@@ -55,6 +55,9 @@ def test_cached_runs_never_run_the_reference_in_steps_and_match_an_uncached_run_
     first, first_record = _fit(tmp_path / "first", data_path, cache, shuffle=False)
     files = os.listdir(cache)
     assert len(files) == 1 and files[0].startswith("ref_logps-") and files[0].endswith(".pt")  # no temp left
+    umask = os.umask(0)
+    os.umask(umask)  # the file's mode is a plain open()'s (a shared cache folder), not a private temp file's
+    assert os.stat(os.path.join(cache, files[0])).st_mode & 0o777 == 0o666 & ~umask
     # 8 train pairs / batch 4 + 4 val pairs / batch 4 = 3 batches, computed before training, none after
     assert first_record.forwards == {"start": 3, "end": 3}
 

@@ -20,9 +20,11 @@ from rlhf_lit.errors import ConfigError, SamplerSyncError
 from rlhf_lit.generation import GAP_TOLERANCE, SamplingConfig
 from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
 from rlhf_lit.models.inference_copy import build_inference_copy, load_merged_weights
-from rlhf_lit.modules.ppo_config import refuse_impossible_settings
+from rlhf_lit.modules.common import OptimizerConfig
+from rlhf_lit.modules.ppo_config import PPOConfig, refuse_impossible_settings
 from rlhf_lit.rl.sampler import CopySampler, HFSampler, adapter_fingerprint, build_sampler
 from tests.conftest import TINY_GPT2, TINY_LLAMA
+from tests.ppo.helpers import make_data, make_module, make_trainer
 from tests.ppo.test_sampler_guard import FIRES, _guard_warnings, _run
 from tests.tiny_runs import in_repo_root
 
@@ -148,6 +150,44 @@ def test_ppo_samples_from_a_copy_with_the_gap_within_its_tolerance(tmp_path, cap
         assert 1e-4 < min(gaps) and max(gaps) < GAP_TOLERANCE["bfloat16"] == sampling.gap_tolerance()
     assert module.history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: the copy kept up with it
     assert _guard_warnings(caplog) == []
+
+
+def _tis_run(tmp_path, sampling, tis_cap):
+    """Two PPO iterations with ``ppo.tis_cap``; the importance weights of every policy loss are recorded."""
+    torch.manual_seed(0)
+    ppo = PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=2, tis_cap=tis_cap)
+    module = make_module(ppo=ppo, optimizer=OptimizerConfig(lr=1e-2), sampling=sampling)
+    seen, loss = [], module.objective.loss
+
+    def recording(out, mb, terms):
+        if "policy" in terms:
+            seen.append((mb.is_weights, mb.mask))
+        return loss(out, mb, terms)
+
+    module.objective.loss = recording
+    make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=4))
+    return module, seen
+
+
+def test_truncated_importance_sampling_weighs_the_tokens_of_a_bf16_copy(tmp_path):
+    cap = 1.001  # bf16 rounding moves the weights by ~1e-3: some are capped
+    bf16 = SamplingConfig(max_new_tokens=8, temperature=0.7, copy_dtype="bfloat16")
+    module, seen = _tis_run(tmp_path / "bf16", bf16, cap)
+    assert len(module.history) == 2 and len(seen) == 2  # 4 responses a rollout: one minibatch an iteration
+    weights = torch.cat([w[m] for w, m in seen])
+    assert weights.max() <= cap and (weights - 1).abs().max() > 1e-4  # bf16 rounding reaches the loss
+    # the logged figures are those of the weights the loss used (one epoch: every update token once)
+    for stats, (w, m) in zip(module.history, seen, strict=True):
+        assert stats[M.ROLLOUT_TIS_WEIGHT] == pytest.approx(float(w[m].mean()), rel=1e-5)
+        assert stats[M.ROLLOUT_TIS_CAPPED_FRAC] == pytest.approx(float((w[m] == cap).float().mean()), rel=1e-5)
+    assert 0.0 < max(stats[M.ROLLOUT_TIS_CAPPED_FRAC] for stats in module.history) < 1.0
+    # a float32 sampler is the trainer's policy: every weight is 1 up to float rounding
+    module, seen = _tis_run(tmp_path / "fp32", SamplingConfig(max_new_tokens=8, temperature=0.7), 2.0)
+    assert (torch.cat([w[m] for w, m in seen]) - 1).abs().max() < 1e-5
+    assert module.history[0][M.ROLLOUT_TIS_CAPPED_FRAC] == 0.0
+    # off by default: no weights, no metric
+    module, seen = _tis_run(tmp_path / "off", SamplingConfig(max_new_tokens=8, temperature=0.7), None)
+    assert all(w is None for w, _ in seen) and M.ROLLOUT_TIS_WEIGHT not in module.history[0]
 
 
 def missed_sync_sampler(sampling, stop_ids, pad_token_id):

@@ -49,6 +49,15 @@ def test_ppo_objective_by_hand_and_split_into_its_terms():
     assert OBJECTIVE.wants(("value",)) == {"want_logprobs": False, "want_values": True, "want_entropy": False}
 
 
+def test_the_objective_weighs_the_policy_term_by_the_importance_weights():
+    # ratio 1: per-token policy terms -A = (-1, +1); weights (3, 1): mean(-3, 1) = -1 instead of 0, and the
+    # entropy and value terms are untouched: -1 + 0.25 - 0.1 = -0.85
+    out, mb = _case()
+    mb.is_weights = torch.tensor([[3.0, 1.0, 7.0]])  # the padded token's weight never counts
+    loss, stats = OBJECTIVE.loss(out, mb, ("policy", "value"))
+    assert abs(float(stats[M.PPO_POLICY_LOSS]) - (-1.0)) < 1e-7 and abs(float(loss) - (-0.85)) < 1e-7
+
+
 class _NoCritic:
     """A stand-in critic-free estimator: every token's advantage is its sequence's score minus the batch mean."""
 

@@ -14,6 +14,7 @@ from rlhf_lit.functional import (
     ppo_value_loss,
     sft_nll,
 )
+from rlhf_lit.functional.sampler_gap import truncated_is_weights
 
 
 def close(actual, expected, atol=1e-6):
@@ -158,6 +159,34 @@ def test_policy_loss_dual_clip():
         ppo_policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 0.2, dual_clip=1.0)
     with pytest.raises(ValueError, match="clip_range"):
         ppo_policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 0.0)
+
+
+def test_policy_loss_with_truncated_importance_weights_by_hand():
+    # ratios 1.1, 0.5, 2.0 (eps 0.2) with A = +1, -1, +1: clipped terms -1.1, +0.8, -1.2; weights 0.5, 2, 1;
+    # the third token is padding (mask 0): (-0.55 + 1.6) / 2 = 0.525; the statistics ignore the weights
+    logp = torch.log(torch.tensor([[1.1, 0.5, 2.0]])).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    is_weights = torch.tensor([[0.5, 2.0, 1.0]])
+    loss, stats = ppo_policy_loss(logp, torch.zeros(1, 3), adv, mask, 0.2, is_weights=is_weights)
+    close(loss, 0.525)
+    _, plain = ppo_policy_loss(logp, torch.zeros(1, 3), adv, mask, 0.2)
+    for key in ("clipfrac", "approx_kl", "ratio_mean"):
+        close(stats[key], plain[key])
+    loss.backward()  # token 1 is unclipped: d/dlogp of -A r w = -1.1 x 0.5 / 2 tokens; token 2 is clipped: 0
+    close(logp.grad, torch.tensor([[-0.275, 0.0, 0.0]]))
+
+
+def test_truncated_is_weights_by_hand():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    sampler = torch.tensor([[-1.5, -1.0, float("-inf"), -3.0]])
+    known = torch.tensor([[True, True, False, True]])
+    # exp(0.5) = 1.6487 capped at 1.5; exp(-1) = 0.36788; unknown: 1 (its -inf never read); equal: 1
+    close(truncated_is_weights(trainer, sampler, known, 1.5), torch.tensor([[1.5, 0.36788, 1.0, 1.0]]))
+    with pytest.raises(ValueError, match=">= 1"):
+        truncated_is_weights(trainer, sampler, known, 0.5)
+    with pytest.raises(ValueError, match="shapes differ"):
+        truncated_is_weights(trainer, sampler[:, :3], known, 2.0)
 
 
 def test_policy_loss_property_monotone_in_ratio_for_positive_advantage():
