@@ -112,6 +112,8 @@ def main(args: list[str] | None = None) -> None:
             raise
         if debug:
             traceback.print_exception(err)
+        # what stdout holds goes out first (a progress bar's last line), so with 2>&1 the message starts a line
+        sys.stdout.flush()
         print(f"rlhf-lit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:

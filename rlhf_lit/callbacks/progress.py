@@ -51,6 +51,13 @@ class StageProgressBar(TQDMProgressBar):
             metrics["iter"] = int(round(float(metrics["iter"])))
         return metrics
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Close the open bars, so their line ends before the CLI prints the error (``rlhf-lit: error: ...``
+        then starts a line of its own, also under ``2>&1``)."""
+        for bar in (self._train_progress_bar, self._val_progress_bar):
+            if bar is not None and not bar.disable:
+                bar.close()
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
         # after every on_fit_end hook, the modules' and the export callbacks': the export is written by now
         super().teardown(trainer, pl_module, stage)

@@ -4,12 +4,16 @@ says, and ``validate --ckpt_path`` scores sampled responses (``val/*``) without 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 
 import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import StageProgressBar
 from rlhf_lit.cli import cli_main
+from tests.cli.helpers import console_script
+from tests.conftest import REPO_ROOT
 from tests.tiny_runs import in_repo_root, one_thread
 
 SMALL = [
@@ -83,3 +87,31 @@ def test_the_rollout_batch_size_is_linked_from_the_data_module_at_parse_time():
     assert cli.config["model"]["init_args"]["rollout_batch_size"] == 8
     assert cli.model.rollout_batch_size == 8
     assert cli.model.optimizer_steps_per_iteration() == 1 * (8 // 2)  # ppo_epochs 1 x 4 minibatches
+
+
+def test_a_mid_run_error_starts_its_own_line_after_the_progress_bar(tmp_path):
+    """The guard stops iteration 1 (``strict_sync``; ``min_new_tokens`` suppresses the stop tokens while sampling
+    only: a real gap above float32's 1e-3). With stdout and stderr in one stream (``2>&1``) the progress bar's
+    line ends before the message (``StageProgressBar.on_exception``, the CLI flushes stdout first)."""
+    result = subprocess.run(
+        [
+            console_script(),
+            "fit",
+            *SMALL,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.init_args.sampling.min_new_tokens=8",
+            "--model.init_args.sampling.strict_sync=true",
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert "it/s]" in result.stdout  # the bar was drawn
+    errors = [line for line in result.stdout.splitlines() if "rlhf-lit: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        "rlhf-lit: error: PPO iteration 1: the sampler is not the policy being trained"
+    ), errors
