@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -103,6 +104,13 @@ def test_the_fit_verdict_adds_a_cuda_context_on_gpus_only(capsys):
     assert f"fits in 24 GiB: needs ~{peak * 1.10 / GiB:.2f} GiB with 10 % allocator slack\n" in cpu_out + "\n"
     assert "CUDA context" not in cpu_out
     assert f"needs ~{(peak * 1.10 + GiB) / GiB:.2f} GiB with 10 % allocator slack + 1 GiB CUDA context" in gpu_out
+    with in_repo_root():  # --json holds the same verdict
+        main(["plan", "--config", "configs/sft/tiny.yaml", "--device-memory-gb", "24", "--json"])
+        data = json.loads(capsys.readouterr().out)
+        main(["plan", "--config", "configs/sft/tiny.yaml", "--json"])
+        plain = json.loads(capsys.readouterr().out)
+    assert data["needed_bytes"] == pytest.approx(peak * 1.10) and data["fits"] is True
+    assert data["device_memory_gb"] == 24 and "fits" not in plain
 
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)

@@ -16,10 +16,12 @@ from rlhf_lit.planner.formulas import GiB, MiB
 # configs through transformers) are imported when a plan is made
 
 _DESCRIPTION = (
-    "Memory planner: the peak accelerator memory of a run, estimated from its configs before anything loads."
+    "Memory planner: the peak accelerator memory of a run, estimated from its configs before anything loads. "
+    "Stack configs as fit does (--config a.yaml --config b.yaml); --key=value overrides as fit takes them "
+    "(e.g. --data.init_args.batch_size=4)."
 )
 
-__all__ = ["main", "plan", "report"]
+__all__ = ["fit_verdict", "main", "plan", "report"]
 
 
 def _fmt(nbytes: float) -> str:
@@ -50,14 +52,19 @@ def report(est: Estimate, device_memory_gb: float | None = None) -> str:
     for note in est.notes:
         lines.append(f"  note: {note}")
     if device_memory_gb:
-        cpu = s.accelerator == "cpu"  # host memory: no CUDA context
-        need = est.peak * 1.10 + (0 if cpu else GiB)
-        verdict = "fits" if need <= device_memory_gb * GiB else "does NOT fit"
+        need, fits = fit_verdict(est, device_memory_gb)
         lines.append(
-            f"  {verdict} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB with 10 % allocator slack"
-            + ("" if cpu else " + 1 GiB CUDA context")
+            f"  {'fits' if fits else 'does NOT fit'} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB "
+            "with 10 % allocator slack" + ("" if est.settings.accelerator == "cpu" else " + 1 GiB CUDA context")
         )
     return "\n".join(lines)
+
+
+def fit_verdict(est: Estimate, device_memory_gb: float) -> tuple[float, bool]:
+    """``(needed bytes, fits)``: the estimated peak plus 10 % allocator slack, plus 1 GiB of CUDA context unless
+    the config's ``trainer.accelerator`` is the CPU (host memory), against ``device_memory_gb`` GiB."""
+    need = est.peak * 1.10 + (0 if est.settings.accelerator == "cpu" else GiB)
+    return need, need <= device_memory_gb * GiB
 
 
 def plan(
@@ -121,9 +128,18 @@ def main(argv: list[str] | None = None) -> None:
                     "static_bytes": est.static,
                     "phases": est.phases,
                     "rows": [{"component": n, "bytes": b, "note": t} for n, b, t in est.rows],
+                    **_verdict_json(est, args.device_memory_gb),
                 },
                 indent=2,
             )
         )
     else:
         print(report(est, args.device_memory_gb))
+
+
+def _verdict_json(est: Estimate, device_memory_gb: float | None) -> dict:
+    """``--json``'s fit verdict, with ``--device-memory-gb`` only."""
+    if not device_memory_gb:
+        return {}
+    need, fits = fit_verdict(est, device_memory_gb)
+    return {"device_memory_gb": device_memory_gb, "needed_bytes": need, "fits": fits}
