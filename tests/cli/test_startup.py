@@ -116,3 +116,16 @@ def test_a_lightning_line_is_printed_once():
     ).stderr
     assert err.count("a lightning line") == 1, err
     assert err.count("an rlhf_lit line") == 1, err
+
+
+def test_python_dash_m_usage_names_the_command():
+    """``python -m rlhf_lit`` is the ``rlhf-lit`` command: its usage line says so, not ``__main__.py``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rlhf_lit", "plan", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    assert out.startswith("usage: rlhf-lit plan"), out[:200]
