@@ -237,7 +237,8 @@ def is_known(name: str) -> bool:
 def glossary_markdown() -> str:
     """The metric glossary of docs/metrics.md (tests/test_readme.py checks that the page holds exactly this table)."""
     rows = ["| metric | meaning |", "|---|---|"]
-    rows += [f"| `{name}` | {text} |" for name, text in GLOSSARY.items()]
+    # a "|" inside a cell ends it in Markdown tables: escaped ("|a - b|", "KL(p || q)")
+    rows += [f"| `{name}` | {text.replace('|', chr(92) + '|')} |" for name, text in GLOSSARY.items()]
     return "\n".join(rows)
 
 

@@ -97,7 +97,9 @@ def plan(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlhf-lit plan", description=_DESCRIPTION)
     parser.add_argument("--config", action="append", required=True, help="a config; repeat to stack them")
-    parser.add_argument("--device-memory-gb", type=float, default=None, help="say whether the run fits")
+    parser.add_argument(
+        "--device-memory-gb", type=float, default=None, help="memory of one device in GiB: say whether the run fits"
+    )
     parser.add_argument("--model-config", default=None, help="a config.json (or its folder) for the model")
     parser.add_argument(
         "--world-size",

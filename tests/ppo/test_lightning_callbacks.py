@@ -1,5 +1,6 @@
-"""PPO's metrics reach Lightning's callbacks: ``ModelCheckpoint(monitor="rollout/score_mean", mode="max")``
-keeps the checkpoint of the best iteration (one training step = one iteration)."""
+"""PPO's metrics reach Lightning's callbacks: ``ModelCheckpoint(monitor="rollout/score_mean", mode="max",
+every_n_train_steps=1)`` keeps the checkpoint of the best iteration (one training batch = one iteration, however many
+optimizer steps it takes)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ ITERATIONS = 4
 
 def test_model_checkpoint_on_the_rollout_score_keeps_the_best_iteration(tmp_path):
     torch.manual_seed(0)
-    # one optimizer step per iteration (1 epoch x 1 minibatch), so every_n_train_steps=1 checks each iteration
-    module = make_module(ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=ITERATIONS))
+    # 4 optimizer steps per iteration (2 epochs x 2 minibatches): every_n_train_steps=1 still checks each iteration
+    module = make_module(ppo=PPOConfig(ppo_epochs=2, ppo_minibatch_size=2, total_iterations=ITERATIONS))
     best = ModelCheckpoint(
         dirpath=tmp_path / "ckpt",
         monitor=M.ROLLOUT_SCORE_MEAN,
@@ -35,3 +36,4 @@ def test_model_checkpoint_on_the_rollout_score_keeps_the_best_iteration(tmp_path
     assert saved["ppo_state"]["iteration"] == best_iteration
     assert saved["ppo_state"]["history"][-1][M.ROLLOUT_SCORE_MEAN] == max(scores)
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 1
+    assert trainer.global_step == 4 * ITERATIONS  # optimizer steps, not iterations
