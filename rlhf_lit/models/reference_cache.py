@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from rlhf_lit.outputs import replace_file
+
 __all__ = [
     "ReferenceLogpCache",
     "cache_key",
@@ -220,8 +222,6 @@ class ReferenceLogpCache:
         Raises:
             OutputError: the disk is full or the folder is not writable.
         """
-        from rlhf_lit.outputs import replace_file
-
         os.makedirs(self.folder, exist_ok=True)
         payload = {
             "index": dict(self._index),

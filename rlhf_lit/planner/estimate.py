@@ -264,7 +264,7 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     B, P, R, m = s.batch_size * s.samples_per_prompt, s.prompt_len, s.response_len, s.ppo_micro_batch
     T = P + R
     # a sampling copy decodes in its own dtype (no autocast there); otherwise the trainer's activation bytes
-    s_kv = {"float32": 4, "bfloat16": 2, "float16": 2}[s.sampling_copy_dtype] if s.sampling_copy_dtype else z.s_a
+    s_kv = DTYPE_BYTES[s.sampling_copy_dtype] if s.sampling_copy_dtype else z.s_a
     kv_cache = est.add(
         "KV cache (rollout)",
         2 * L * B * T * shape.kv * s_kv,
