@@ -505,29 +505,14 @@ def measure_size(
     del model
     _reset_peak(device)
     for algorithm in ("ppo", "grpo"):
-        per_backend: dict = {}
-        for backend in ITERATION_BACKENDS:
-            if backend == "paged":
-                per_backend[backend] = (
-                    "unavailable: PPOModule's sampling.backend is hf or static; continuous batching "
-                    "(generate_batch) is not offered (rlhf_lit.generation.SamplingConfig, backend)"
-                )
-                continue
-            if backend == "static":  # after every size's hf iterations (main: static_iterations)
-                per_backend[backend] = (
-                    f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
-                    "(time budget)"
-                )
-                continue
-            print(
-                f"== {name}: one {algorithm.upper()} iteration ({backend}; {clock.used():.0f} s so far)",
-                flush=True,
-            )
-            per_backend[backend] = _guarded(
-                clock, run_iteration, spec, algorithm, work, device, dry_run, out, backend=backend
-            )
-            print(f"   {algorithm} {backend}: {per_backend[backend]}", flush=True)
-        result[algorithm] = per_backend
+        result[algorithm] = {
+            "hf": _iteration(name, spec, algorithm, "hf", work, device, dry_run, clock, out),
+            # after every size's hf iterations (main: static_iterations), so a slow compile costs only what follows
+            "static": f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
+            "(time budget)",
+            "paged": "unavailable: PPOModule's sampling.backend is hf or static; continuous batching "
+            "(generate_batch) is not offered (rlhf_lit.generation.SamplingConfig, backend)",
+        }
     if name in nf4_sizes:
         result["nf4"] = measure_nf4(name, spec, work, device, dry_run, clock, out)
     else:
@@ -540,10 +525,15 @@ def static_iterations(name: str, spec: dict, work: dict, device, dry_run: bool, 
     """One PPO and one GRPO iteration sampling with ``sampling.backend: static``, into ``result[algorithm]``;
     run after every size's ``hf`` iterations, so a slow compile costs only what comes after it."""
     for algorithm in ("ppo", "grpo"):
-        print(f"== {name}: one {algorithm.upper()} iteration (static; {clock.used():.0f} s so far)", flush=True)
-        value = _guarded(clock, run_iteration, spec, algorithm, work, device, dry_run, out, backend="static")
-        result[algorithm]["static"] = value
-        print(f"   {algorithm} static: {value}", flush=True)
+        result[algorithm]["static"] = _iteration(name, spec, algorithm, "static", work, device, dry_run, clock, out)
+
+
+def _iteration(name: str, spec: dict, algorithm: str, backend: str, work: dict, device, dry_run: bool, clock, out):
+    """:func:`run_iteration` under the time budget (``_guarded``), announced and reported on stdout."""
+    print(f"== {name}: one {algorithm.upper()} iteration ({backend}; {clock.used():.0f} s so far)", flush=True)
+    value = _guarded(clock, run_iteration, spec, algorithm, work, device, dry_run, out, backend=backend)
+    print(f"   {algorithm} {backend}: {value}", flush=True)
+    return value
 
 
 def measure_nf4(name, spec, work, device, dry_run, clock, out) -> dict:
