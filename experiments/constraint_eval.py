@@ -1,6 +1,7 @@
 """Evaluation and report of ``experiments/constraint_proof.py``: held-out constraint pass rate (with standard
 errors) and KL to the reference of a policy (the start, or the start plus a trained LoRA adapter), the
-training curves from the runs' CSV logs, and ``report.json`` / ``report.md`` / ``curves.png``.
+training curves from the runs' CSV logs, the mean of a run over its seeds, and ``report.json`` / ``report.md`` /
+``curves.png``.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ def training_history(run_dir: Path) -> list[dict]:
     with open(files[-1]) as f:
         rows = list(csv.DictReader(f))
     keep = ("rollout/score_mean", "rollout/kl_ref", "rollout/response_len", "rollout/no_eos_frac")
+    # logged only with ppo.dynamic_sampling (DAPO): its filtered groups and extra rounds, i.e. its extra sampling
+    keep += ("rollout/filtered_groups", "rollout/dynamic_sampling_rounds")
     out = []
     for row in rows:
         if row.get("rollout/score_mean"):
@@ -187,6 +190,116 @@ def run_summary(config: dict, run_dir: Path, wall_s: float, before: dict, after:
     )
 
 
+def _mean_and_ses(values: list[float], eval_ses: list[float]) -> tuple[float, float | None, float]:
+    """``(mean, SE over seeds, SE of the evaluation)`` of one figure of S seeds' runs: the SE over seeds is
+    ``s / sqrt(S)`` of the S values (None for one seed); the evaluation's is ``sqrt(sum SE_s^2) / S``, the
+    sampling noise of the held-out evaluation alone."""
+    mean, seed_se = mean_se(values)
+    eval_se = math.sqrt(sum(se**2 for se in eval_ses)) / len(eval_ses)
+    return mean, (None if len(values) < 2 else seed_se), eval_se
+
+
+def method_summary(before: dict, runs: list[dict]) -> dict:
+    """One run (method) over its seeds: the means of its seeds' figures (``run_summary`` dicts ``runs``, each
+    with its ``seed``), each with two standard errors, and the headline SE, the larger of the two.
+
+    The SE over seeds (``s / sqrt(S)``) holds the training's seed-to-seed variation and, in expectation, the
+    evaluation's noise, but with two seeds it rests on one degree of freedom and can come out small by chance;
+    the evaluation's SE (``sqrt(sum SE_s^2) / S``) is a floor. The pass-rate change is the mean pass rate after
+    minus the start's, which every seed shares: its SE adds the start's, ``sqrt(SE_after^2 + SE_start^2)``.
+    E.g. after 0.7 +- 0.03 and 0.5 +- 0.04 from 0.3 +- 0.03: mean 0.6, SE over seeds 0.1 (half the spread of two
+    values), of the evaluation 0.025; change +0.3 +- sqrt(0.1^2 + 0.03^2) = 0.104.
+    """
+    afters = [r["after"] for r in runs]
+    p, p_seeds, p_eval = _mean_and_ses([a["pass_rate"] for a in afters], [a["pass_rate_se"] for a in afters])
+    kl, kl_seeds, kl_eval = _mean_and_ses([a["kl"] for a in afters], [a["kl_se"] for a in afters])
+    b_se = before["pass_rate_se"]
+    p_se = p_eval if p_seeds is None else max(p_seeds, p_eval)
+    rise = p - before["pass_rate"]
+    rise_se = math.sqrt(p_se**2 + b_se**2)
+    budget = runs[0]["kl_budget"]
+    return dict(
+        seeds=[r.get("seed") for r in runs],
+        estimator=runs[0]["estimator"],
+        pass_rate=p,
+        pass_rate_se=p_se,
+        pass_rate_se_seeds=p_seeds,
+        pass_rate_se_eval=p_eval,
+        rise=rise,
+        rise_se=rise_se,
+        rise_se_seeds=None if p_seeds is None else math.sqrt(p_seeds**2 + b_se**2),
+        rise_se_eval=math.sqrt(p_eval**2 + b_se**2),
+        rise_in_se=rise / rise_se if rise_se > 0 else float("inf"),
+        rise_above_3se=rise > NUM_SE * rise_se,
+        kl=kl,
+        kl_se=kl_eval if kl_seeds is None else max(kl_seeds, kl_eval),
+        kl_se_seeds=kl_seeds,
+        kl_se_eval=kl_eval,
+        kl_budget=budget,
+        kl_under_budget=None if budget is None else kl < budget,
+        mean_words=mean_se([a["mean_words"] for a in afters])[0],
+        eos_rate=mean_se([a["eos_rate"] for a in afters])[0],
+        fit_minutes=mean_se([r["fit_minutes"] for r in runs])[0],
+    )
+
+
+def method_summaries(report: dict) -> dict:
+    """``{run: method_summary}`` over the seeded runs of ``report["runs"]`` (keys ``<run>/seed<s>``, in order of
+    first appearance), each with ``vs``: its mean pass rate minus the first run's, and that difference's SE
+    ``sqrt(SE_a^2 + SE_b^2)`` (the start's SE cancels: both are measured from the same start); None for the
+    first.
+    """
+    groups: dict[str, list[dict]] = {}
+    for key, run in report["runs"].items():
+        if "seed" in run:
+            groups.setdefault(key.rsplit("/seed", 1)[0], []).append(run)
+    out = {name: method_summary(report["before"], runs) for name, runs in groups.items()}
+    names = list(out)
+    for i, m in enumerate(out.values()):
+        if i == 0:
+            m["vs"] = None
+            continue
+        ref = out[names[0]]
+        diff = m["pass_rate"] - ref["pass_rate"]
+        se = math.sqrt(m["pass_rate_se"] ** 2 + ref["pass_rate_se"] ** 2)
+        m["vs"] = dict(run=names[0], diff=diff, diff_se=se, diff_in_se=diff / se if se > 0 else float("inf"))
+    return out
+
+
+def _methods_markdown(report: dict) -> list[str]:
+    """The per-run table over seeds (``report["methods"]``)."""
+    first = next(iter(report["methods"]))
+    lines = [
+        "",
+        f"## Mean over seeds {report['seeds']}",
+        "",
+        "SE: the larger of the SE over seeds and the evaluation's alone (both given, seeds / evaluation); the "
+        "change adds the start's SE; the difference to the first run does not (the same start).",
+        "",
+        f"| run | held-out pass rate +- SE | change +- SE (in SE) | vs {first} +- SE | KL to reference, "
+        "nats/response +- SE (budget) | mean words | EOS rate | fit minutes (mean) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ses(seeds, evaluation):
+        return f"{'-' if seeds is None else f'{seeds:.3f}'} / {evaluation:.3f}"
+
+    for name, m in report["methods"].items():
+        v = m["vs"]
+        vs = "" if v is None else f"{v['diff']:+.3f} +- {v['diff_se']:.3f} ({v['diff_in_se']:.1f} SE)"
+        p_ses = ses(m["pass_rate_se_seeds"], m["pass_rate_se_eval"])
+        lines.append(
+            f"| {name} | {m['pass_rate']:.3f} +- {m['pass_rate_se']:.3f} ({p_ses}) "
+            f"| {m['rise']:+.3f} +- {m['rise_se']:.3f} ({m['rise_in_se']:.1f} SE, "
+            f"{'>' if m['rise_above_3se'] else 'NOT >'} 3 SE) | {vs} "
+            f"| {m['kl']:.3f} +- {m['kl_se']:.3f} ({ses(m['kl_se_seeds'], m['kl_se_eval'])}; "
+            f"{m['kl_budget']}; "
+            f"{'under' if m['kl_under_budget'] else 'OVER'}) | {m['mean_words']:.1f} | {m['eos_rate']:.2f} "
+            f"| {m['fit_minutes']:.1f} |"
+        )
+    return lines
+
+
 def markdown(report: dict) -> str:
     b = report["before"]
     lines = [
@@ -209,6 +322,8 @@ def markdown(report: dict) -> str:
             f"({r['kl_budget']}; {'under' if r['kl_under_budget'] else 'OVER'}) | {a['mean_words']:.1f} | "
             f"{a['eos_rate']:.2f} | {r['fit_minutes']:.1f} |"
         )
+    if report.get("methods"):
+        lines += _methods_markdown(report)
     return "\n".join(lines) + "\n"
 
 
@@ -230,8 +345,11 @@ def plot(report: dict, path: Path) -> None:
     rates = [report["before"]] + [r["after"] for r in report["runs"].values()]
     axes[2].bar(names, [x["pass_rate"] for x in rates], yerr=[x["pass_rate_se"] for x in rates], capsize=6)
     axes[2].set(title="held-out pass rate (+- 1 SE)", ylim=(0, 1))
+    if report.get("methods"):  # several seeds: long run names
+        axes[2].tick_params(axis="x", labelrotation=45)
     for ax in axes[:2]:
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no curves without CSV logs
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Proof on real prompts: GRPO and PPO (GAE) from the same start, trained on a verifiable instruction
-constraint, evaluated on held-out prompts before and after.
+constraint, evaluated on held-out prompts before and after; or GRPO vs DAPO vs GSPO over several seeds.
 
     python experiments/constraint_proof.py                     # both runs + evaluation, report in checkpoints/constraint_proof
     python experiments/constraint_proof.py --runs grpo         # one run
     python experiments/constraint_proof.py --threads 1 --out /tmp/proof
+    python experiments/constraint_proof.py --runs grpo,dapo,gspo --seeds 0,1 --out checkpoints/constraint_pg
 
 What it does (every step writes under ``--out``):
 
@@ -25,6 +26,13 @@ What it does (every step writes under ``--out``):
    config's ``kl.target_kl`` budget.
 4. Report: ``report.json``, ``report.md`` and ``curves.png`` (training score and KL per iteration; held-out
    pass rates with 1-SE bars).
+
+With ``--seeds 0,1`` every run is trained once per seed (the config's ``seed_everything`` and ``ppo.seed`` set to
+it, after any ``--set``), all from the same start and on the same prompt split, evaluated with the same
+``--seed``; seed 0's runs come first. Outputs go under ``<out>/<run>/seed<s>/`` and the report's ``runs`` are
+``<run>/seed<s>``; ``report["methods"]`` adds, per run, the mean over its seeds (``constraint_eval.method_summary``)
+and the difference of its held-out pass rate to the first run's. Without ``--seeds`` each run is trained once
+with its config's seeds, as before.
 """
 
 from __future__ import annotations
@@ -49,7 +57,10 @@ DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "oasst_prompt_lo
 CONFIGS = {
     "grpo": REPO / "configs" / "ppo" / "smollm2_constraint_grpo.yaml",
     "gae": REPO / "configs" / "ppo" / "smollm2_constraint_gae.yaml",
+    "dapo": REPO / "configs" / "ppo" / "smollm2_constraint_dapo.yaml",
+    "gspo": REPO / "configs" / "ppo" / "smollm2_constraint_gspo.yaml",
 }
+SEED_KEYS = ("seed_everything", "model.init_args.ppo.seed")  # what --seeds sets in each run's config
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -97,6 +108,32 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``--seeds``: distinct integers, comma-separated; None (no option) keeps the configs' seeds.
+
+    Raises:
+        ValueError: an entry that is not an integer, a repeated seed, or no seed at all.
+    """
+    if text is None:
+        return None
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers, e.g. 0,1") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: expected distinct comma-separated integers, e.g. 0,1")
+    return seeds
+
+
+def run_plan(runs: list[str], seeds: list[int] | None) -> list[tuple[str, str, int | None]]:
+    """``(key, run, seed)`` in training order: each run once (key = run, seed None) without seeds, else every
+    run for the first seed, then every run for the next (``<run>/seed<s>``), so a stopped proof has whole
+    seeds."""
+    if seeds is None:
+        return [(name, name, None) for name in runs]
+    return [(f"{name}/seed{seed}", name, seed) for seed in seeds for name in runs]
 
 
 def set_key(config: dict, dotted: str, value) -> None:
@@ -165,12 +202,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "checkpoints" / "constraint_proof")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    p.add_argument("--runs", default="grpo,gae", help="comma-separated: grpo, gae")
+    p.add_argument("--runs", default="grpo,gae", help="comma-separated: grpo, gae, dapo, gspo")
     p.add_argument("--limits", default="10,15,20", help="word limits, given to the prompts in turn")
     p.add_argument("--heldout", type=int, default=60, help="held-out prompts (a multiple of --eval-batch)")
     p.add_argument("--samples", type=int, default=3, help="responses per held-out prompt")
     p.add_argument("--eval-batch", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt split and the evaluation")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated training seeds, e.g. 0,1: every run once per seed (sets seed_everything and "
+        "model.init_args.ppo.seed, over --set); default: once, with the configs' seeds",
+    )
     p.add_argument("--threads", type=int, default=1, help="OMP threads of the runs and the evaluation")
     p.add_argument(
         "--set",
@@ -189,13 +232,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
+def main(argv=None, *, fit=run_fit, evaluate=None) -> dict:
+    """Run the proof of the command line ``argv``; the report (as ``report.json``).
+
+    Args:
+        fit: ``(config_path, threads, log_file) -> wall seconds``, training one run (``run_fit``).
+        evaluate: ``constraint_eval.evaluate``'s signature and result (default it).
+    """
+    evaluate = evaluate or E.evaluate
     args = parse_args(argv)
     configs = dict(CONFIGS, **dict(item.split("=", 1) for item in args.config))
     runs = [r for r in args.runs.split(",") if r]
     unknown = [r for r in runs if r not in configs]
     if unknown:
         raise SystemExit(f"constraint_proof: unknown run(s) {unknown}; known: {sorted(configs)}")
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        raise SystemExit(f"constraint_proof: {e}") from None
     limits = [int(x) for x in args.limits.split(",")]
     rows = constraint_rows(load_prompts(args.prompts), limits)
     train, heldout = split_rows(rows, args.heldout, args.seed)
@@ -220,18 +274,24 @@ def main(argv=None) -> dict:
         seed=args.seed,
         threads=args.threads,
     )
-    for name in runs:
-        run_dir = out / name
-        config_path = effective_config(name, Path(configs[name]), run_dir, train_file, args.set)
+    if seeds is not None:
+        report["seeds"] = seeds
+    for key, name, seed in run_plan(runs, seeds):
+        run_dir = out / key
+        overrides = args.set if seed is None else [*args.set, *(f"{k}={seed}" for k in SEED_KEYS)]
+        config_path = effective_config(key, Path(configs[name]), run_dir, train_file, overrides)
         config = yaml.safe_load(config_path.read_text())
         if "before" not in report:  # every run starts from the same policy; evaluated once
             E.log("[proof] evaluating the start policy on the held-out prompts ...")
-            report["before"] = E.evaluate(config, None, **eval_args)
-        E.log(f"[proof] training {name} ({config_path}) ...")
-        wall = run_fit(config_path, args.threads, run_dir / "fit.log")
-        E.log(f"[proof] {name}: fit took {wall / 60:.1f} min; evaluating ...")
-        after = E.evaluate(config, run_dir / "hf", **eval_args)
-        report["runs"][name] = E.run_summary(config, run_dir, wall, report["before"], after)
+            report["before"] = evaluate(config, None, **eval_args)
+        E.log(f"[proof] training {key} ({config_path}) ...")
+        wall = fit(config_path, args.threads, run_dir / "fit.log")
+        E.log(f"[proof] {key}: fit took {wall / 60:.1f} min; evaluating ...")
+        after = evaluate(config, run_dir / "hf", **eval_args)
+        report["runs"][key] = E.run_summary(config, run_dir, wall, report["before"], after)
+        if seed is not None:
+            report["runs"][key]["seed"] = seed
+            report["methods"] = E.method_summaries(report)
         E.write_report(report, out)  # after every run, so a finished run is never lost
     E.log(f"[proof] report: {out / 'report.md'}")
     return report
