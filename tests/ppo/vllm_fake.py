@@ -1,0 +1,90 @@
+"""Engines that serve ``rlhf_lit.vllm_server``'s protocol in this process, without vLLM.
+
+:func:`serving` runs the real server code (``make_server``) in a thread on a free port around any engine;
+:class:`TransformersEngine` samples with transformers ``generate`` (``generation.sample_responses``, the ``hf``
+backend's function) on its own model, loads pushed weights into it, and so is a faithful stand-in for vLLM on
+the tiny test models; :class:`ScriptedEngine` returns given responses.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from rlhf_lit.generation import SampledLogprobs, SamplingConfig, sample_responses
+from rlhf_lit.vllm_server import make_server
+
+
+@contextmanager
+def serving(engine):
+    """``http://127.0.0.1:<port>`` of a server of ``engine`` running in a thread while inside."""
+    server = make_server(engine)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class TransformersEngine:
+    """``generate`` on ``model`` (a transformers causal LM) with the request's settings, row i seeded
+    ``seed + i`` (each row drawn alone, as vLLM draws each request with its own generator)."""
+
+    name = "transformers (test stand-in)"
+    model = "<in process>"
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int = 0) -> None:
+        self.lm, self.pad_token_id = model, pad_token_id
+        self.requests, self.loads = [], 0
+
+    def generate(self, request):
+        self.requests.append(request)
+        cfg = SamplingConfig(
+            max_new_tokens=request.max_new_tokens,
+            min_new_tokens=request.min_new_tokens,
+            temperature=request.temperature,
+        )
+        tokens, logprobs = [], []
+        for i, prompt in enumerate(request.prompts):
+            ids = torch.tensor([prompt])
+            recorder = SampledLogprobs(cfg)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(request.seed + i)
+                response, mask, _ = sample_responses(
+                    self.lm, ids, torch.ones_like(ids), cfg, request.stop_token_ids, self.pad_token_id,
+                    logprobs=recorder,
+                )
+            drawn = recorder.finish(response)
+            n = int(mask[0].sum())
+            tokens.append(response[0, :n].tolist())
+            logprobs.append(drawn[0, :n].tolist())
+        return tokens, logprobs
+
+    def load(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        missing, unexpected = self.lm.load_state_dict(load_file(path), strict=False)
+        tied = {"lm_head.weight"} if self.lm.config.tie_word_embeddings else set()
+        assert not unexpected and set(missing) <= tied, (missing, unexpected)
+        self.loads += 1
+
+
+class ScriptedEngine:
+    """Returns ``responses`` (a list of ``(tokens, logprobs)`` per row) to every ``/generate``; loads nothing."""
+
+    name = "scripted (test stand-in)"
+    model = "<in process>"
+
+    def __init__(self, responses) -> None:
+        self.responses, self.requests, self.loads = responses, [], 0
+
+    def generate(self, request):
+        self.requests.append(request)
+        return [list(t) for t, _ in self.responses], [list(lp) for _, lp in self.responses]
+
+    def load(self, path: str) -> None:
+        self.loads += 1
