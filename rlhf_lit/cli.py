@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from rlhf_lit.cli_messages import condense, did_you_mean
 from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError, UserError
-from rlhf_lit.quiet import quiet_third_party, verbose_requested
+from rlhf_lit.quiet import drop_held, hold_third_party, quiet_third_party, release_held, verbose_requested
 
 if TYPE_CHECKING:
     from rlhf_lit.lightning_cli import RLHFCLI, cli_main, parse_config
@@ -102,12 +102,22 @@ def main(args: list[str] | None = None) -> None:
     verbose = verbose_requested(argv)
     argv = [a for a in argv if a not in ("--debug", "--verbose")]
     quiet_third_party(verbose)
+    if not verbose:  # other libraries' lines wait until the run starts (rlhf_lit.quiet)
+        hold_third_party()
     try:
         _dispatch(argv)
-    except (KeyboardInterrupt, SystemExit):
+    except SystemExit as err:
+        (release_held if err.code in (0, None) else drop_held)()
+        raise
+    except KeyboardInterrupt:
+        release_held()
         raise
     except BaseException as err:  # noqa: BLE001 - sorted into user mistakes and internal errors below
         message = user_error_message(err)
+        if message is None or debug:  # an internal error's traceback, or --debug: with everything held
+            release_held()
+        else:
+            drop_held()  # a user mistake: its line stands alone
         if message is None:
             raise
         if debug:
@@ -116,6 +126,8 @@ def main(args: list[str] | None = None) -> None:
         sys.stdout.flush()
         print(f"rlhf-lit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+    else:
+        release_held()
     finally:
         quiet_third_party(False)  # the next command in this process (a test) starts quiet again
 

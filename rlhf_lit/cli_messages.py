@@ -21,7 +21,7 @@ import inspect
 import re
 from typing import Any
 
-__all__ = ["condense", "config_files", "did_you_mean", "option_strings", "yaml_syntax_error"]
+__all__ = ["condense", "config_file_error", "config_files", "did_you_mean", "option_strings"]
 
 _NOISE = (
     "Does not validate against any of the Union subtypes",
@@ -107,20 +107,60 @@ def _field_type(cls: Any, name: str) -> Any:
     return None
 
 
-def _unknown_key(path: str, key: str, cls: Any, options: list[str]) -> str:
-    """``unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)``."""
+def _every_key(prefix: str, cls: Any, depth: int = 4) -> list[str]:
+    """Every dotted key under ``prefix`` that ``cls`` accepts, through its nested settings classes
+    (``model.init_args.kl``, ``model.init_args.kl.kl_coef``, ...), ``depth`` levels down at most."""
+    keys: list[str] = []
+    for name in _accepted_names(cls):
+        keys.append(f"{prefix}.{name}")
+        nested = _field_type(cls, name) if depth > 1 else None
+        if nested is not None:
+            keys += _every_key(f"{prefix}.{name}", nested, depth - 1)
+    return keys
+
+
+def _similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _elsewhere(name: str, here: str, section: str, root: tuple[str, Any] | None) -> str | None:
+    """The full key, in another section of the root class, whose last part is closer to ``name`` than the
+    section's own suggestion ``here`` ("" when it has none): ``--model.init_args.ppo.kl_coeff`` means
+    ``model.init_args.kl.kl_coef``. None when the section's own suggestion is as close or closer."""
+    if root is None or root[1] is None:
+        return None
+    scored = [
+        (_similarity(name, key.rsplit(".", 1)[-1]), key)
+        for key in _every_key(*root)
+        if not key.startswith(f"{section}.") or key.count(".") != section.count(".") + 1
+    ]
+    best = max(scored, default=(0.0, ""), key=lambda pair: pair[0])  # of equals, the first in signature order
+    if best[0] < 0.6 or best[0] <= (_similarity(name, here) if here else 0.0):
+        return None
+    return best[1]
+
+
+def _unknown_key(path: str, key: str, cls: Any, options: list[str], root: tuple[str, Any] | None = None) -> str:
+    """``unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)``; the closest name in the key's
+    own section, or the full key of a closer one in any other section of ``root`` (the dotted path and
+    class of the model or data module): ``unknown key model.init_args.ppo.kl_coeff (did you mean
+    'model.init_args.kl.kl_coef'?)``."""
     full = f"{path}.{key}" if path else key
     parts = key.split(".")
     if cls is not None:  # descend a dotted key through nested dataclasses to the part that is wrong
+        section = path
         for i, part in enumerate(parts[:-1]):
             nested = _field_type(cls, part)
             if nested is None or part not in _accepted_names(cls):
                 parts = parts[i:]
                 break
-            cls = nested
+            cls, section = nested, f"{section}.{part}"
         else:
             parts = parts[-1:]
-        hint = did_you_mean(parts[0], _accepted_names(cls))
+        names = _accepted_names(cls)
+        close = difflib.get_close_matches(parts[0], sorted(set(names)), n=1, cutoff=0.6)
+        elsewhere = _elsewhere(parts[0], close[0] if close else "", section, root)
+        hint = f" (did you mean {elsewhere!r}?)" if elsewhere else did_you_mean(parts[0], names)
     else:
         hint = did_you_mean(full, options)
     return f"unknown key {full}{hint}; 'rlhf-lit fit --print_config' lists every key"
@@ -162,10 +202,13 @@ def _leaf(message: str) -> tuple[list[tuple[str, str]], str] | None:
     return (deepest, "") if deepest else None
 
 
-def _path(stack: list[tuple[str, str]]) -> tuple[str, Any]:
-    """The dotted key of a stack (``init_args`` after a class that is not a dataclass) and its last class."""
+def _path(stack: list[tuple[str, str]]) -> tuple[str, Any, tuple[str, Any] | None]:
+    """The dotted key of a stack (``init_args`` after a class that is not a dataclass), its last class, and
+    its root: the dotted key and class of its first class that is not a dataclass (``model.init_args``,
+    ``PPOModule``), whose every section a misplaced key is looked for in."""
     parts: list[str] = []
     cls = None
+    root = None
     for kind, value in stack:
         if kind == "key":
             parts.append(value)
@@ -173,7 +216,9 @@ def _path(stack: list[tuple[str, str]]) -> tuple[str, Any]:
             cls = _import(value)
             if cls is not None and not dataclasses.is_dataclass(cls):
                 parts.append("init_args")
-    return ".".join(parts), cls
+                if root is None:
+                    root = (".".join(parts), cls)
+    return ".".join(parts), cls, root
 
 
 def condense(message: str, options: list[str] | None = None) -> str:
@@ -193,7 +238,7 @@ def condense(message: str, options: list[str] | None = None) -> str:
     if found is None:
         return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
     stack, text = found
-    path, cls = _path(stack)
+    path, cls, root = _path(stack)
     if _NESTED_NULL.search(message) and _NULL_AS_TEXT.search(message):
         section = path.rsplit(".", 1)[0]
         return (
@@ -223,11 +268,11 @@ def condense(message: str, options: list[str] | None = None) -> str:
             return f"unknown option {bad[0]}{did_you_mean(bad[0], options)}; 'rlhf-lit fit --help' lists every option"
         return f"unexpected argument {match['args'].split()[0]!r}; options are written --key=value"
     if match := _OPTION.match(text) or _KEY_NOT_EXPECTED.match(text):
-        return _unknown_key(path, match["key"], cls, keys)
+        return _unknown_key(path, match["key"], cls, keys, root)
     if match := _SUBCOMMAND_OPTION.match(text):
         return _unknown_key(path, match["key"], None, keys)
     if match := _GROUP_OPTION.match(text):
-        return _unknown_key(path, f"{match['group']}.{match['key']}", cls, keys)
+        return _unknown_key(path, f"{match['group']}.{match['key']}", cls, keys, root)
     if match := _NO_ATTRIBUTE.match(text):
         module = _import_module(match["module"])
         names = [n for n in dir(module) if not n.startswith("_")] if module else []
@@ -297,15 +342,18 @@ def config_files(args: list[str] | None) -> list[str]:
     return files + [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
 
 
-def yaml_syntax_error(path: str) -> str | None:
-    """``<file>: line L, column C: <what yaml found>`` for a config file that is not valid YAML; None if it
-    parses (or cannot be read: the parser says why). jsonargparse reports a YAML error without the file and
-    the position (``Problems parsing config: while parsing a flow mapping``)."""
+def config_file_error(path: str) -> str | None:
+    """What is wrong with a ``--config`` file that jsonargparse refused, naming the file: ``<file>: line L,
+    column C: <what yaml found>`` for invalid YAML, ``<file>: the config file is empty ...`` for a file with no
+    settings (jsonargparse says only ``Unexpected config:``), ``<file>: ... not a mapping`` for a top level that
+    is a list or a scalar. None if it is a mapping of settings (or cannot be read: the parser says why).
+    jsonargparse reports a YAML error without the file and the position (``Problems parsing config: while
+    parsing a flow mapping``)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as stream:
-            yaml.safe_load(stream)
+            loaded = yaml.safe_load(stream)
     except OSError:
         return None
     except yaml.MarkedYAMLError as err:
@@ -315,4 +363,14 @@ def yaml_syntax_error(path: str) -> str | None:
         return f"{path}: {where}invalid YAML: {what}"
     except yaml.YAMLError as err:
         return f"{path}: invalid YAML: {str(err).splitlines()[0]}"
+    if loaded is None:
+        return (
+            f"{path}: the config file is empty (no settings, only blanks or comments); give a file with "
+            "trainer:/model:/data: sections, e.g. one of configs/<stage>/*.yaml"
+        )
+    if not isinstance(loaded, dict):
+        return (
+            f"{path}: the config file holds a {type(loaded).__name__}, not a mapping of settings "
+            "(trainer:/model:/data: sections)"
+        )
     return None

@@ -16,6 +16,7 @@ __all__ = [
     "DivergedExportError",
     "DivergedTrainingError",
     "NonFiniteError",
+    "SamplerEngineError",
     "SamplerSyncError",
     "UserError",
 ]
@@ -40,6 +41,12 @@ class SamplerSyncError(UserError, RuntimeError):
     being trained (``rlhf_lit.rl.guard``): its log-probs are further from the trainer's than
     ``sampling.logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's. The user asked
     for a stop, so the message (iteration, gap, tolerance, what to check) is printed as one line."""
+
+
+class SamplerEngineError(UserError, RuntimeError):
+    """The rollout engine (``sampling.backend: vllm``, ``rlhf_lit.vllm_server``) is not reachable, refused a
+    request or failed: at start (before any model loads) or mid-run (the run stops; its last checkpoint is
+    intact). The message names the server's address and how to start it, printed as one line."""
 
 
 class DivergedExportError(UserError, ValueError):

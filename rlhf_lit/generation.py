@@ -26,8 +26,33 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from rlhf_lit.errors import ConfigError
 from rlhf_lit.functional.sequence import truncate_after_stop
 from rlhf_lit.ranges import check_field_ranges, ranged
+
+
+@dataclass
+class VLLMSettings:
+    """Where the vLLM rollout engine runs (``sampling.backend: vllm``; ``rlhf_lit.vllm_server``).
+
+    Args:
+        url: the server's address, ``http://127.0.0.1:<port>`` (started with ``rlhf-lit vllm-serve``).
+        timeout_s: the longest wait for one request (a rollout, a weight load), seconds.
+        weights_dir: a folder both processes can read where the policy's merged weights are written for the
+            engine before every rollout (``weights.safetensors``, replaced atomically); null: a temporary folder.
+        dtype: the dtype of the pushed weights, the engine's (``rlhf-lit vllm-serve --dtype``): ``float32`` on
+            CPU (its log-probs then match a float32 trainer's to ~3e-5 nats), ``bfloat16`` on a GPU.
+    """
+
+    url: str = "http://127.0.0.1:8011"
+    timeout_s: float = ranged(600.0, "> 0")
+    weights_dir: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    def __post_init__(self) -> None:
+        check_field_ranges(self, "sampling.vllm.")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"sampling.vllm.url must start with http://, got {self.url!r}")
 
 
 @dataclass
@@ -69,7 +94,8 @@ class SamplingConfig:
             AdamW step of learning rate lr moves the mean by ~2 lr, so a sampler one small step behind is
             caught by the adapter fingerprint rather than the gap. 0.1 in 16 bits: a bf16 copy of SmolLM2-135M
             measured 0.034-0.037 mean and 0.22-0.33 max against the float32 trainer (Intel Xeon, 2026-12-03,
-            bench/RESULTS.md), and the policy itself under ``bf16-mixed`` 0.033 (max 0.27). ``min_new_tokens`` > 0 also raises the gap: the stop tokens are suppressed while
+            bench/RESULTS.md), and the policy itself under ``bf16-mixed`` 0.033 (max 0.27); a ``vllm`` engine
+            in ``sampling.vllm.dtype`` counts like a copy in that dtype. ``min_new_tokens`` > 0 also raises the gap: the stop tokens are suppressed while
             sampling but not in the trainer's softmax (a true off-policy gap).
         strict_sync: stop the run (``SamplerSyncError``) instead of warning when the guard fires: the gap
             exceeds ``logprob_gap_tolerance``, or the adapter weights that sampled are not the policy's
@@ -84,6 +110,12 @@ class SamplingConfig:
             every backend. (transformers' continuous batching, ``generate_batch``, is not offered yet: on this
             project's CPU machine, transformers 5.24, it took 114 s for 4 prompts x 12 new tokens of a 2-layer
             model against 0.5 s for ``generate``, so it cannot be tested here; docs/ppo.md.)
+            ``vllm``: the vLLM engine in its own process behind ``rlhf_lit.vllm_server`` (``sampling.vllm``
+            says where; ``rlhf_lit.rl.sampler.VLLMSampler``): the trainer pushes its merged weights before every
+            rollout and the engine returns each drawn token's log-prob after the temperature, so the guard and
+            ``ppo.tis_cap`` work as for a copy. Same distribution: full softmax at ``temperature``, the same
+            stop tokens and lengths, per-row seeds drawn from torch's generator. Refused for a 4-bit base and
+            under several processes.
         copy_dtype: sample from a separate copy of the policy in this dtype (``float32``, ``bfloat16`` or
             ``float16``) with the actor adapter (and a frozen SFT adapter beneath it) merged into its weights,
             refreshed after each iteration's update phase (``rlhf_lit.rl.sampler.CopySampler``; the refresh
@@ -109,18 +141,27 @@ class SamplingConfig:
     num_samples_per_prompt: int = ranged(1, "int >= 1")
     logprob_gap_tolerance: float | None = ranged(None, "> 0 or null")
     strict_sync: bool = False
-    backend: Literal["hf", "static"] = "hf"
+    backend: Literal["hf", "static", "vllm"] = "hf"
     copy_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "sampling.")  # the ranges declared above (ConfigError)
+        if isinstance(self.vllm, dict):
+            self.vllm = VLLMSettings(**self.vllm)
+        if self.backend == "vllm" and self.copy_dtype is not None:
+            raise ConfigError(
+                "sampling.copy_dtype and sampling.backend: vllm both name a sampling copy; the engine holds its "
+                "own (sampling.vllm.dtype). Remove sampling.copy_dtype"
+            )
 
     def gap_tolerance(self, compute: str = "float32") -> float:
         """``logprob_gap_tolerance``, or when null the larger :data:`GAP_TOLERANCE` of the dtype the policy
         computes in (``compute``, from :func:`compute_dtype`) and of a sampling copy's ``copy_dtype``."""
         if self.logprob_gap_tolerance is not None:
             return self.logprob_gap_tolerance
-        return max(GAP_TOLERANCE[compute], GAP_TOLERANCE[self.copy_dtype or compute])
+        engine = self.vllm.dtype if self.backend == "vllm" else self.copy_dtype
+        return max(GAP_TOLERANCE[compute], GAP_TOLERANCE[engine or compute])
 
 
 # The rollout-policy guard's default tolerance on the mean sampler-trainer log-prob gap (nats per token), by
@@ -153,8 +194,17 @@ def bucket_length(length: int, minimum: int = 16) -> int:
     return bucket
 
 
+def may_stop(stop_at_eos: bool, stop_token_ids, stop_strings) -> bool:
+    """Whether :func:`resolve_stop_ids` can give a stop token under these ``sampling`` settings, decided before
+    the tokenizer is read: False only when none can come (``stop_at_eos`` off and no ``stop_token_ids`` /
+    ``stop_strings``; a stop string is one token or refused). With ``stop_at_eos`` on the tokenizer's EOS
+    decides, so only the resolved ids tell (it may have none)."""
+    return bool(stop_at_eos or stop_token_ids or stop_strings)
+
+
 def resolve_stop_ids(cfg: SamplingConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The token ids that end a response: EOS (if ``stop_at_eos``), ``stop_token_ids``, ``stop_strings``.
+    """The token ids that end a response: EOS (if ``stop_at_eos``), ``stop_token_ids``, ``stop_strings``
+    (:func:`may_stop` tells before the tokenizer is read whether none can come).
 
     Raises:
         ValueError: if a stop string is not exactly one token.

@@ -24,10 +24,10 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 from rlhf_lit.callbacks.progress import StageProgressBar
-from rlhf_lit.cli_messages import condense, config_files, option_strings, yaml_syntax_error
+from rlhf_lit.cli_messages import condense, config_file_error, config_files, option_strings
 from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.quiet import quiet_third_party
+from rlhf_lit.quiet import quiet_third_party, release_held
 
 log = logging.getLogger("rlhf_lit")
 
@@ -72,15 +72,28 @@ class RLHFCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            for file in config_files(args):  # a YAML syntax error: name the file, line and column
-                if (syntax := yaml_syntax_error(file)) is not None:
-                    raise ConfigError(syntax) from err
+            for file in config_files(args):  # a YAML syntax error, an empty file: name the file (and line)
+                if (problem := config_file_error(file)) is not None:
+                    raise ConfigError(problem) from err
             raise ConfigError(condense(str(err), option_strings(parser, args))) from err
         from rlhf_lit.checks import check_ckpt_path
 
         check_ckpt_path(self.config)
 
     def _parse_ckpt_path(self) -> None:
+        """Rebuild the model from the checkpoint's hyper-parameters (:meth:`_rebuild_from_checkpoint`), except the
+        settings that control the run, not its weights (``rlhf_lit.checks.checkpoint.RUN_CONTROL_SETTINGS``:
+        ``export_dir``, ``ppo.total_iterations``, ...): those keep the config's values, as the ``trainer``
+        settings do in Lightning."""
+        from rlhf_lit.checks.checkpoint import run_control_values
+
+        subcommand = self.config.get("subcommand")
+        control = run_control_values(self.config[subcommand]) if subcommand else {}
+        self._rebuild_from_checkpoint()
+        for key, value in control.items():
+            self.config[subcommand][key] = value
+
+    def _rebuild_from_checkpoint(self) -> None:
         """Rebuild the model from the checkpoint's hyper-parameters also for ``--ckpt_path last`` (Lightning does
         it for a file path only, so with ``last`` a config setting that differs from the checkpoint's silently
         won): the file ``last`` will resume from is found in the config's checkpoint folders
@@ -144,7 +157,9 @@ class RLHFCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Run; then commit the export and release the locks (or, on any error, drop the export's staging
-        folder; a full or unwritable disk becomes one ``OutputError`` line)."""
+        folder; a full or unwritable disk becomes one ``OutputError`` line). Other libraries' lines held since
+        the command started are printed now (:func:`rlhf_lit.quiet.release_held`): the run has started."""
+        release_held()
         outputs, self.run_outputs = self.run_outputs, None
         if outputs is None:
             return super()._run_subcommand(subcommand)
@@ -251,7 +266,7 @@ def _sampling_section(config: dict):
     init = (config.get("model") or {}).get("init_args") or {}
     sampling = init.get("sampling") or {}
     sampling = sampling.get("init_args", sampling) if isinstance(sampling, dict) else {}
-    return SimpleNamespace(copy_dtype=sampling.get("copy_dtype"))
+    return SimpleNamespace(copy_dtype=sampling.get("copy_dtype"), backend=sampling.get("backend") or "hf")
 
 
 def _model_parallel(trainer_config) -> bool:

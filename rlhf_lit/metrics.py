@@ -53,6 +53,12 @@ ROLLOUT_SAMPLER_LOGPROB_GAP = "rollout/sampler_logprob_gap"
 ROLLOUT_SAMPLER_LOGPROB_GAP_MAX = "rollout/sampler_logprob_gap_max"
 ROLLOUT_TIS_WEIGHT = "rollout/tis_weight"
 ROLLOUT_TIS_CAPPED_FRAC = "rollout/tis_capped_frac"
+ROLLOUT_OVERLONG_FRAC = "rollout/overlong_frac"
+ROLLOUT_OVERLONG_PENALTY = "rollout/overlong_penalty"
+ROLLOUT_TRUNCATED_MASKED_FRAC = "rollout/truncated_masked_frac"
+ROLLOUT_FILTERED_GROUPS = "rollout/filtered_groups"
+ROLLOUT_DYNAMIC_SAMPLING_ROUNDS = "rollout/dynamic_sampling_rounds"
+ROLLOUT_UNFILLED_GROUPS = "rollout/unfilled_groups"
 
 # PPO update (means over the iteration's minibatches)
 PPO_POLICY_LOSS = "ppo/policy_loss"
@@ -61,6 +67,9 @@ PPO_PTX_LOSS = "ppo/ptx_loss"
 PPO_CLIPFRAC = "ppo/clipfrac"
 PPO_VALUE_CLIPFRAC = "ppo/value_clipfrac"
 PPO_DUAL_CLIPFRAC = "ppo/dual_clipfrac"
+PPO_CLIPFRAC_LOW = "ppo/clipfrac_low"
+PPO_CLIPFRAC_HIGH = "ppo/clipfrac_high"
+PPO_HIGH_ENTROPY_FRAC = "ppo/high_entropy_frac"
 PPO_APPROX_KL = "ppo/approx_kl"
 PPO_ENTROPY = "ppo/entropy"
 PPO_KL_LOSS = "ppo/kl_loss"
@@ -161,14 +170,35 @@ GLOSSARY: dict[str, str] = {
     ROLLOUT_SAMPLER_LOGPROB_GAP_MAX: "the largest of those per-token differences (nats per token)",
     ROLLOUT_TIS_WEIGHT: "with ppo.tis_cap: mean truncated importance-sampling weight min(pi_trainer / pi_sampler, "
     "tis_cap) over the update tokens (all ranks); 1 when the sampler is the trainer's policy",
-    ROLLOUT_TIS_CAPPED_FRAC: "with ppo.tis_cap: fraction of the update tokens whose weight was capped at tis_cap",
-    PPO_POLICY_LOSS: "clipped surrogate loss, aggregated as ppo.loss_aggregation (default: token-level mean)",
+    ROLLOUT_TIS_CAPPED_FRAC: "with ppo.tis_cap: fraction of the update tokens (ppo.tis_level: sequence: of the "
+    "responses) whose importance ratio exceeded tis_cap: capped (ppo.tis_mode: truncate) or weighted 0 (mask)",
+    ROLLOUT_OVERLONG_FRAC: "with reward.overlong_buffer: fraction of responses inside the overlong window (longer "
+    "than max_new_tokens - overlong_buffer tokens), which paid part of the overlong penalty",
+    ROLLOUT_OVERLONG_PENALTY: "with reward.overlong_buffer: mean overlong penalty added to the scores (<= 0, "
+    "score units; -overlong_penalty at max_new_tokens)",
+    ROLLOUT_TRUNCATED_MASKED_FRAC: "with ppo.mask_truncated_completions: fraction of responses left out of the "
+    "loss for reaching max_new_tokens without a stop token",
+    ROLLOUT_FILTERED_GROUPS: "with ppo.dynamic_sampling: groups (prompts) of the loader's batch, all ranks, whose "
+    "scores were all equal (DAPO's dynamic-sampling filter): they leave the loss, or with "
+    "ppo.dynamic_sampling_max_rounds are replaced by groups of extra rounds (see rollout/unfilled_groups)",
+    ROLLOUT_DYNAMIC_SAMPLING_ROUNDS: "with ppo.dynamic_sampling_max_rounds: extra rounds of prompts sampled this "
+    "iteration to replace filtered groups (0 to max_rounds; each round a batch of the loader's size per rank)",
+    ROLLOUT_UNFILLED_GROUPS: "with ppo.dynamic_sampling_max_rounds: groups of the update batch, all ranks, whose "
+    "scores are all equal after the last round (the cap was hit): they stay in the batch with weight 0",
+    PPO_POLICY_LOSS: "clipped surrogate loss (ppo.policy_loss: cispo: CISPO's), aggregated as ppo.loss_aggregation "
+    "(default: token-level mean)",
     PPO_VALUE_LOSS: "clipped value loss 0.5 * max((V-R)^2, (V_clip-R)^2), aggregated as ppo.loss_aggregation",
     PPO_PTX_LOSS: "pretraining (PTX) NLL term, nats per token",
     PPO_CLIPFRAC: "fraction of update tokens where the clip binds (ratio > 1+clip_range with a positive advantage, "
-    "or < 1-clip_range with a negative one: the token's gradient is 0)",
+    "or < 1-clip_range with a negative one: the token's gradient is 0); ppo/clipfrac_low + ppo/clipfrac_high",
     PPO_DUAL_CLIPFRAC: "fraction of update tokens where the dual clip binds (negative advantage, loss capped at "
     "-dual_clip * A; logged when ppo.dual_clip is set)",
+    PPO_CLIPFRAC_LOW: "fraction of update tokens where the clip binds below: ratio < 1 - clip_range_low with a "
+    "negative advantage (ppo.policy_loss: cispo: ratio < 1 - clip_range_low, the weight clipped)",
+    PPO_CLIPFRAC_HIGH: "fraction of update tokens where the clip binds above: ratio > 1 + clip_range_high with a "
+    "positive advantage (cispo: ratio > 1 + clip_range_high)",
+    PPO_HIGH_ENTROPY_FRAC: "with ppo.top_entropy_quantile < 1: fraction of update tokens whose policy term "
+    "counts (entropy at or above the micro-batch's 1 - q quantile; about q)",
     PPO_VALUE_CLIPFRAC: "fraction of tokens whose new value left old value +- value_clip_range",
     PPO_APPROX_KL: "mean (ratio - 1) - log(ratio) between the updated and the rollout policy (nats per token)",
     PPO_ENTROPY: "mean policy entropy per response token (nats)",

@@ -19,7 +19,7 @@
   behind when killed. Not atomic on a kill in general.
 * A write that fails for lack of space or permission becomes :class:`OutputError` (a user error: one line
   naming the folder and the bytes needed, exit 2); :func:`check_free_space` refuses before training when the
-  estimated export does not fit.
+  estimated export plus a 10% safety margin (:data:`FREE_SPACE_MARGIN`) does not fit.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ __all__ = [
 
 # the errors of a full or unwritable disk (EFBIG: a file-size limit, e.g. ulimit -f)
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+# the free space an export must leave beside its estimate: the estimate omits the file system's blocks and metadata
+FREE_SPACE_MARGIN = 1.1
 _STAGING: dict[str, str] = {}  # open transactions: absolute export folder -> its staging folder
 
 
@@ -98,17 +100,21 @@ def _free_bytes(folder: str) -> int | None:
         return None
 
 
-def check_free_space(folder: str, needed: int | None, what: str = "export", margin: float = 1.1) -> None:
+def check_free_space(
+    folder: str, needed: int | None, what: str = "export", margin: float = FREE_SPACE_MARGIN
+) -> None:
     """Refuse before training when ``folder``'s file system has less than ``margin * needed`` bytes free.
 
     Raises:
-        OutputError: naming the folder, the bytes needed and the bytes free.
+        OutputError: naming the folder, the bytes needed, the margin applied (and the bytes it asks for) and
+            the bytes free.
     """
     free = _free_bytes(folder)
     if needed is None or free is None or free >= margin * needed:
         return
     raise OutputError(
-        f"{folder}: not enough free space for the {what} (needs about {_fmt_bytes(needed)}, "
+        f"{folder}: not enough free space for the {what} (needs about {_fmt_bytes(needed)} plus a "
+        f"{round((margin - 1) * 100)}% safety margin, {_fmt_bytes(int(margin * needed))} in all; "
         f"{_fmt_bytes(free)} free); free space or choose another folder"
     )
 
@@ -255,6 +261,16 @@ def _default_modes(folder: str) -> None:
                 os.chmod(path, 0o666 & ~mask)
 
 
+def _remove(path: str) -> None:
+    """Remove a folder tree, or a symbolic link itself (``shutil.rmtree`` refuses a link, and with
+    ``ignore_errors`` would leave it in silence); nothing if ``path`` is gone."""
+    if os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _fsync_tree(folder: str) -> None:
     for root, _, files in os.walk(folder):
         for name in files:
@@ -309,8 +325,21 @@ class ExportFolder:
         self.needed_bytes = needed_bytes
         self.option = option
         self.staging: str | None = None
-        parent, self._name = os.path.split(self.final)
-        self._parent = parent
+
+    @property
+    def _target(self) -> str:
+        """The folder the commit replaces: ``final``, or the folder it points to when ``final`` is a symbolic
+        link (resolved now: the link is kept, the export lands in its target, staged beside the target so the
+        rename stays on one file system). Writers still name paths under ``final``; :func:`staged` maps them."""
+        return os.path.realpath(self.final)
+
+    @property
+    def _parent(self) -> str:
+        return os.path.dirname(self._target)
+
+    @property
+    def _name(self) -> str:
+        return os.path.basename(self._target)
 
     def check(self) -> None:
         """Refuse a folder that already holds files (an earlier export), unless ``overwrite``.
@@ -341,10 +370,10 @@ class ExportFolder:
         for partial in self._leftovers("partial"):
             shutil.rmtree(partial, ignore_errors=True)
         for old in self._leftovers("old"):
-            if not os.path.exists(self.final):
-                os.replace(old, self.final)
+            if not os.path.lexists(self._target):
+                os.replace(old, self._target)
             else:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
 
     def begin(self) -> str:
         """Create the staging folder and redirect writes into it; returns its path."""
@@ -373,15 +402,16 @@ class ExportFolder:
             return
         _default_modes(staging)
         _fsync_tree(staging)
+        target, parent, name = self._target, self._parent, self._name
         old = None
-        if os.path.exists(self.final):
-            old = os.path.join(self._parent, f".{self._name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(self.final, old)
-        os.replace(staging, self.final)
-        _fsync_dir(self._parent)
+        if os.path.lexists(target):
+            old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+            _remove(old)
+            os.replace(target, old)
+        os.replace(staging, target)
+        _fsync_dir(parent)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
 
     def abort(self) -> None:
         """Remove the staging folder; the folder keeps what it held before."""
@@ -424,14 +454,15 @@ def write_file(path: str, data) -> None:
         os.fsync(f.fileno())
 
 
-def replace_file(path: str, data: str | bytes) -> None:
+def replace_file(path: str, data: str | bytes, what: str = "output") -> None:
     """Write a whole small output file (a report, a history, a table) so that ``path`` always holds either its
     previous content or all of ``data``, never a part: a temporary sibling (``.<name>.tmp-<pid>``), fsync,
     then ``os.replace``. A full disk or any error mid-write leaves the previous file and removes the temporary
     one; a kill -9 leaves the previous file and, at most, that hidden temporary sibling.
 
     Raises:
-        OutputError: the disk is full or the folder is not writable (one line naming the folder).
+        OutputError: the disk is full or the folder is not writable (one line naming the folder and ``what``
+            was written).
         OSError: any other write failure.
     """
     folder, name = os.path.split(os.path.abspath(path))
@@ -443,7 +474,7 @@ def replace_file(path: str, data: str | bytes) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        failure = write_failure(err, folder, len(raw), "output")
+        failure = write_failure(err, folder, len(raw), what)
         if failure is None:
             raise
         raise failure from err
@@ -454,6 +485,19 @@ def replace_file(path: str, data: str | bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- one run
+
+
+def _names_its_folder(err: BaseException) -> bool:
+    """True if ``err`` is, or was raised from, an :class:`OutputError`: a writer that named its own folder (a
+    reference cache, a checkpoint), which the run's failure must not blame on the export folder."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OutputError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def disk_errno(err: BaseException) -> int | None:
@@ -628,7 +672,7 @@ class RunOutputs:
     def failure(self, err: BaseException) -> OutputError | None:
         """The one-line error for a write that failed for lack of space or permission, else None."""
         code = disk_errno(err)
-        if code is None or isinstance(err, OutputError):
+        if code is None or _names_its_folder(err):
             return None
         folder = (
             self.export.folder if self.export is not None else (self.locks[0].folder if self.locks else ".")

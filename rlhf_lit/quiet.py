@@ -5,6 +5,12 @@ availability lines, its "Seed set to" line, its warning that an epoch has fewer 
 hint about an optional CPU kernel package, progress bars of the Hugging Face libraries, their log lines below
 WARNING, and a few warnings known to be harmless here (each is named below with why). Nothing is imported:
 the filters attach to loggers and the warnings registry by name, so this costs nothing at start-up.
+
+Held: what other libraries log (any logger outside ``rlhf_lit`` that reaches the root handler) and the Python
+warnings they raise, from the start of a command until its run starts (:func:`release_held`, called when the
+trainer starts, when a command ends well, or before an internal error's traceback). A user mistake found
+before that prints its ``rlhf-lit: error:`` line alone: the held lines are dropped (:func:`drop_held`), since
+a library's warning about, say, offline mode is not what the user has to fix. ``--verbose`` holds nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["quiet_third_party", "verbose_requested"]
+__all__ = ["drop_held", "quiet_third_party", "release_held", "verbose_requested"]
 
 _VERBOSE = {"on": False}  # what main() decided for this command
 
@@ -64,6 +70,72 @@ class _DropNoise(logging.Filter):
 
 _FILTER = _DropNoise()
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# other libraries' log records and warnings, while held: each a function that prints it; None = not holding
+_HELD: dict[str, list | None] = {"lines": None}
+_MAX_HELD = 1000  # a library that logs in a loop before the run starts keeps its first lines only
+
+
+def _ours(name: str) -> bool:
+    return name == "rlhf_lit" or name.startswith("rlhf_lit.")
+
+
+class _HoldingHandler(logging.StreamHandler):
+    """The root handler of the ``rlhf-lit`` command (stderr): rlhf_lit's own records at once, other libraries'
+    records held while :data:`_HELD` holds (see the module docstring)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        held = _HELD["lines"]
+        if held is not None and not _ours(record.name):
+            if len(held) < _MAX_HELD:
+                held.append(lambda: logging.StreamHandler.emit(self, record))
+            return
+        super().emit(record)
+
+
+_SHOW_WARNING = {"original": warnings.showwarning}  # what printed warnings before the command held them
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` of the command: a warning raised outside rlhf_lit's files is held like a
+    library's log record."""
+    original = _SHOW_WARNING["original"]
+    held = _HELD["lines"]
+    ours = os.path.abspath(str(filename)).startswith(_PACKAGE_DIR + os.sep)
+    if held is not None and not ours:
+        if len(held) < _MAX_HELD:
+            held.append(lambda: original(message, category, filename, lineno, file, line))
+        return
+    original(message, category, filename, lineno, file, line)
+
+
+def hold_third_party() -> None:
+    """Start holding other libraries' log lines and warnings (``main`` calls it unless ``--verbose``)."""
+    if _HELD["lines"] is None:
+        _HELD["lines"] = []
+    if warnings.showwarning is not _show_warning:
+        _SHOW_WARNING["original"] = warnings.showwarning
+        warnings.showwarning = _show_warning
+
+
+def release_held() -> None:
+    """Print what was held, in order, and stop holding (the run has started, or the command ended well)."""
+    held, _HELD["lines"] = _HELD["lines"], None
+    for show in held or []:
+        show()
+    _restore_showwarning()
+
+
+def drop_held() -> None:
+    """Forget what was held and stop holding (a user mistake ends the command: its line stands alone)."""
+    _HELD["lines"] = None
+    _restore_showwarning()
+
+
+def _restore_showwarning() -> None:
+    if warnings.showwarning is _show_warning:
+        warnings.showwarning = _SHOW_WARNING["original"]
+
 
 def verbose_requested(argv: list[str]) -> bool:
     """``--verbose`` in ``argv`` or ``RLHF_LIT_VERBOSE`` set to 1/true/yes."""
@@ -79,7 +151,12 @@ def quiet_third_party(verbose: bool | None = None) -> None:
     if verbose is not None:
         _VERBOSE["on"] = bool(verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig: a host (a test runner) that set up logging keeps its own
+        handler = _HoldingHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
     # Lightning prints its records through its own handler on the "lightning" logger (added on import,
     # whatever the root has); passed on to the root's handler too, every Lightning line showed twice
     logging.getLogger("lightning").propagate = False

@@ -28,7 +28,16 @@ from typing import Any
 
 from rlhf_lit.errors import ConfigError
 
-__all__ = ["Range", "check_field_ranges", "dataclass_in", "dataclass_ranges", "parse_range", "ranged"]
+__all__ = [
+    "LABEL_SMOOTHING",
+    "Range",
+    "check_field_ranges",
+    "check_value",
+    "dataclass_in",
+    "dataclass_ranges",
+    "parse_range",
+    "ranged",
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,13 @@ class Range:
             text = f"a finite {number}"
         extras = [repr(v) for v in self.also] + (["null"] if self.optional else [])
         return text + (f" (or {' or '.join(extras)})" if extras else "")
+
+    def refusal(self, name: str, value: Any) -> str | None:
+        """``"<name> must be <range>, got <value>"`` when ``value`` lies outside, else None: the one wording of
+        every range check (settings, plain arguments, the CLI's checks)."""
+        if self.allows(value):
+            return None
+        return f"{name} must be {self.describe(non_finite(value))}, got {value!r}"
 
     def allows(self, value: Any) -> bool:
         if value is None:
@@ -118,6 +134,20 @@ def parse_range(text: str) -> Range:
     return Range(integer=integer, optional=optional, also=tuple(also), **kw)
 
 
+#: The label-flip rate eps of label-smoothed Bradley-Terry losses (the reward model's ``label_smoothing``, DPO's
+#: ``label_smoothing`` / ``robust``), one range for every place that checks it: at eps = 0.5 a label says
+#: nothing (the loss is smallest at a zero margin whatever the pair), so 0.5 is outside.
+LABEL_SMOOTHING = parse_range("[0, 0.5)")
+
+
+def check_value(name: str, value: Any, allowed: Range) -> None:
+    """Raise ``ValueError("<name> must be <allowed>, got <value>")`` unless ``allowed`` allows ``value`` (the check of a
+    plain function argument; settings use :func:`check_field_ranges`, which raises ``ConfigError``)."""
+    message = allowed.refusal(name, value)
+    if message:
+        raise ValueError(message)
+
+
 def ranged(default: Any, allowed: str, **field_kwargs: Any) -> Any:
     """``dataclasses.field(default=default)`` with its allowed range (:func:`parse_range` notation) declared."""
     parse_range(allowed)  # a typo in a declaration fails at import, not when a user meets it
@@ -143,11 +173,9 @@ def check_field_ranges(obj: Any, prefix: str = "") -> None:
     """
     for field in dataclasses.fields(obj):
         rule = _field_range(field)
-        value = getattr(obj, field.name)
-        if rule is not None and not rule.allows(value):
-            raise ConfigError(
-                f"{prefix}{field.name} must be {rule.describe(non_finite(value))}, got {value!r}"
-            )
+        message = rule and rule.refusal(f"{prefix}{field.name}", getattr(obj, field.name))
+        if message:
+            raise ConfigError(message)
 
 
 def dataclass_in(hint: Any) -> type | None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf_lit.functional.masked import masked_mean, masked_var
+from rlhf_lit.functional.policy_gradient import overlong_penalty
 
 __all__ = ["RunningMeanStd", "ScoreShaper", "normalize_scores"]
 
@@ -146,7 +147,8 @@ def normalize_scores(
 
 class ScoreShaper:
     """Step 4's shaping of the reward function's scores: ``(B,)`` scores the rewards use: non-finite ones 0,
-    minus ``missing_eos_penalty`` without a stop token (only when there is a stop token), normalised by the
+    minus ``missing_eos_penalty`` without a stop token (only when there is a stop token), plus DAPO's soft
+    overlong punishment (``reward.overlong_buffer``; ``functional.policy_gradient.overlong_penalty``), normalised by the
     running statistics (updated with this batch's finite scores, all ranks) and clipped (``reward.normalize``,
     ``reward.clip``; Zheng et al. 2023, section 5.3).
 
@@ -154,18 +156,38 @@ class ScoreShaper:
         shaping: ``RewardShapingConfig`` (``normalize``, ``clip``, ``missing_eos_penalty``, ``skip_non_finite``).
         stats: the running score statistics (checkpointed by the module).
         has_stop_token: the run has a stop token (else the missing-EOS penalty is not applied).
+        max_new_tokens: ``sampling.max_new_tokens`` (the end of the overlong window).
     """
 
-    def __init__(self, shaping, stats: RunningMeanStd, has_stop_token: bool) -> None:
+    def __init__(
+        self, shaping, stats: RunningMeanStd, has_stop_token: bool, max_new_tokens: int | None = None
+    ) -> None:
         self.shaping, self.stats, self.has_stop_token = shaping, stats, has_stop_token
+        self.max_new_tokens = max_new_tokens
+
+    def overlong(self, lengths: torch.Tensor | None) -> torch.Tensor | None:
+        """``(B,)`` the overlong penalties (<= 0) of responses of ``lengths`` tokens, or None when off."""
+        buffer = getattr(self.shaping, "overlong_buffer", None)
+        if buffer is None or lengths is None:
+            return None
+        penalty = self.shaping.overlong_penalty  # None: the function's default, DAPO's 1.0
+        factor = {} if penalty is None else {"penalty": penalty}
+        return overlong_penalty(lengths, self.max_new_tokens, buffer, **factor)
 
     def __call__(
-        self, raw_scores: torch.Tensor, finite: torch.Tensor, has_stop: torch.Tensor
+        self,
+        raw_scores: torch.Tensor,
+        finite: torch.Tensor,
+        has_stop: torch.Tensor,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shaping = self.shaping
         scores = torch.where(finite, raw_scores, torch.zeros_like(raw_scores))
         if shaping.missing_eos_penalty is not None and self.has_stop_token:
             scores = scores - shaping.missing_eos_penalty * (~has_stop).float()
+        penalty = self.overlong(lengths)
+        if penalty is not None:
+            scores = scores + penalty.to(scores.dtype)
         if shaping.normalize:
             self.stats.update(scores[finite])
         return normalize_scores(scores, self.stats if shaping.normalize else None, shaping.clip)

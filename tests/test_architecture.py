@@ -226,7 +226,7 @@ def test_importing_models_and_functional_loads_no_lightning():
     assert out.stdout.strip() == "[]"
 
 
-# Files and functions over the limits, each with the reason it stays (STYLE.md: ~300-line files that read
+# Files and functions over the limits, each with the reason it stays (~300-line files that read
 # top to bottom; the limits are ~400 lines and ~80 lines).
 FILE_LIMIT, FUNCTION_LIMIT = 400, 80
 LONG_FILES = {

@@ -52,3 +52,49 @@ def test_completion_counts_are_rows_times_the_longest():
     # 4 completions of 3, 5, 2, 5 tokens: generate ran 5 steps over 4 rows = 20; mean (3+5+2+5)/4 = 3.75
     counts = completion_counts([[7, 8, 2], [1, 2, 3, 4, 5], [9, 2], [5, 5, 5, 5, 5]])
     assert counts == {"tokens": 20, "mean_len": 3.75}
+
+
+def _record(case, phase, trl, ours, grad=0.0, differs=None, rescaled=None):
+    from bench.grpo_first_step import TOL
+
+    rec = dict(case=case, phase=phase, trl_loss=trl, ours_loss=ours, abs_diff=abs(trl - ours), grad_max_abs_diff=grad,
+               differs=differs, token_ratio_range=[1.0, 1.0], seq_ratio_range=[1.0, 1.0], clipfrac=0.0)
+    if rescaled is not None:
+        rec["abs_diff_rescaled"] = rescaled
+    rec["agrees"] = (rec["abs_diff"] <= TOL and grad <= TOL) if differs is None else None
+    return rec
+
+
+def test_grpo_loss_table_verdicts():
+    from bench.grpo_first_step import PHASES, markdown
+
+    records = []
+    for case, kw in (
+        ("same", dict(trl=-0.5, ours=-0.5 + 5e-8)),  # 5e-8 <= 1e-5 in every phase: pass
+        ("loss off", dict(trl=-0.5, ours=-0.5 + 2e-5)),  # 2e-5 > 1e-5: FAIL
+        ("grad off", dict(trl=-0.5, ours=-0.5, grad=3e-5)),  # equal losses, gradients 3e-5 apart: FAIL
+        ("normaliser", dict(trl=-0.5, ours=-0.52, differs="why", rescaled=4e-8)),
+        ("definition", dict(trl=-0.5, ours=-0.52, differs="why")),
+    ):
+        records += [_record(case, p, **kw) for p in PHASES]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in markdown({"details": {"records": records}}).splitlines()}
+    assert rows["same"].endswith("| pass |")
+    assert rows["loss off"].endswith("| FAIL |") and rows["grad off"].endswith("| FAIL |")
+    assert rows["normaliser"].endswith("| differs (normaliser); rescaled diff <= 4.0e-08 |")
+    assert rows["definition"].endswith("| differs (definition) |")
+    # both losses are shown: TRL's, then ours
+    assert "-0.50000000 / -0.52000000 | 2.0e-02" in rows["definition"]
+
+
+def test_grpo_loss_cases_map_trl_options_to_ours():
+    from bench.grpo_first_step import cases
+
+    same = [c for c in cases() if c["differs"] is None]
+    agg = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "token_sum_norm"}
+    assert {c["trl"]["loss_type"] for c in same} == set(agg)  # dapo and cispo differ by their normaliser
+    for c in same:
+        t, o = c["trl"], c["ours"]
+        assert o["loss_aggregation"] == agg[t["loss_type"]]
+        assert o["clip_range"] == t["epsilon"] and o["clip_range_high"] == t["epsilon_high"]
+        assert o["kl_coef"] == t["beta"] and not t["use_bias_correction_kl"]
+        assert o["dual_clip"] == t["delta"] and o["top_entropy_quantile"] == t["top_entropy_quantile"]

@@ -24,9 +24,11 @@ BASE_FOR_PRESETS = Path("configs/sft/tiny.yaml")
 
 def _parse_only(monkeypatch, configs: list[Path]):
     """Build the CLI on ``configs`` (stacked in order): parse and check the values (``rlhf_lit.checks``),
-    instantiate nothing. Model folders that earlier stages write (the demo's exports) need not exist."""
+    instantiate nothing. Model folders that earlier stages write (the demo's exports) need not exist, nor hub
+    datasets be cached (the tests run offline)."""
     monkeypatch.setattr(RLHFCLI, "instantiate_classes", lambda self: None)
     monkeypatch.setattr("rlhf_lit.checks.paths._model_folder_problem", lambda *args, **kwargs: None)
+    monkeypatch.setattr("rlhf_lit.checks.paths._hub_dataset_problem", lambda *args, **kwargs: None)
     args = [arg for config in configs for arg in ("--config", str(config))]
     with in_repo_root():
         return cli_main(args, run=False)

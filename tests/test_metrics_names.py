@@ -53,7 +53,7 @@ def test_every_logged_scalar_is_a_known_metric(config, tmp_path_factory):
 
 
 def test_is_known_rejects_names_outside_the_glossary():
-    assert not M.is_known("val/value_loss")  # never val/ for the value head (DESIGN.md)
+    assert not M.is_known("val/value_loss")  # never val/ for the value head (docs/layout.md)
     assert not M.is_known("reward/acc")
     assert M.is_known("reward/accuracy/hh-rlhf_helpful-base_test")
     assert M.is_known("data/train/skipped_identical_pair")

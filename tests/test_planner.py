@@ -508,3 +508,55 @@ def test_a_sampling_copy_adds_the_weights_in_its_dtype_to_every_phase():
     # the copy decodes in its own dtype: the rollout's KV cache is half the float32 trainer's in bf16
     kv = {name: size for name, size, _ in a.rows}["KV cache (rollout)"]
     assert rows["KV cache (rollout)"] * 2 == kv == {name: size for name, size, _ in c.rows}["KV cache (rollout)"]
+
+
+# tiny GPT-2 of configs/sft/tiny.yaml (n_embd 64, 512 positions, 260 byte tokens): one block = ln_1 (2 x 64) +
+# c_attn (64 x 192 + 192) + attn c_proj (64 x 64 + 64) + ln_2 (2 x 64) + c_fc (64 x 256 + 256) + mlp c_proj
+# (256 x 64 + 64) = 128 + 12480 + 4160 + 128 + 16640 + 16448 = 49984; outside the blocks: wte 260 x 64 + wpe
+# 512 x 64 + ln_f 2 x 64 = 16640 + 32768 + 128 = 49536 (the LM head is tied to wte)
+SFT_TINY_LAYER, SFT_TINY_REST = 49984, 49536
+
+
+def _tiny_sft_shape(layers: int):
+    return planner.model_shape(
+        BackboneConfig(
+            tiny={"model_type": "gpt2", "n_layer": layers, "n_embd": 64, "n_head": 2, "n_positions": 512},
+            tokenizer="byte",
+        )
+    )
+
+
+def test_a_model_deeper_than_exact_layers_is_counted_per_layer_as_the_built_one():
+    """Past EXACT_LAYERS one block is counted and multiplied: the two ways agree at the boundary."""
+    from rlhf_lit.planner.shapes import EXACT_LAYERS
+
+    built, counted = _tiny_sft_shape(EXACT_LAYERS), _tiny_sft_shape(EXACT_LAYERS + 1)
+    assert built.extra_layers == 0 and counted.extra_layers == EXACT_LAYERS  # 1 layer built, the rest counted
+    assert built.num_params == SFT_TINY_REST + EXACT_LAYERS * SFT_TINY_LAYER
+    assert counted.num_params - built.num_params == SFT_TINY_LAYER
+    # block Linear weights per layer: 64*192 + 64*64 + 64*256 + 256*64 = 49152; LoRA r=4 on c_attn: 4 x (64 + 192)
+    assert counted.block_linear_params - built.block_linear_params == 49152
+    assert counted.lora_params(4, ["c_attn"]) - built.lora_params(4, ["c_attn"]) == 4 * (64 + 192)
+    assert counted.lora_params(4, "all-linear") == (EXACT_LAYERS + 1) * 4 * (256 + 128 + 320 + 320)
+
+
+def test_plan_of_100000_layers_answers_in_seconds_in_closed_form():
+    """A typing slip (n_layer: 100000) once built 100,000 blocks on the meta device (279 s, 2.1 GB, no output);
+    now the console script answers in seconds, and its figure is one block's count times the layer count."""
+    import time
+
+    from tests.cli.helpers import run_cli
+
+    weights = {}
+    for layers in (100_000, 200_000):
+        start = time.monotonic()
+        result = run_cli(
+            "plan", "--config", "configs/sft/tiny.yaml", f"--model.init_args.backbone.tiny.n_layer={layers}", "--json"
+        )
+        wall = time.monotonic() - start
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert wall < 150, wall  # ~15 s of imports on a quiet core; building every layer took 279 s
+        rows = {r["component"]: r["bytes"] for r in json.loads(result.stdout)["rows"]}
+        weights[layers] = rows["base weights"]
+    assert weights[100_000] == 4 * (SFT_TINY_REST + 100_000 * SFT_TINY_LAYER)  # fp32: 4 bytes a parameter
+    assert weights[200_000] - weights[100_000] == 4 * 100_000 * SFT_TINY_LAYER

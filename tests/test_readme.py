@@ -15,13 +15,14 @@ from tests.conftest import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
-MAX_README_LINES = 260  # a user's guide; measured reports live in docs/experiments/
-SUBCOMMANDS = {"fit", "validate", "test", "predict", "demo", "plan", "evaluate"}
+MAX_README_LINES = 272  # a user's guide; measured reports live in docs/experiments/
+SUBCOMMANDS = {"fit", "validate", "test", "predict", "demo", "plan", "evaluate", "vllm-serve"}
 # options of the subcommands with their own parser, found in their source
 OWN_PARSERS = {
     "demo": REPO_ROOT / "rlhf_lit" / "demo",
     "plan": REPO_ROOT / "rlhf_lit" / "planner",
     "evaluate": REPO_ROOT / "rlhf_lit" / "evaluation",
+    "vllm-serve": REPO_ROOT / "rlhf_lit" / "vllm_server.py",
 }
 
 
@@ -63,7 +64,12 @@ def test_readme_opens_with_exactly_two_setup_commands_and_ci_runs_the_test_one(r
     assert len(commands) == 2
     assert commands[0].endswith("rlhf-lit demo")
     assert commands[1].endswith("python -m pytest -q")
-    assert "python -m pytest -q" in (repo_root / ".ci" / "run").read_text()
+    # CI runs the README's test command as written: its install part is a line of .ci/run, the tests follow
+    install = commands[1].removesuffix("&& python -m pytest -q").strip()
+    assert "-c constraints.txt" in install and install.startswith("pip install torch==2.13.0 && ")
+    ci_lines = [line.strip() for line in (repo_root / ".ci" / "run").read_text().splitlines()]
+    assert install in ci_lines, install
+    assert "python -m pytest -q" in ci_lines[ci_lines.index(install) :]
 
 
 def test_the_readme_is_a_guide_not_a_lab_notebook():
@@ -88,7 +94,9 @@ def test_every_command_the_readme_shows_exists():
                 if flag == "--config" and not _placeholder(value):
                     assert (REPO_ROOT / value).is_file(), words
             if words[1] in OWN_PARSERS:
-                source = "".join(p.read_text() for p in OWN_PARSERS[words[1]].rglob("*.py"))
+                where = OWN_PARSERS[words[1]]
+                files = [where] if where.is_file() else where.rglob("*.py")
+                source = "".join(p.read_text() for p in files)
                 for flag in (w.split("=")[0] for w in words if w.startswith("--")):
                     assert f'"{flag}"' in source, (flag, words)
         elif head in ("python", "bash") and words[1] == "-m":
@@ -193,3 +201,55 @@ def test_every_test_a_page_names_exists(page):
         named = re.findall(r"`([a-z0-9]+(?:_[a-z0-9]+){2,})`", section)
         missing += [n for n in named if not n.startswith("test_") and n not in cases]
     assert not missing, f"{page.name} names tests that do not exist: {missing}"
+
+
+def _help_output(capsys, words: list[str]) -> str:
+    """What ``rlhf-lit <words>`` prints for a ``--*.help`` command (in-process, as the console script)."""
+    from rlhf_lit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(words)
+    out = capsys.readouterr().out
+    assert info.value.code == 0, (words, out)
+    return out
+
+
+def test_the_help_commands_of_the_readme_document_every_ppo_option(capsys):
+    """The README's help commands: ``--model.help <class>`` prints the class's summary (a whole sentence)
+    and one ``--model.<group>.help`` per settings group, and the README's ``--model.<group>.help`` command
+    prints that group's options, each documented. The same command, for every group the class help names,
+    prints every field of that group's dataclass (so ``kl_coef`` under ``--model.kl.help``): every PPO option
+    is one command away."""
+    import dataclasses
+    import typing
+
+    commands = [words for words in _rlhf_lit_commands() if "--model.help" in words]
+    nested = [words for words in commands if any(re.fullmatch(r"--model\.\w+\.help", w) for w in words)]
+    top = [words for words in commands if words not in nested]
+    assert top and nested, commands
+    class_path = top[0][top[0].index("--model.help") + 1]
+    assert class_path == "rlhf_lit.modules.PPOModule"
+    out = _help_output(capsys, top[0][1:])
+    # the summary is the docstring's whole first sentence (a first line cut mid-sentence printed "with a:")
+    # (argparse's group title: the sentence, its full stop turned into a colon)
+    summary = "PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization:"
+    assert re.search(rf"^{re.escape(summary)}$", out, re.M), out[:2000]
+    groups = sorted(set(re.findall(r"--model\.(\w+)\.help\b", out)) - {"reward_model", "sampler", "schedule"})
+    assert {"ppo", "kl", "sampling", "critic", "reward", "optimizer", "ptx", "monitor"} <= set(groups), groups
+    module_name, name = class_path.rsplit(".", 1)
+    hints = typing.get_type_hints(getattr(importlib.import_module(module_name), name).__init__)
+    printed = {}
+    for group in groups:
+        words = [f"--model.{group}.help" if re.fullmatch(r"--model\.\w+\.help", w) else w for w in nested[0]]
+        printed[group] = _help_output(capsys, words[1:])
+        types = typing.get_args(hints[group]) or (hints[group],)
+        settings = next(t for t in types if dataclasses.is_dataclass(t))
+        for field in dataclasses.fields(settings):
+            option = f"--model.{group}.{field.name}"
+            assert re.search(rf"^  {re.escape(option)}\b", printed[group], re.M), (group, option)
+    readme_group = next(w for w in nested[0] if re.fullmatch(r"--model\.\w+\.help", w)).split(".")[1]
+    assert readme_group == "ppo"
+    for option in ("clip_range", "gae_lambda", "tis_cap"):  # the README's command itself
+        assert f"--model.ppo.{option} " in printed["ppo"], option
+    assert "epsilon of the clipped surrogate objective" in printed["ppo"]  # documented, not only named
+    assert "--model.kl.kl_coef " in printed["kl"]

@@ -2,8 +2,9 @@
 
 Modules: ``rules`` (value ranges), ``checkpoint`` (``ckpt_path``), ``paths`` (inputs and outputs), ``lengths``
 (against the model's positions); this module runs them in order. The CLI calls :func:`check_ckpt_path` right
-after parsing and :func:`check_config` before it instantiates
-anything, on the parsed config as plain dicts; :func:`check_data_fits_model` runs once the data is read.
+after parsing and :func:`check_config` before it instantiates anything, on the parsed config as plain dicts
+(``rlhf-lit plan`` runs :func:`check_settings`: 1, 2 and 4 below, which need no input to exist);
+:func:`check_data_fits_model` runs once the data is read.
 The first problem found is raised, naming the config key as the user writes it
 (``model.init_args.ppo.clip_range``) and what would fix it.
 
@@ -45,6 +46,7 @@ __all__ = [
     "Range",
     "check_ckpt_path",
     "check_config",
+    "check_settings",
     "check_data_fits_model",
     "check_ppo_settings",
     "model_positions",
@@ -54,10 +56,28 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------- the config
 def check_config(config: dict, subcommand: str | None = None) -> None:
-    """Check a parsed config (``{"model": {"class_path", "init_args"}, "data": ..., "trainer": ...}``).
+    """Check a parsed config (``{"model": {"class_path", "init_args"}, "data": ..., "trainer": ...}``): the
+    settings (:func:`check_settings`), then the inputs exist and the outputs are writable.
 
     Raises:
         ConfigError: for the first problem found (see the module docstring for the list).
+    """
+    init, data_init, stage = check_settings(config)
+    trainer = config.get("trainer") or {}
+    check_inputs(init, data_init, stage, config_roots(config))
+    check_outputs(init, trainer, subcommand)
+    if subcommand == "validate":
+        _check_something_to_validate(data_init, trainer)
+
+
+def check_settings(config: dict) -> tuple[dict, dict, object]:
+    """The checks that need no input or output to exist (what ``rlhf-lit plan`` runs too, on configs whose
+    inputs an earlier stage may not have written yet): value ranges, the stage/data pairing, the backbone
+    sections, the stage's consistency rules, and the lengths against the model's positions (when its config
+    can be read now). Returns ``(model init_args, data init_args, stage or None)``.
+
+    Raises:
+        ConfigError: for the first problem found.
     """
     model = config.get("model") or {}
     data = config.get("data") or {}
@@ -86,11 +106,24 @@ def check_config(config: dict, subcommand: str | None = None) -> None:
             _check_backbone(f"model.init_args.{key}", get(init, key))
     if stage:
         stage.run_checks(init, data_init, trainer)
-    roots = config_roots(config)
-    check_inputs(init, data_init, stage, roots)
-    if stage:
-        check_lengths(stage, init, data_init)
-    check_outputs(init, trainer, subcommand)
+        check_lengths(stage, init, data_init)  # a folder that does not exist yet has no positions to check
+    return init, data_init, stage
+
+
+def _check_something_to_validate(data: dict, trainer: dict) -> None:
+    """``validate`` with no validation split (PPO's prompts hold none by default) or no validation batch
+    would run nothing and exit 0 in silence."""
+    if trainer.get("limit_val_batches") == 0:
+        raise ConfigError(
+            "validate: nothing to validate: trainer.limit_val_batches is 0; give it a number of batches > 0 "
+            "(or 1.0 for all)"
+        )
+    if not data.get("val_files") and data.get("val_size", 1) == 0:
+        raise ConfigError(
+            "validate: nothing to validate: the data holds no validation split (data.init_args.val_size is 0 "
+            "and no data.init_args.val_files); set data.init_args.val_size (held out of each train file, e.g. "
+            "--data.init_args.val_size=32) or data.init_args.val_files"
+        )
 
 
 def check_ppo_settings(init: dict, data: dict, trainer: dict) -> None:
@@ -155,6 +188,48 @@ def _check_reward_entry(where: str, entry: dict) -> None:
         raise ConfigError(f"{where}backbone builds a separate model; set reward_model.mode: separate")
 
 
+def _check_pg_family(init: dict, n: int) -> None:
+    """The policy-gradient family's rules (docs/policy_gradient.md): settings that need another one."""
+    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.modules.ppo_checks import check_dynamic_sampling, check_objective_options, check_overlong
+
+    p = "model.init_args."
+    check_dynamic_sampling(
+        bool(get(init, "ppo.dynamic_sampling")), get(init, "ppo.dynamic_sampling_max_rounds") or 0, n, p
+    )
+    check_objective_options(
+        get(init, "ppo.policy_loss", "ppo"),
+        get(init, "ppo.dual_clip"),
+        get(init, "ppo.tis_cap"),
+        get(init, "ppo.tis_level"),
+        get(init, "ppo.tis_mode"),
+        p,
+    )
+    check_overlong(
+        get(init, "reward.overlong_buffer"),
+        get(init, "reward.overlong_penalty"),
+        get(init, "sampling.max_new_tokens", SamplingConfig.max_new_tokens),
+        p,
+    )
+
+
+def _check_stop_tokens(init: dict) -> None:
+    """``ppo.mask_truncated_completions`` and ``reward.missing_eos_penalty`` need a stop token: refused here
+    when the config alone rules every one out (the module's own check, ``check_stop_tokens``, with what
+    ``may_stop`` can tell before the tokenizer is read; the tokenizer's EOS is checked when the module is
+    built)."""
+    from rlhf_lit.generation import SamplingConfig, may_stop
+    from rlhf_lit.modules.ppo_checks import check_stop_tokens
+
+    has_stop = may_stop(
+        get(init, "sampling.stop_at_eos", SamplingConfig.stop_at_eos),
+        get(init, "sampling.stop_token_ids"),
+        get(init, "sampling.stop_strings"),
+    )
+    mask_truncated = bool(get(init, "ppo.mask_truncated_completions"))
+    check_stop_tokens(get(init, "reward.missing_eos_penalty"), mask_truncated, has_stop, "model.init_args.")
+
+
 def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
     """PPO's consistency rules; a setting the config leaves unset takes the module's default (its dataclass's)."""
     import inspect
@@ -190,6 +265,8 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
             f"{p}ppo.advantage_estimator={estimator} compares the responses to one prompt: set "
             f"{p}sampling.num_samples_per_prompt >= 2 (it is {n})"
         )
+    _check_pg_family(init, n)
+    _check_stop_tokens(init)
     if not algorithm.needs_critic and get(init, "critic.init_from_reward"):
         raise ConfigError(
             f"{p}critic.init_from_reward is set, but ppo.advantage_estimator={estimator} builds no critic"

@@ -9,14 +9,31 @@ from typing import Any
 from rlhf_lit.checks.rules import import_class
 from rlhf_lit.errors import ConfigError
 
-__all__ = ["check_ckpt_path", "last_checkpoint"]
+__all__ = ["RUN_CONTROL_SETTINGS", "check_ckpt_path", "last_checkpoint", "run_control_values"]
+
+#: The module settings (``model.init_args.<key>``) that control a run, not its weights: where it writes, how
+#: long it trains, how often it logs and checkpoints. On resume (``--ckpt_path``) the config's value is used,
+#: as Lightning uses the config's ``trainer`` settings (``max_steps``, ``max_epochs``, callbacks); every other
+#: module setting (the model's shapes, the training math) is rebuilt from the checkpoint's hyper-parameters.
+#: The value says why changing the setting makes the resumed run differ from an uninterrupted run of the
+#: checkpoint's settings (None: it does not).
+RUN_CONTROL_SETTINGS: dict[str, str | None] = {
+    "export_dir": None,
+    "export_mode": None,
+    "reference_cache": None,
+    "log_samples_every": None,
+    "ppo.checkpoint_every": None,
+    "ppo.total_iterations": "the learning-rate schedule is sized from it (unless optimizer.scheduler is "
+    "constant), so the learning rates from here on differ from the checkpoint's run",
+}
 
 
 def check_ckpt_path(config: Any) -> None:
     """``ckpt_path`` (if given) is a checkpoint file of the config's model class.
 
     Also warns (one line) when a model setting of the config differs from the checkpoint's hyper-parameters,
-    which LightningCLI uses to rebuild the model.
+    which LightningCLI uses to rebuild the model, and says (one line) which :data:`RUN_CONTROL_SETTINGS` the
+    config changes and are used: a warning when a change makes the run differ from an exact resume, else info.
 
     Raises:
         ConfigError: if the file does not exist, is not a checkpoint, or was written by another module class.
@@ -59,16 +76,41 @@ def check_ckpt_path(config: Any) -> None:
     if saved_class and model is not None:
         init = model.get("init_args")
         init = init.as_dict() if hasattr(init, "as_dict") else dict(init or {})
-        differ = [key for key, mine, theirs in _diff(init, hparams) if key.split(".")[0] in hparams]
-        if differ:
-            import logging
+        import logging
 
+        changes = [(key, mine, theirs) for key, mine, theirs in _diff(init, hparams) if key.split(".")[0] in hparams]
+        differ = [key for key, _, _ in changes if key not in RUN_CONTROL_SETTINGS]
+        control = [(key, mine, theirs) for key, mine, theirs in changes if key in RUN_CONTROL_SETTINGS]
+        if control:
+            breaking = [f"{key}: {RUN_CONTROL_SETTINGS[key]}" for key, _, _ in control if RUN_CONTROL_SETTINGS[key]]
+            logging.getLogger("rlhf_lit").log(
+                logging.WARNING if breaking else logging.INFO,
+                "ckpt_path: the config's %s %s used (where the run writes, how long it trains, how often it logs "
+                "and checkpoints follow the config; the model's settings follow the checkpoint)%s",
+                ", ".join(f"{key}={mine!r} (the checkpoint's {theirs!r})" for key, mine, theirs in control),
+                "is" if len(control) == 1 else "are",
+                "; not an exact resume: " + "; ".join(breaking) if breaking else "",
+            )
+        if differ:
             shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
             logging.getLogger("rlhf_lit").warning(
                 "ckpt_path: the model is rebuilt with the checkpoint's settings; the config's %s %s not used",
                 shown,
                 "differs from it and is" if len(differ) == 1 else "differ from them and are",
             )
+
+
+def run_control_values(config: Any) -> dict[str, Any]:
+    """The :data:`RUN_CONTROL_SETTINGS` a parsed subcommand config (a jsonargparse ``Namespace``) sets:
+    ``{"model.init_args.<key>": value}`` for each key whose section is present."""
+    values = {}
+    for key in RUN_CONTROL_SETTINGS:
+        full = f"model.init_args.{key}"
+        try:
+            values[full] = config[full]
+        except (KeyError, TypeError, AttributeError):
+            continue  # the module has no such setting, or the section is unset
+    return values
 
 
 def last_checkpoint(config: dict[str, Any]) -> str | None:

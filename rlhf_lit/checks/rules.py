@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.ranges import Range, dataclass_ranges, non_finite
+from rlhf_lit.ranges import LABEL_SMOOTHING, Range, dataclass_ranges
 
 __all__ = [
     "DATA_RULES",
     "MODEL_RULES",
     "TRAINER_RULES",
+    "PLAN_RULES",
     "Range",
     "check_ranges",
     "file_list",
@@ -46,13 +47,20 @@ _OPTIMIZER = {
 }
 
 
+#: Ranges of ``rlhf-lit plan``'s own options (by option name; an option left unset is not checked).
+PLAN_RULES: dict[str, Range] = {
+    "device-memory-gb": _gt0(),
+    "world-size": _count(1),
+}
+
+
 #: Ranges of the stage modules' settings that their dataclasses do not declare, by stage name (a subclass of a
 #: stage module gets its stage's rules).
 MODEL_RULES: dict[str, dict[str, Range]] = {
     "sft": {**_OPTIMIZER},
     "reward": {
         **_OPTIMIZER,
-        "label_smoothing": Range(low=0, high=0.5, high_open=True),
+        "label_smoothing": LABEL_SMOOTHING,
         "beta_rm": _ge0(),
         "center_rewards_coef": _ge0(),
         "ece_bins": _count(1),
@@ -62,7 +70,7 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
     "dpo": {
         **_OPTIMIZER,
         "beta": _gt0(),
-        "label_smoothing": Range(low=0, high=0.5, high_open=True),
+        "label_smoothing": LABEL_SMOOTHING,
         "simpo_gamma": Range(),
         "nll_coef": _ge0(),
         "desirable_weight": _ge0(),
@@ -205,8 +213,9 @@ def check_ranges(tree: dict, rules: dict[str, Range], prefix: str) -> None:
             value = container[int(last)]
         else:
             continue
-        if not rule.allows(value):
-            raise ConfigError(f"{prefix}{key} must be {rule.describe(non_finite(value))}, got {value!r}")
+        message = rule.refusal(f"{prefix}{key}", value)
+        if message:
+            raise ConfigError(message)
 
 
 def file_list(value: Any) -> list[str]:

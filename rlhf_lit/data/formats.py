@@ -92,6 +92,27 @@ class Fields:
     prompt_template: str | None = None
     separator: str = " "
 
+    def __post_init__(self) -> None:
+        # the escapes of a YAML double-quoted string, also where the text reached us without them read: a
+        # shell passes --data.init_args.prompt_template='{a}\n\n{b}' as a backslash and an n
+        for name in ("prompt_template", "separator"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, unescape(value))
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+_ESCAPE = re.compile(r"\\([ntr\\])")
+
+
+def unescape(text: str) -> str:
+    """``text`` with the escapes ``\\n``, ``\\t``, ``\\r`` and ``\\\\`` read as a newline, a tab, a carriage return
+    and one backslash, as in a YAML double-quoted string (other backslashes are kept). Text from YAML double
+    quotes holds no such escape any more (YAML read them), so it is unchanged; the same text from the command
+    line, in YAML single quotes or unquoted, now means the same. Example: ``'{a}\\n\\n{b}'`` (10 characters with
+    two backslashes) gives ``'{a}<newline><newline>{b}'``."""
+    return _ESCAPE.sub(lambda match: _ESCAPES[match[1]], text)
+
 
 class SkipRow(Exception):
     """Raised inside a row's conversion to skip it for ``reason`` (a ``SKIP_REASONS`` string)."""

@@ -100,7 +100,8 @@ class RewardExportScorer:
         load: builds the ``RewardScorer`` from the folder (default ``load_reward_model``).
 
     Raises:
-        ExportError: no such folder, no ``rlhf_lit.json`` in it, or an export of another kind (a policy).
+        ExportError: no such folder, no ``rlhf_lit.json`` in it, an export of another kind (a policy), or a
+            tokenizer that does not fit the model (``_check_tokenizer``).
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class RewardExportScorer:
         if meta.get("architecture") == "encoder":
             encoder_special_tokens(self.tokenizer)
         self.input_format = RewardInputFormat.from_meta(meta)
+        _check_tokenizer(path, self.tokenizer, self.input_format.append_eos)
         self.max_length = self.input_format.max_length or _position_limit(path, self.tokenizer)
         self.min_prompt_tokens = int((meta.get("data") or {}).get("min_prompt_tokens", 1))
 
@@ -223,6 +225,36 @@ class RewardExportScorer:
             scores[torch.tensor(batch)] = out.float().cpu()
         n = len(pairs)
         return scores[:n], scores[n:]
+
+
+def _check_tokenizer(path: str, tokenizer, append_eos: bool) -> None:
+    """Refuse, before any model loads, an export whose tokenizer does not fit its model: token ids past the
+    embedding table (``vocab_size`` of its ``config.json``; the forward would fail with an ``IndexError``), or
+    no EOS token where the recorded input format appends one (every response was trained ending with it).
+
+    Raises:
+        ExportError: naming the folder and the problem.
+    """
+    config_file = os.path.join(path, "config.json")
+    config: dict = {}
+    if os.path.exists(config_file):
+        with open(config_file) as f:
+            config = json.load(f)
+    vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    ids = tokenizer.get_vocab().values()
+    largest = max(ids, default=-1)
+    if isinstance(vocab_size, int) and largest >= vocab_size:
+        raise ExportError(
+            f"evaluate: --model {path}: its tokenizer does not match its model: token ids reach {largest}, past "
+            f"the model's {vocab_size} embeddings (vocab_size in config.json); the tokenizer files were replaced "
+            "or come from another model -- export again from the run that trained it"
+        )
+    if append_eos and tokenizer.eos_token_id is None:
+        raise ExportError(
+            f"evaluate: --model {path}: its tokenizer has no EOS token, but the export appends one to every "
+            f"response (input_format.append_eos in {META_FILE}); the tokenizer files were changed or come from "
+            "another model -- export again from the run that trained it"
+        )
 
 
 def _position_limit(path: str, tokenizer) -> int:

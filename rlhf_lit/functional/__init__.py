@@ -1,6 +1,6 @@
 """Pure tensor math for RLHF: torch in, torch out; no Lightning, no logging, no in-place edits.
 
-Conventions (DESIGN.md): masks are True on real tokens; shapes B batch, P prompt, R response,
+Conventions (docs/layout.md): masks are True on real tokens; shapes B batch, P prompt, R response,
 T = P + R, V vocabulary; log-probabilities and KL are natural logs (nats per token).
 """
 

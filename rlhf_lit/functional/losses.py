@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lit.functional.masked import masked_mean, masked_weighted_mean
+from rlhf_lit.functional.policy_gradient import importance_log_ratio
 from rlhf_lit.functional.sequence import chunk_views, gather_logprobs, scaled_piece
+from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
 
 __all__ = ["bt_pairwise_loss", "sft_nll", "ppo_policy_loss", "ppo_value_loss", "entropy_from_logits"]
 
@@ -42,7 +44,7 @@ def bt_pairwise_loss(
         chosen_rewards: (B,) scalar rewards of the preferred responses.
         rejected_rewards: (B,) scalar rewards of the other responses.
         margin: (B,) or scalar required gap (>= 0 usually), or None for no margin.
-        label_smoothing: s in [0, 0.5].
+        label_smoothing: s in [0, 0.5) (``rlhf_lit.ranges.LABEL_SMOOTHING``).
 
     Returns:
         (B,) per-pair loss in nats (the caller takes the mean). Decreasing in ``d`` when s = 0; with
@@ -50,14 +52,13 @@ def bt_pairwise_loss(
         margins beyond that are pulled back.
 
     Raises:
-        ValueError: If the shapes differ or ``label_smoothing`` lies outside [0, 0.5].
+        ValueError: If the shapes differ or ``label_smoothing`` lies outside [0, 0.5).
     """
     if chosen_rewards.shape != rejected_rewards.shape:
         raise ValueError(
             f"chosen {tuple(chosen_rewards.shape)} and rejected {tuple(rejected_rewards.shape)} differ"
         )
-    if not 0.0 <= label_smoothing <= 0.5:
-        raise ValueError(f"label_smoothing must lie in [0, 0.5], got {label_smoothing}")
+    check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
     d = chosen_rewards - rejected_rewards
     if margin is not None:
         d = d - margin
@@ -108,14 +109,18 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     weights: Tensor | None = None,
     is_weights: Tensor | None = None,
+    clip_range_high: float | None = None,
+    importance_sampling_level: str = "token",
+    token_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate loss, optionally dual-clipped.
+    """PPO clipped surrogate loss, optionally dual-clipped, asymmetric, or on the sequence ratio.
 
     Per token ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` (Schulman et al. 2017, eq. 7,
     negated to a loss). With ``dual_clip = c > 1``, tokens with ``A < 0`` are further capped at
     ``-c * A`` so a huge ratio cannot produce an unbounded loss (Ye et al. 2020, "Mastering Complex
     Control in MOBA Games with Deep RL", AAAI 2020, dual-clip PPO). E.g. eps 0.2: (ratio 1.5, A +1) -> -1.2,
-    (0.5, -1) -> +0.8, (0.5, +1) -> -0.5 (docs/pitfalls.md: value positions).
+    (0.5, -1) -> +0.8, (0.5, +1) -> -0.5 (docs/pitfalls.md: value positions). ``clip_range_high``: DAPO's
+    clip-higher (Yu et al. 2025, eq. 10). The ratio's level: ``policy_gradient.importance_log_ratio`` (GSPO).
 
     Args:
         logprobs: (B, R) log-probs of the sampled tokens under the current policy (with grad).
@@ -126,42 +131,50 @@ def ppo_policy_loss(
         dual_clip: c > 1, or None to disable.
         weights: (B, R) token weights of the loss (``masked_weighted_mean``; the loss aggregation); None =
             the token mean. The statistics are token means either way.
-        is_weights: (B, R) importance-sampling weights (no grad) multiplying each token's clipped term before
-            the aggregation (truncated importance sampling of a sampler that is not the trainer:
-            ``functional.sampler_gap.truncated_is_weights``); None = 1. The statistics ignore them.
+        is_weights: (B, R) importance-sampling weights (no grad) multiplying each token's clipped term (a
+            sampler that is not the trainer: ``policy_gradient.rollout_is_weights``); None = 1. Stats ignore them.
+        clip_range_high: the upper epsilon (> 0); None = ``clip_range``.
+        importance_sampling_level: ``token`` (PPO), ``sequence`` (GSPO) or ``sequence_token`` (GSPO-token).
+        token_mask: ``(B, R)`` bool, the tokens whose term counts (``top_entropy_mask``; 0 elsewhere). None = all.
 
     Returns:
         ``(loss, stats)``: 0-dim loss, the token-level masked mean (weighted by ``weights``). ``stats`` holds detached 0-dim
         tensors: ``clipfrac`` = fraction of real tokens where the clipped term binds (it is strictly
-        larger than the unclipped one, so the token's gradient is zero; TRL's definition);
+        larger than the unclipped one, so the token's gradient is zero; TRL's definition) = ``clipfrac_low``
+        (ratio < 1) + ``clipfrac_high`` (ratio > 1);
         ``dual_clipfrac`` = fraction where the dual clip binds (0 without it); ``approx_kl`` =
         mean of ``(ratio - 1) - log(ratio)``, the k3 estimate of KL(old || new) in nats per token;
         ``ratio_mean``.
 
     Raises:
-        ValueError: If ``clip_range <= 0`` or ``dual_clip <= 1``.
+        ValueError: If ``clip_range <= 0``, ``clip_range_high <= 0``, ``dual_clip <= 1`` or an unknown level.
     """
-    if clip_range <= 0:
-        raise ValueError(f"clip_range must be > 0, got {clip_range}")
+    high = clip_range if clip_range_high is None else clip_range_high
+    if clip_range <= 0 or high <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range} (high {high})")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020), got {dual_clip}")
     mask = mask.bool()
-    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, importance_sampling_level)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
     dual_bound = torch.zeros_like(per_token, dtype=torch.bool)
     if dual_clip is not None:
         cap = -dual_clip * advantages
         dual_bound = (advantages < 0) & (per_token > cap)
         per_token = torch.where(dual_bound, cap, per_token)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
+    for factor in (is_weights, token_mask):  # importance weights, the entropy mask: no gradient
+        if factor is not None:
+            per_token = per_token * factor.detach().to(per_token.dtype)
     loss = masked_weighted_mean(per_token, mask, weights)
     with torch.no_grad():
+        binds, low = clipped > unclipped, ratio < 1.0
         stats = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
+            "clipfrac": masked_mean(binds.float(), mask),
+            "clipfrac_low": masked_mean((binds & low).float(), mask),
+            "clipfrac_high": masked_mean((binds & ~low).float(), mask),
             "dual_clipfrac": masked_mean(dual_bound.float(), mask),
             "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),

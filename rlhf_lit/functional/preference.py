@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lit.functional.sequence import gather_logprobs, length_groups
+from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
 
 __all__ = [
     "LOSS_TYPES",
@@ -52,7 +53,7 @@ def response_scoring_mask(prompt_len: Tensor, response_len: Tensor, T: int) -> T
 
     Rows are right padded, each with its own prompt length: row ``b`` holds ``P_b`` prompt tokens, then
     ``R_b`` response tokens, then padding. Token ``x[i]`` gets its log-prob from the logits at ``i - 1``
-    (DESIGN.md), so the response tokens ``P_b .. P_b + R_b - 1`` are scored by logits ``P_b - 1 ..
+    (docs/layout.md), so the response tokens ``P_b .. P_b + R_b - 1`` are scored by logits ``P_b - 1 ..
     P_b + R_b - 2``; entry ``j`` of the mask is True when token ``j + 1`` is a response token.
     E.g. ``P = [2], R = [2], T = 5``: tokens 2, 3 are the response, so ``[False, True, True, False]``.
 
@@ -253,8 +254,7 @@ def preference_loss(
             that does not use it.
     """
     _check_beta(beta)
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
     if label_smoothing > 0 and loss_type not in ("label_smoothing", "robust"):
         raise ValueError(f"label_smoothing is used by 'label_smoothing' and 'robust' only, not {loss_type!r}")
     margin = chosen_rewards - rejected_rewards

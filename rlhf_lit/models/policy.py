@@ -5,7 +5,7 @@ actor's trunk, a ``"critic"`` adapter, plus a float32 ``ScalarHead`` for values.
 same base with every adapter switched off (``reference()``), except the frozen SFT adapter of an adapter-only
 SFT export, which stays on beneath every adapter (``rlhf_lit.models.adapters``).
 
-Alignment (DESIGN.md): for a sequence ``x`` of length T = P + R whose response starts at P, the log-prob of
+Alignment (docs/layout.md): for a sequence ``x`` of length T = P + R whose response starts at P, the log-prob of
 response token ``x[P + j]`` comes from the logits at position ``P + j - 1``, and the critic's value for that
 action from the hidden state at the same position. So both read hidden positions ``P - 1 .. P + R - 2``.
 Only those R positions go through the LM head (no (B, T, V) logits).

@@ -23,6 +23,7 @@ temporary sibling and renamed (``os.replace``): a crash never leaves a half-writ
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lit.outputs import replace_file
+from rlhf_lit.outputs import OutputError, replace_file, write_failure
 
 __all__ = [
     "ReferenceLogpCache",
@@ -220,9 +221,21 @@ class ReferenceLogpCache:
         ``os.replace``), readable as a plain ``open`` under the umask makes it (a cache folder may be shared).
 
         Raises:
-            OutputError: the disk is full or the folder is not writable.
+            OutputError: the disk is full, the folder is not writable, or the path (or a parent) is a file;
+                naming the cache folder (``model.init_args.reference_cache``), not the export's.
         """
-        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as err:
+            if err.errno in (errno.EEXIST, errno.ENOTDIR):  # the path, or a folder on it, is a file
+                blocker = os.path.abspath(self.folder)
+                while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+                    blocker = os.path.dirname(blocker)
+                raise OutputError(
+                    f"cannot write the reference cache to {self.folder} (model.init_args.reference_cache): "
+                    f"{blocker} is a file, not a folder"
+                ) from err
+            raise (write_failure(err, self.folder, None, "reference cache") or err) from err
         payload = {
             "index": dict(self._index),
             "logps": self._table(),
@@ -230,7 +243,7 @@ class ReferenceLogpCache:
         }
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        replace_file(self.path, buffer.getvalue())
+        replace_file(self.path, buffer.getvalue(), "reference cache")
 
     def __len__(self) -> int:
         return len(self._index)

@@ -1,7 +1,7 @@
 """Stage 3: PPO (or a critic-free estimator) against a frozen reward model: the Lightning shell of the RL core.
 
 ``training_step`` is one iteration on one batch of prompts (Ouyang et al. 2022; Schulman et al. 2017), each
-step a component of ``rlhf_lit.rl`` (``ppo_build.build_components``): 1-4 ``collector.collect`` (sampler,
+step a component of ``rlhf_lit.rl`` (``ppo_build.build_components``): 1-4 ``dynamic_sampling.collect`` (sampler,
 reference / old log-probs and values, scores); 5 ``estimator`` (``ppo.advantage_estimator`` in the registry
 ``rl.algorithms``); 6 ``updater.update`` (epochs x global minibatches x micro-batches, clipped steps);
 7 ``sampler.sync``, the KL controller, the metrics: to the loggers with step = PPO iteration and, via
@@ -69,8 +69,9 @@ __all__ = ["PPOModule"]
 
 
 class PPOModule(L.LightningModule):
-    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; with a
-    critic-free ``ppo.advantage_estimator`` (one that declares no critic) the same iteration without a critic.
+    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
+
+    A critic-free ``ppo.advantage_estimator`` (one that declares no critic) runs the same iteration without it.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
@@ -90,14 +91,14 @@ class PPOModule(L.LightningModule):
         monitor: the reward-hacking monitors (on by default).
         log_samples_every: write a table of sampled prompts, responses and scores to TensorBoard text
             every this many iterations (0 disables; ``rlhf_lit.callbacks.RolloutSamples``).
-        export_dir: where the final policy is written in Hugging Face format at the end of fit, with
-            ``ppo_curves.png`` (``HFExport``, ``PPOCurves``); null writes neither.
+        export_dir: the final policy in Hugging Face format, with ``ppo_curves.png``; null writes neither.
         export_mode: ``auto`` | ``merged`` | ``adapter``.
         rollout_batch_size: prompts per rollout per rank; linked by the CLI from ``data.init_args.batch_size``
             (not set in YAML); sizes the learning-rate schedule. Default: the trainer's data module's.
         sampler: a factory ``(sampling, stop_ids, pad_token_id) -> Sampler`` (``rlhf_lit.rl.sampler``);
-            default ``build_sampler`` (``HFSampler``; ``CopySampler`` with ``sampling.copy_dtype``).
+            default ``build_sampler`` (``HFSampler``; ``CopySampler`` / ``VLLMSampler`` per ``sampling``).
         schedule: the minibatch schedule (``rlhf_lit.rl.update.epoch_schedule`` or one with its signature).
+        refill_prompts: ``ppo.dynamic_sampling_max_rounds``' prompts; default ``ppo_build.training_prompts``.
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class PPOModule(L.LightningModule):
         rollout_batch_size: int | None = None,
         sampler: Callable[..., Sampler] | None = None,
         schedule: Callable | None = None,
+        refill_prompts: Callable[[int, int, int], dict] | None = None,
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
@@ -146,17 +148,15 @@ class PPOModule(L.LightningModule):
         )
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold adapters and heads only, not the frozen base
-        self.export_dir = export_dir
-        self.export_mode = export_mode
+        self.export_dir, self.export_mode = export_dir, export_mode
         self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
         refuse_impossible_settings(self.backbone_cfg, self.sampling)
         check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         backbone.lora.dropout = 0.0  # log-probs must be exact (pitfall: dropout)
-        models = build_models(
+        self.tokenizer, self.stop_ids, self.policy, self.reward_source = build_models(
             backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo
         )
-        self.tokenizer, self.stop_ids, self.policy, self.reward_source = models
-        build_components(self, sampler or build_sampler, schedule or epoch_schedule)  # rlhf_lit.rl's parts
+        build_components(self, sampler or build_sampler, schedule or epoch_schedule, refill_prompts)
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.last_rollout: dict[str, list] = {}
@@ -218,8 +218,8 @@ class PPOModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         t0 = time.perf_counter()
         check_batch_sizes(self.ppo, batch["input_ids"].shape[0], self.sampling.num_samples_per_prompt)
-        # 1-4. sampling, reference / old log-probs and values, reward scores
-        rollout = self.collector.collect(batch, self.iteration)
+        # 1-4. sampling, reference / old log-probs and values, scores (and dynamic sampling's extra rounds)
+        rollout = self.dynamic_sampling.collect(batch, self.iteration)
         t1 = t0 + rollout.generation_s
         # 5. token rewards, advantages, returns
         kl_coef, kl_in_loss = self.kl_ctl.value, self.ppo.kl_in_loss()

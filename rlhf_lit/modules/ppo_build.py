@@ -8,16 +8,19 @@ from dataclasses import asdict
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from rlhf_lit.errors import ConfigError
 from rlhf_lit.generation import compute_dtype, resolve_stop_ids
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
-from rlhf_lit.modules.ppo_config import check_batch_sizes, check_stop_tokens
+from rlhf_lit.modules.ppo_config import check_batch_sizes, check_overlong, check_stop_tokens
 from rlhf_lit.parallel import gathered_parameters
 from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
 from rlhf_lit.rewards import MixedReward, RewardSourceConfig
+from rlhf_lit.rl.dynamic_sampling import DatasetPrompts, DynamicSampling, PromptSource
+from rlhf_lit.rl.filters import FilterSettings
 from rlhf_lit.rl.kl_control import build_kl_controller
 from rlhf_lit.rl.objectives import PPOObjective
 from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings
@@ -26,6 +29,8 @@ from rlhf_lit.rl.update import PPOUpdater, UpdateSettings
 
 __all__ = [
     "build_components",
+    "training_prompts",
+    "check_sampling_engine",
     "build_models",
     "configure_optimizer",
     "export_policy",
@@ -51,11 +56,15 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
     ``MixedReward``. ``critic.init_from_reward`` (PPO-Max) starts the critic from the reward model.
 
     Raises:
-        ValueError: a missing-EOS penalty without a stop token; ``init_from_reward`` with a reward list.
+        ValueError: a missing-EOS penalty or ``ppo.mask_truncated_completions`` without a stop token, an
+            overlong buffer above ``max_new_tokens`` (before anything loads); ``init_from_reward`` with a reward list.
+        SamplerEngineError: ``sampling.backend: vllm`` and its server does not answer (``check_sampling_engine``).
     """
+    check_overlong(shaping.overlong_buffer, shaping.overlong_penalty, sampling.max_new_tokens)
+    check_sampling_engine(sampling)  # before any model loads
     tokenizer = load_backbone_tokenizer(backbone)
     stop_ids = resolve_stop_ids(sampling, tokenizer)
-    check_stop_tokens(shaping, stop_ids)
+    check_stop_tokens(shaping.missing_eos_penalty, ppo.mask_truncated_completions, bool(stop_ids))
     base = load_backbone(backbone, tokenizer)
     with_critic = ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
     critic_lora = None if critic_cfg.shared_trunk or not with_critic else critic_cfg.lora
@@ -77,6 +86,19 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
         head = reward_source.head if in_base else reward_source.scorer.head
         policy.start_critic_from(head, "reward" if in_base else None)
     return tokenizer, stop_ids, policy, reward_source
+
+
+def check_sampling_engine(sampling) -> None:
+    """With ``sampling.backend: vllm``, ask the engine's server for ``/health`` (``build_models`` calls it first,
+    so an engine that is not running costs no model load).
+
+    Raises:
+        SamplerEngineError: the server is not reachable or speaks another protocol (one line).
+    """
+    if sampling.backend == "vllm":
+        from rlhf_lit.rl.vllm_client import VLLMClient
+
+        VLLMClient(sampling.vllm.url, sampling.vllm.timeout_s).health()
 
 
 def prepare_fit(module) -> None:
@@ -111,14 +133,23 @@ def rollout_settings(module, kl_estimator: str) -> RolloutSettings:
         logprob_gap_tolerance=sampling.gap_tolerance(compute_dtype(None, module.backbone_cfg.dtype)),
         strict_sync=sampling.strict_sync,
         tis_cap=ppo.tis_cap,
+        filters=FilterSettings(
+            tis_level=ppo.tis_level or "token",
+            tis_mode=ppo.tis_mode or "truncate",
+            mask_truncated=ppo.mask_truncated_completions,
+            dynamic_sampling=ppo.dynamic_sampling,
+        ),
     )
 
 
-def build_components(module, make_sampler: Callable[..., Sampler], schedule: Callable) -> None:
+def build_components(
+    module, make_sampler: Callable[..., Sampler], schedule: Callable, prompts: PromptSource | None = None
+) -> None:
     """The RL core's components (``rlhf_lit.rl``) on the PPO module, each built with what it needs
     (the module's configs, models and its ``manual_backward`` / clipping / optimizers as callables), never with
     the module itself: ``kl_ctl``, ``algorithm``, ``estimator``, ``objective``, ``score_stats``, ``sampler``,
-    ``collector``, ``updater``."""
+    ``collector``, ``dynamic_sampling`` (its extra rounds' prompts from ``prompts``, else
+    :func:`training_prompts`), ``updater``."""
     module.kl_ctl = build_kl_controller(
         module.kl_cfg.kl_coef, module.kl_cfg.adaptive, module.kl_cfg.target_kl, module.kl_cfg.horizon
     )
@@ -131,13 +162,24 @@ def build_components(module, make_sampler: Callable[..., Sampler], schedule: Cal
     module.score_stats = RunningMeanStd(distributed=True)
     module.sampler = make_sampler(module.sampling, module.stop_ids, module.tokenizer.pad_token_id)
     settings = rollout_settings(module, kl_estimator)
-    shaper = ScoreShaper(module.shaping, module.score_stats, has_stop_token=bool(module.stop_ids))
+    shaper = ScoreShaper(
+        module.shaping,
+        module.score_stats,
+        has_stop_token=bool(module.stop_ids),
+        max_new_tokens=module.sampling.max_new_tokens,
+    )
 
     def world():  # the trainer, when attached (collectives)
         return attached_trainer(module)
 
     module.collector = RolloutCollector(
         module.policy, module.reward_source, module.sampler, shaper, settings, module.tokenizer, world
+    )
+    module.dynamic_sampling = DynamicSampling(
+        module.collector,
+        module.ppo.dynamic_sampling_max_rounds,
+        prompts or training_prompts(module),
+        module.tokenizer.pad_token_id,
     )
     module.updater = PPOUpdater(
         module.policy,
@@ -149,6 +191,34 @@ def build_components(module, make_sampler: Callable[..., Sampler], schedule: Cal
         world=world,
         schedule=schedule,
     )
+
+
+def training_prompts(module) -> PromptSource:
+    """The default prompts of dynamic sampling's extra rounds: ``rl.dynamic_sampling.DatasetPrompts`` over the
+    dataset and ``collate_fn`` of the trainer's training loader (``ppo.seed``, the trainer's rank and world size,
+    the module's device), built at the first draw, when the loader exists.
+
+    Raises:
+        ConfigError: at the first draw, when the module is not fitting with one training loader of a dataset.
+    """
+    source: DatasetPrompts | None = None
+
+    def draw(iteration: int, round: int, num_prompts: int) -> dict:
+        nonlocal source
+        if source is None:
+            trainer = attached_trainer(module)
+            loader = getattr(trainer, "train_dataloader", None) if trainer is not None else None
+            if not hasattr(loader, "dataset") or not hasattr(loader, "collate_fn"):
+                raise ConfigError(
+                    "ppo.dynamic_sampling_max_rounds draws more prompts from the training loader's dataset, but "
+                    f"the trainer has no single training DataLoader (got {type(loader).__name__}); pass "
+                    "PPOModule(refill_prompts=...) or set ppo.dynamic_sampling_max_rounds: 0"
+                )
+            rank, world = trainer.global_rank, trainer.world_size
+            source = DatasetPrompts(loader.dataset, loader.collate_fn, module.ppo.seed, rank, world, module.device)
+        return source(iteration, round, num_prompts)
+
+    return draw
 
 
 def hparams_of(module) -> dict:

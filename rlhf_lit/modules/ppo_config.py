@@ -13,8 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf_lit.errors import ConfigError
 from rlhf_lit.models.backbone import LoraSettings
+from rlhf_lit.modules.ppo_checks import (  # noqa: F401 -- re-exported: the checks of these settings
+    check_advantage_estimator,
+    check_batch_sizes,
+    check_objective_options,
+    check_overlong,
+    check_stop_tokens,
+    refuse_impossible_settings,
+    refuse_sharded_settings,
+)
 from rlhf_lit.ranges import check_field_ranges, ranged
 from rlhf_lit.rl.algorithms import AlgorithmSpec, get_algorithm
 
@@ -80,6 +88,42 @@ class PPOConfig:
             Framework Secretly Brings You Off-Policy RL Training", their C; veRL's token-level
             ``rollout_is_threshold``). Tokens without a recorded sampler log-prob weigh 1. Logged as
             ``rollout/tis_weight`` and ``rollout/tis_capped_frac``. Null (the default): off.
+        tis_level: with ``tis_cap``: ``token`` (default: each token's ratio, today's TIS) or ``sequence`` (the
+            product of the response's token ratios, on all its tokens).
+        tis_mode: with ``tis_cap``: ``truncate`` (default: ``min(ratio, tis_cap)``) or ``mask`` (weight 0 where
+            the ratio exceeds ``tis_cap``: the token, or with ``tis_level: sequence`` the response, leaves the
+            policy loss; veRL's ``rollout_is_mode: mask``).
+        clip_range_low: the lower epsilon of the clip, ``clip(r, 1 - low, 1 + high)``; null: ``clip_range``.
+            With ``policy_loss: cispo`` it bounds CISPO's importance weight from below. Its clip fraction:
+            ``ppo/clipfrac_low``.
+        clip_range_high: the upper epsilon (DAPO's clip-higher, Yu et al. 2025 s. 3.1: 0.2 low / 0.28 high);
+            null: ``clip_range``. With ``policy_loss: cispo`` it bounds CISPO's weight from above. Its clip
+            fraction: ``ppo/clipfrac_high``.
+        importance_sampling_level: the ratio of the clipped surrogate: ``token`` (PPO, default), ``sequence``
+            (GSPO, Zheng et al. 2025: the length-normalised sequence ratio ``exp(mean_t(logp - old))``, clipped
+            per sequence; what TRL's ``importance_sampling_level="sequence"`` computes) or ``sequence_token``
+            (GSPO-token: that ratio's value on each token with the token's own gradient). GSPO's clip ranges are
+            tiny: 3e-4 / 4e-4 (``clip_range_low`` / ``clip_range_high``).
+        policy_loss: ``ppo`` (the clipped surrogate, default) or ``cispo`` (MiniMax-M1 2025: ``-sg(clip(r, 1 -
+            clip_range_low, 1 + clip_range_high)) * A * logp``: every token keeps a gradient; no ``dual_clip``).
+        top_entropy_quantile: keep the policy loss on the top ``q`` highest-entropy update tokens of each
+            micro-batch only (Wang et al. 2025, "Beyond the 80/20 Rule": 0.2); the others count 0 but stay in
+            the aggregation's denominator, and the KL and entropy terms keep every token (TRL's option of the
+            same name). 1.0 (default): off. Logged: ``ppo/high_entropy_frac``.
+        mask_truncated_completions: responses that reached ``max_new_tokens`` without a stop token leave the
+            loss (their advantages still count in their group's statistics; TRL's option of the same name);
+            needs a stop token. Logged: ``rollout/truncated_masked_frac``.
+        dynamic_sampling: DAPO's dynamic sampling filter (Yu et al. 2025 s. 3.2): groups whose scores are all
+            equal (after ``reward.*`` shaping) carry no signal and leave the loss; counted in
+            ``rollout/filtered_groups``. Without ``dynamic_sampling_max_rounds`` the batch is not refilled (the
+            rollout keeps its configured size, the filtered responses weigh 0); an iteration whose every group is
+            filtered skips its update. Needs ``sampling.num_samples_per_prompt >= 2``.
+        dynamic_sampling_max_rounds: with ``dynamic_sampling``, DAPO's refill (Yu et al. 2025, Algorithm 1): while
+            a rank holds fewer informative groups than the loader's batch size, sample up to this many extra rounds
+            of that many training prompts each and replace the filtered groups with theirs; the rollout keeps its
+            configured size (topped up with filtered groups, weight 0, when the cap is hit). Logged:
+            ``rollout/dynamic_sampling_rounds``, ``rollout/unfilled_groups``. 0 (default): filter only.
+            ``rl.dynamic_sampling``.
         checkpoint_every: write a resumable checkpoint, ``<trainer.default_root_dir>/last.ckpt`` (replaced
             each time, atomically), after every this many iterations, so a run killed at any point
             resumes with ``--ckpt_path last`` and loses at most this many iterations
@@ -112,10 +156,28 @@ class PPOConfig:
     kl_placement: Literal["reward", "loss"] | None = None
     checkpoint_every: int | None = ranged(None, "int >= 1 or null")
     tis_cap: float | None = ranged(None, ">= 1 or null")
+    tis_level: Literal["token", "sequence"] | None = None
+    tis_mode: Literal["truncate", "mask"] | None = None
+    clip_range_low: float | None = ranged(None, "> 0 or null")
+    clip_range_high: float | None = ranged(None, "> 0 or null")
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = "token"
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    top_entropy_quantile: float = ranged(1.0, "(0, 1]")
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = ranged(0, "int >= 0")
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "ppo.")  # the ranges declared above (ConfigError)
         self.algorithm  # noqa: B018 -- an unknown advantage_estimator is a ConfigError here
+        check_objective_options(self.policy_loss, self.dual_clip, self.tis_cap, self.tis_level, self.tis_mode)
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """``(low, high)`` epsilons of the clip: ``clip_range_low`` / ``clip_range_high``, else ``clip_range``."""
+        low = self.clip_range if self.clip_range_low is None else self.clip_range_low
+        high = self.clip_range if self.clip_range_high is None else self.clip_range_high
+        return low, high
 
     @property
     def algorithm(self) -> AlgorithmSpec:
@@ -185,15 +247,25 @@ class RewardShapingConfig:
             the reward model (default). When true, such responses are dropped from the update instead
             (no loss, no whitening statistics, no reward statistics) and counted in
             ``rollout/non_finite_scores``.
+        overlong_buffer: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a response longer than
+            ``sampling.max_new_tokens - overlong_buffer`` tokens (its stop token included) loses
+            ``overlong_penalty`` times the fraction of this window it used (the whole penalty at
+            ``max_new_tokens``), added to the score before normalisation; at most ``max_new_tokens``. Null
+            (default): off. Logged: ``rollout/overlong_frac``, ``rollout/overlong_penalty``.
+        overlong_penalty: the punishment at ``max_new_tokens``; null (default): DAPO's 1.0. Only with
+            ``overlong_buffer`` (refused without it: it would do nothing).
     """
 
     normalize: bool = False
     clip: float | None = ranged(None, "> 0 or null")
     missing_eos_penalty: float | None = ranged(None, "any or null")
     skip_non_finite: bool = False
+    overlong_buffer: int | None = ranged(None, "int >= 1 or null")
+    overlong_penalty: float | None = ranged(None, ">= 0 or null")
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "reward.")  # the ranges declared above (ConfigError)
+        check_overlong(self.overlong_buffer, self.overlong_penalty)  # a penalty needs its buffer
 
 
 @dataclass
@@ -275,95 +347,3 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "monitor.")  # the ranges declared above (ConfigError)
-
-
-def refuse_impossible_settings(backbone, sampling) -> None:
-    """Settings under which PPO's ratio or KL would be wrong, refused before any model loads.
-
-    Raises:
-        ConfigError: for ``backbone.disable_dropout: false`` (pitfall: dropout), ``do_sample: false``, or
-            ``top_k`` / ``top_p`` sampling (pitfall: sampling temperature), or a ``sampling.copy_dtype``
-            copy of a 4-bit base.
-    """
-    if sampling.copy_dtype is not None and backbone.load_in_4bit:
-        raise ConfigError(
-            "sampling.copy_dtype cannot copy a 4-bit base (its weights are quantized). Remove "
-            "sampling.copy_dtype, or load the base unquantized (backbone.load_in_4bit: false)"
-        )
-    if not backbone.disable_dropout:
-        raise ConfigError(
-            "PPO needs backbone.disable_dropout: true: with dropout on, the rollout, reference and training "
-            "forwards of the same tokens differ, so the first PPO ratio is not 1 and the KL at step 0 is "
-            "not 0. Dropout is set to 0 in the configs, training mode is kept"
-        )
-    if not sampling.do_sample:
-        raise ConfigError(
-            "PPO refuses sampling.do_sample: false: greedy responses are not samples of the policy whose "
-            "log-probs the PPO ratio and the KL use (an off-policy mismatch). Use do_sample: true"
-        )
-    if sampling.top_k or sampling.top_p < 1.0:
-        raise ConfigError(
-            f"PPO refuses sampling.top_k={sampling.top_k} / top_p={sampling.top_p}: responses would "
-            "come from the truncated distribution while the PPO ratio and the KL use the full softmax at "
-            "the sampling temperature (an off-policy mismatch). Use top_k: 0 and top_p: 1.0"
-        )
-
-
-def refuse_sharded_settings(sampling) -> None:
-    """Settings that need the whole weights in each process, refused when FSDP shards them
-    (``PPOModule.configure_model``).
-
-    Raises:
-        ConfigError: for ``sampling.copy_dtype`` (its copy is built from the whole weights).
-    """
-    if sampling.copy_dtype is not None:
-        raise ConfigError(
-            "sampling.copy_dtype needs the whole weights in each process; under FSDP they are sharded. "
-            "Remove sampling.copy_dtype or use the ddp strategy"
-        )
-
-
-def check_advantage_estimator(ppo: PPOConfig, sampling, critic: CriticConfig) -> None:
-    """Estimator settings that cannot work, refused before any model loads.
-
-    Raises:
-        ValueError: for ``grpo`` / ``rloo`` with ``sampling.num_samples_per_prompt < 2`` (a group of one has
-            no baseline), or ``critic.init_from_reward`` with a critic-free estimator (there is no critic).
-    """
-    n = getattr(sampling, "num_samples_per_prompt", 1)
-    if ppo.needs_groups and n < 2:
-        raise ValueError(
-            f"ppo.advantage_estimator={ppo.advantage_estimator} compares the responses to one prompt: set "
-            f"sampling.num_samples_per_prompt >= 2 (it is {n})"
-        )
-    if not ppo.needs_critic and critic.init_from_reward:
-        raise ValueError(
-            f"critic.init_from_reward is set, but ppo.advantage_estimator={ppo.advantage_estimator} builds no "
-            "critic; drop critic.init_from_reward"
-        )
-
-
-def check_stop_tokens(shaping: RewardShapingConfig, stop_ids: list[int]) -> None:
-    """Raises ValueError for a missing-EOS penalty without any stop token (every response would pay it)."""
-    if shaping.missing_eos_penalty is not None and not stop_ids:
-        raise ValueError(
-            f"reward.missing_eos_penalty={shaping.missing_eos_penalty} needs a stop token, but none is "
-            "set (sampling.stop_at_eos is off or the tokenizer has no EOS, and no stop_token_ids / "
-            "stop_strings): every response would count as missing its EOS. Set a stop token or drop the penalty"
-        )
-
-
-def check_batch_sizes(ppo: PPOConfig, rollout_batch_size: int, samples_per_prompt: int = 1) -> None:
-    """Raises ValueError unless ``ppo_minibatch_size`` divides the rollout's responses (prompts x
-    ``samples_per_prompt``) and ``micro_batch_size`` the minibatch (DESIGN.md: rollout_batch_size >=
-    ppo_minibatch_size >= micro_batch_size)."""
-    mb = ppo.ppo_minibatch_size
-    micro = ppo.micro_batch_size or mb
-    if (rollout_batch_size * samples_per_prompt) % mb:
-        per = f" x sampling.num_samples_per_prompt={samples_per_prompt}" if samples_per_prompt > 1 else ""
-        raise ValueError(
-            f"rollout_batch_size={rollout_batch_size} (the prompt data module's batch_size){per} must be a "
-            f"multiple of ppo.ppo_minibatch_size={mb}"
-        )
-    if mb % micro:
-        raise ValueError(f"ppo.ppo_minibatch_size={mb} must be a multiple of ppo.micro_batch_size={micro}")

@@ -63,6 +63,7 @@ from rlhf_lit.modules.reward_eval import (
 from rlhf_lit.modules.reward_length import LengthControl
 from rlhf_lit.outputs import staged
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
+from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
 
 log = logging.getLogger("rlhf_lit")
 
@@ -131,8 +132,7 @@ class RewardModule(L.LightningModule):
             raise ValueError(
                 "freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already"
             )
-        if not 0.0 <= label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
         backbone = as_config(BackboneConfig, backbone)
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
@@ -294,7 +294,8 @@ class RewardModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         state = (self.val_chosen, self.val_rejected, self.val_sources, self.val_len_chosen)
         state = (*state, self.val_len_rejected)
-        chosen, rejected, sources, len_c, len_r = (m.compute().cpu() for m in state)
+        # CatMetric.compute() squeezes a single value to a 0-d tensor: one validation pair must stay (1,)
+        chosen, rejected, sources, len_c, len_r = (m.compute().cpu().reshape(-1) for m in state)
         for metric in state:
             metric.reset()
         scores = (chosen.float(), rejected.float(), sources.long(), len_c, len_r)

@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args, cli_overrides = parser.parse_known_args(argv)  # the rest: --key=value overrides, as fit takes them
+    from rlhf_lit.checks.rules import PLAN_RULES, check_ranges
+
+    options = {"device-memory-gb": args.device_memory_gb, "world-size": args.world_size}
+    check_ranges({k: v for k, v in options.items() if v is not None}, PLAN_RULES, "plan --")
     for config in args.config:
         if not os.path.isfile(config):
             from rlhf_lit.errors import ConfigError

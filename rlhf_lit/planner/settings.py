@@ -66,8 +66,17 @@ class RunSettings:
 
 def read_settings(configs: list[str], cli_overrides: list[str] | None = None) -> RunSettings:
     """The settings of ``rlhf-lit fit --config <configs...> <cli_overrides...>`` (``--key=value`` arguments,
-    applied after the files as ``fit`` applies them)."""
-    return settings_from_config(_parse(configs, cli_overrides), configs_root_of(configs))
+    applied after the files as ``fit`` applies them).
+
+    Raises:
+        ConfigError: for a setting ``fit`` would refuse before loading a model (``check_settings``: ranges,
+            consistency, lengths; not the inputs, which an earlier stage may not have written yet).
+    """
+    from rlhf_lit.checks import check_settings
+
+    spec = _parse(configs, cli_overrides)
+    check_settings(spec)
+    return settings_from_config(spec, configs_root_of(configs))
 
 
 def _parse(configs: list[str], cli_overrides: list[str] | None = None) -> dict:

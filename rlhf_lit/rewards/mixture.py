@@ -9,7 +9,7 @@ list of :class:`RewardSourceConfig` entries::
       - {name: rm, model: {path: checkpoints/reward/smollm2}, weight: 0.5}
 
 The score of a response is ``sum_k weight_k * score_k``; every source's own (unweighted) scores are kept
-(:attr:`MixedReward.last_components`) and logged as ``reward/<name>`` (``rlhf_lit.metrics``).
+(:attr:`MixedReward.last_components`) and logged as ``rollout/score/<name>`` (``rlhf_lit.metrics``).
 A function is called once per rollout with the batch's prompts, decoded responses and prompt-row fields
 (``rlhf_lit.rewards.functions``) and must return one finite float per response: anything else raises an error
 that names the function.
@@ -35,7 +35,7 @@ class RewardSourceConfig:
     """One weighted entry of a ``reward_model`` list.
 
     Args:
-        name: the name its scores are logged under (``reward/<name>``); default: the function's name, or
+        name: the name its scores are logged under (``rollout/score/<name>``); default: the function's name, or
             ``model`` (``model_2``, ... for further models).
         weight: its weight in the sum.
         function: a Python reward function as ``module:function`` (e.g.

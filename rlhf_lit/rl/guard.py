@@ -25,6 +25,7 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import SamplerSyncError
+from rlhf_lit.functional.policy_gradient import rollout_is_weights
 from rlhf_lit.functional.sampler_gap import logprob_gap, truncated_is_weights
 from rlhf_lit.parallel.collectives import gather, global_sum, is_distributed
 from rlhf_lit.rl.sampler import adapter_fingerprint
@@ -132,6 +133,25 @@ def local_gap(
     the tokens :func:`sampler_logprobs` knows; zeros when the record holds no log-probs for these rows."""
     logprobs, known = sampler_logprobs(record, response_ids, response_mask)
     return logprob_gap(logprobs.to(old_logprobs.device), old_logprobs, known.to(old_logprobs.device))
+
+
+def rollout_importance(
+    sampler,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    cap: float,
+    level: str = "token",
+    mode: str = "truncate",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, affected)`` ``(B, R)``: the rollout importance weights of the policy loss (``ppo.tis_cap``,
+    ``ppo.tis_level``, ``ppo.tis_mode``; ``functional.policy_gradient.rollout_is_weights``) from the log-probs the
+    sampler recorded (ratio 1 where it recorded none), and where the cap bound."""
+    drawn, known = sampler_logprobs(getattr(sampler, "last_record", None), response_ids, response_mask)
+    device = old_logprobs.device
+    return rollout_is_weights(
+        old_logprobs, drawn.to(device), known.to(device), response_mask.bool(), cap, level, mode
+    )
 
 
 def importance_weights(

@@ -19,6 +19,7 @@ from rlhf_lit import metrics as M
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss
 from rlhf_lit.functional.masked import masked_mean, masked_weighted_mean
+from rlhf_lit.functional.policy_gradient import cispo_policy_loss, importance_log_ratio, top_entropy_mask
 
 __all__ = ["TERMS", "MicroBatch", "Objective", "PPOObjective"]
 
@@ -85,13 +86,23 @@ class PPOObjective:
     ``exp(ref - logp) - (ref - logp) - 1``; GRPO: Shao et al. 2024, eq. 4), aggregated the same way; ``value`` = ``vf_coef`` times the (optionally clipped) value
     loss (``ppo_value_loss``). Without a critic there is no ``value`` term.
 
+    The 2025 family (docs/ppo.md): ``clip_range_high`` makes the clip asymmetric (DAPO); ``importance_sampling_level``
+    puts GSPO's sequence ratio (or GSPO-token's) in the surrogate; ``policy_loss="cispo"`` replaces the clipped
+    surrogate by CISPO's loss (``functional.policy_gradient.cispo_policy_loss``, its weight clipped to
+    ``[1 - clip_range, 1 + clip_range_high]``); ``top_entropy_quantile < 1`` keeps the policy term on the
+    micro-batch's highest-entropy tokens only (``top_entropy_mask``).
+
     Args:
-        clip_range: epsilon of the clipped surrogate.
+        clip_range: epsilon of the clipped surrogate (its lower side when ``clip_range_high`` is given).
         dual_clip: c > 1 caps the loss of negative-advantage tokens (Ye et al. 2020); None disables.
         value_clip_range: clip of the value around the rollout value; None disables.
         vf_coef: weight of the value loss.
         entropy_coef: weight of the entropy bonus (subtracted).
         kl_estimator: the per-token KL estimator of the in-loss KL term (``kl.estimator``).
+        clip_range_high: the clip's upper epsilon; None = ``clip_range``.
+        importance_sampling_level: ``token``, ``sequence`` (GSPO) or ``sequence_token`` (GSPO-token).
+        policy_loss: ``ppo`` or ``cispo``.
+        top_entropy_quantile: q in (0, 1]; 1 = every token.
     """
 
     clip_range: float
@@ -100,13 +111,28 @@ class PPOObjective:
     vf_coef: float
     entropy_coef: float
     kl_estimator: str = "k3"
+    clip_range_high: float | None = None
+    importance_sampling_level: str = "token"
+    policy_loss: str = "ppo"
+    top_entropy_quantile: float = 1.0
 
     @classmethod
     def from_settings(cls, ppo, kl_estimator: str = "k3") -> PPOObjective:
-        """From ``PPOConfig``'s ``clip_range``, ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``
-        and the KL estimator of the in-loss term."""
+        """From ``PPOConfig``'s clip bounds (``clip_range`` or ``clip_range_low`` / ``clip_range_high``),
+        ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``, ``importance_sampling_level``,
+        ``policy_loss``, ``top_entropy_quantile`` and the KL estimator of the in-loss term."""
+        low, high = ppo.clip_bounds
         return cls(
-            ppo.clip_range, ppo.dual_clip, ppo.value_clip_range, ppo.vf_coef, ppo.entropy_coef, kl_estimator
+            low,
+            ppo.dual_clip,
+            ppo.value_clip_range,
+            ppo.vf_coef,
+            ppo.entropy_coef,
+            kl_estimator,
+            clip_range_high=high,
+            importance_sampling_level=ppo.importance_sampling_level,
+            policy_loss=ppo.policy_loss,
+            top_entropy_quantile=ppo.top_entropy_quantile,
         )
 
     def terms(self, has_critic: bool) -> tuple[str, ...]:
@@ -126,18 +152,13 @@ class PPOObjective:
         stats: dict[str, torch.Tensor] = {}
         loss = None
         if "policy" in terms:
-            loss, pg_stats = ppo_policy_loss(
-                out.logprobs,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.mask,
-                self.clip_range,
-                self.dual_clip,
-                weights=mb.token_weights,
-                is_weights=mb.is_weights,
-            )
+            loss, pg_stats = self.policy_term(out, mb)
             stats[M.PPO_POLICY_LOSS] = loss
             stats[M.PPO_CLIPFRAC] = pg_stats["clipfrac"]
+            stats[M.PPO_CLIPFRAC_LOW] = pg_stats["clipfrac_low"]
+            stats[M.PPO_CLIPFRAC_HIGH] = pg_stats["clipfrac_high"]
+            if "high_entropy_frac" in pg_stats:
+                stats[M.PPO_HIGH_ENTROPY_FRAC] = pg_stats["high_entropy_frac"]
             stats[M.PPO_APPROX_KL] = pg_stats["approx_kl"]
             stats[M.PPO_RATIO_MEAN] = pg_stats["ratio_mean"]
             if self.dual_clip is not None:
@@ -158,3 +179,42 @@ class PPOObjective:
             stats[M.PPO_ENTROPY] = masked_mean(out.entropy, mb.mask)  # logged as a token mean
             loss = loss - self.entropy_coef * entropy
         return loss, {k: v.detach() for k, v in stats.items()}
+
+    def policy_term(self, out, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy loss of the micro-batch (``ppo`` or ``cispo``, at the configured ratio level, on the
+        tokens the entropy quantile keeps) and its statistics."""
+        token_mask, extra = None, {}
+        if self.top_entropy_quantile < 1.0:
+            token_mask = top_entropy_mask(out.entropy, mb.mask, self.top_entropy_quantile)
+            extra["high_entropy_frac"] = masked_mean(token_mask.float(), mb.mask)
+        high = self.clip_range if self.clip_range_high is None else self.clip_range_high
+        if self.policy_loss == "cispo":
+            log_ratio = importance_log_ratio(
+                out.logprobs, mb.old_logprobs, mb.mask, self.importance_sampling_level
+            )
+            loss, pg_stats = cispo_policy_loss(
+                log_ratio,
+                out.logprobs,
+                mb.advantages,
+                mb.mask,
+                self.clip_range,
+                high,
+                weights=mb.token_weights,
+                is_weights=mb.is_weights,
+                token_mask=token_mask,
+            )
+        else:
+            loss, pg_stats = ppo_policy_loss(
+                out.logprobs,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.mask,
+                self.clip_range,
+                self.dual_clip,
+                weights=mb.token_weights,
+                is_weights=mb.is_weights,
+                clip_range_high=high,
+                importance_sampling_level=self.importance_sampling_level,
+                token_mask=token_mask,
+            )
+        return loss, {**pg_stats, **extra}

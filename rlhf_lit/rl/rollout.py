@@ -37,19 +37,13 @@ from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.generation import GAP_TOLERANCE
 from rlhf_lit.parallel.collectives import global_sum, is_distributed
 from rlhf_lit.reward_norm import ScoreShaper
-from rlhf_lit.rl.guard import check_sampler, importance_weights
+from rlhf_lit.rl.filters import FilterSettings, RolloutFilters, apply_filters
+from rlhf_lit.rl.guard import check_sampler
 from rlhf_lit.rl.sampler import Sampler
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = [
-    "RewardFunction",
-    "Rollout",
-    "RolloutCollector",
-    "RolloutSettings",
-    "ScoreShaper",
-    "repeat_prompts",
-]
+__all__ = ["RewardFunction", "Rollout", "RolloutCollector", "RolloutSettings", "ScoreShaper", "repeat_prompts"]
 
 
 class RewardFunction(Protocol):
@@ -97,7 +91,10 @@ class Rollout:
             (``rlhf_lit.rewards.MixedReward``), else empty.
         sampler_stats: the rollout-policy guard's figures (``rlhf_lit.rl.guard``), global over ranks.
         is_weights: ``(B, R)`` truncated importance-sampling weights of the policy loss
-            (``functional.sampler_gap.truncated_is_weights``) with ``ppo.tis_cap``, else None; ``is_cap`` the cap.
+            (``functional.policy_gradient.rollout_is_weights``) with ``ppo.tis_cap``, else None; ``is_cap`` the cap.
+        filters: what the policy-gradient family's options decided (``rlhf_lit.rl.filters.RolloutFilters``).
+        sampled_tokens: response positions sampled for this rollout, rounds whose rows were left out included
+            (``rl.dynamic_sampling``); None: ``response_ids.numel()``.
     """
 
     prompt_ids: torch.Tensor
@@ -120,6 +117,8 @@ class Rollout:
     sampler_stats: dict[str, float] = field(default_factory=dict)
     is_weights: torch.Tensor | None = None
     is_cap: float | None = None
+    filters: RolloutFilters = field(default_factory=RolloutFilters)
+    sampled_tokens: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -129,8 +128,8 @@ class Rollout:
     @property
     def update_mask(self) -> torch.Tensor:
         """``(B, R)`` bool: the tokens that enter the update, every real response token less those of
-        responses whose score was not finite."""
-        return self.response_mask & self.finite.unsqueeze(-1)
+        responses whose score was not finite or that ``filters`` left out (truncated, filtered groups)."""
+        return self.response_mask & self.filters.kept(self.finite).unsqueeze(-1)
 
     def as_text(self, tokenizer, prompt_ids: torch.Tensor) -> dict[str, list]:
         """``{"prompt_text", "response_text", "score"}`` lists (B each): the prompts as the data gave them
@@ -181,6 +180,7 @@ class RolloutSettings:
         reward_description: how error messages name the reward function.
         logprob_gap_tolerance, strict_sync: the rollout-policy guard's (``sampling.*``; ``rlhf_lit.rl.guard``).
         tis_cap: ``ppo.tis_cap`` (truncated importance-sampling weights from the sampler's log-probs), or None.
+        filters: the policy-gradient family's (``rlhf_lit.rl.filters.FilterSettings``).
     """
 
     temperature: float
@@ -195,6 +195,7 @@ class RolloutSettings:
     logprob_gap_tolerance: float = GAP_TOLERANCE["float32"]
     strict_sync: bool = False
     tis_cap: float | None = None
+    filters: FilterSettings = field(default_factory=FilterSettings)
 
 
 class RolloutCollector:
@@ -265,6 +266,7 @@ class RolloutCollector:
             **self._fields(batch),
         )
         finite, num_non_finite = self.finite_scores(raw_scores, batch, response_ids, response_mask, iteration)
+        shaped = apply_filters(self, raw_scores, finite, has_stop, response_ids, response_mask, old_logprobs)
         return Rollout(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
@@ -277,15 +279,16 @@ class RolloutCollector:
             old_values=old_values,
             kl=kl_per_token(old_logprobs, ref_logprobs, s.kl_estimator),
             raw_scores=raw_scores,
-            scores=self.shaper(raw_scores, finite, has_stop),
+            scores=shaped.scores,
             finite=finite,
             num_non_finite=num_non_finite,
             prompt_text=batch.get("prompt_text"),
             generation_s=generation_s,
             reward_components=dict(getattr(self.reward_fn, "last_components", None) or {}),
             sampler_stats=sampler_stats,
-            is_weights=importance_weights(self.sampler, response_ids, response_mask, old_logprobs, s.tis_cap),
+            is_weights=shaped.is_weights,
             is_cap=s.tis_cap,
+            filters=shaped.filters,
         )
 
     @torch.no_grad()

@@ -5,8 +5,8 @@ weights have changed (``sync``, after each update), so an engine that holds its 
 (an inference server) can refresh it. :class:`HFSampler` is the first implementation: Hugging Face
 ``generate`` on the policy itself (``rlhf_lit.generation.sample_responses``), which reads the live weights,
 so its ``sync`` does nothing. :class:`CopySampler` runs the same ``generate`` on a separate copy of the policy
-in ``sampling.copy_dtype`` (``rlhf_lit.models.inference_copy``), which ``sync`` refreshes. :func:`build_sampler`
-picks one from the sampling settings.
+in ``sampling.copy_dtype`` (``rlhf_lit.models.inference_copy``), which ``sync`` refreshes. :class:`VLLMSampler` asks a vLLM engine in its own process (``rlhf_lit.vllm_server``) and pushes the
+merged weights to it at every ``sync``. :func:`build_sampler` picks one from the sampling settings.
 
 For the rollout-policy guard (``rlhf_lit.rl.guard``) a sampler keeps, after each ``sample``, a
 :class:`SampleRecord` in ``last_record``: the tokens it drew, each one's log-prob under the distribution it
@@ -18,6 +18,9 @@ Notation: B rows, P prompt width (left padded), R response width (right padded).
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,7 +29,15 @@ import torch
 
 from rlhf_lit.generation import SampledLogprobs, SamplingConfig, sample_responses
 
-__all__ = ["CopySampler", "HFSampler", "SampleRecord", "Sampler", "adapter_fingerprint", "build_sampler"]
+__all__ = [
+    "CopySampler",
+    "HFSampler",
+    "SampleRecord",
+    "Sampler",
+    "VLLMSampler",
+    "adapter_fingerprint",
+    "build_sampler",
+]
 
 
 def adapter_fingerprint(params: Iterable[torch.Tensor]) -> str:
@@ -174,7 +185,105 @@ class CopySampler(HFSampler):
         self.copy_fingerprint = adapter_fingerprint(policy.actor_parameters())
 
 
+class VLLMSampler:
+    """Responses from a vLLM engine in its own process (``sampling.backend: vllm``; ``rlhf_lit.vllm_server``).
+
+    ``sample`` sends the prompts as token ids (each row without its left padding) with the temperature, the
+    lengths, the stop tokens and a seed drawn from torch's generator (so a seeded run, and validation under its
+    forked generator, asks for the same draws); row i is seeded ``seed + i``. The replies are laid out as
+    :func:`~rlhf_lit.generation.sample_responses` lays out ``generate``'s: R = the longest response, right
+    padded with ``pad_token_id``, the mask True up to and including the first stop token
+    (``truncate_after_stop``), so the rollout is the one the ``hf`` backend builds for the same tokens.
+
+    ``sync`` writes the policy's weights with the actor adapter merged (``models.inference_copy.merged_weights``,
+    in ``sampling.vllm.dtype``) to ``weights.safetensors`` in ``sampling.vllm.weights_dir`` (atomically), and
+    asks the engine to load it; the first ``sample`` syncs first. The engine answers every request with the
+    sha256 of the bytes it last loaded; the :class:`SampleRecord`'s fingerprint is the adapter's at the last
+    push when that digest is the one of the bytes pushed, else ``engine:<digest>``, which never matches the
+    policy's: an engine that missed a push (a skipped ``sync``, a restarted server) is caught by the
+    rollout-policy guard on the next iteration. The record's log-probs are the engine's after the temperature
+    (vLLM's ``processed_logprobs``), for the guard and ``ppo.tis_cap``.
+
+    Args:
+        sampling: the sampling settings (``sampling.vllm``: where the server is).
+        stop_ids: token ids that end a response.
+        pad_token_id: the id responses are padded with after their stop token.
+        client: the protocol client; default a ``rl.vllm_client.VLLMClient`` on ``sampling.vllm.url``.
+
+    Attributes:
+        sync_s: seconds of the latest ``sync`` (merge, write, the engine's load); ``load_s`` the engine's part.
+    """
+
+    def __init__(self, sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int, client=None) -> None:
+        from rlhf_lit.rl.vllm_client import VLLMClient
+
+        self.sampling, self.stop_ids, self.pad_token_id = sampling, list(stop_ids), pad_token_id
+        settings = sampling.vllm
+        self.client = client or VLLMClient(settings.url, settings.timeout_s)
+        self._tmp = None
+        if settings.weights_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rlhf_lit_vllm_")
+        self.weights_dir = settings.weights_dir or self._tmp.name
+        self.dtype = getattr(torch, settings.dtype)
+        self.last_record: SampleRecord | None = None
+        self.pushed: tuple[str, str] | None = None  # (digest of the bytes pushed, adapter fingerprint then)
+        self.sync_s = self.load_s = 0.0
+
+    def sample(self, policy, prompt_ids, prompt_mask, *, synced_gpus=False, merge=False):
+        from rlhf_lit.functional.sequence import truncate_after_stop
+
+        if synced_gpus:
+            raise RuntimeError("sampling.backend: vllm runs with one training process")
+        if self.pushed is None:
+            self.sync(policy)
+        cfg = self.sampling
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        seed = int(torch.randint(0, 2**31 - 1 - len(prompts), (1,)))
+        out = self.client.generate(
+            prompts, cfg.temperature, cfg.max_new_tokens, cfg.min_new_tokens, self.stop_ids, seed
+        )
+        width = max(len(tokens) for tokens in out["tokens"])
+        response = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((len(prompts), width), dtype=torch.float32)
+        for i, (tokens, lps) in enumerate(zip(out["tokens"], out["logprobs"])):
+            response[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logprobs[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        response = response.to(prompt_ids.device)
+        digest, fingerprint = self.pushed
+        held = out["weights"]
+        self.last_record = SampleRecord(response, logprobs, fingerprint if held == digest else f"engine:{held}")
+        if not self.stop_ids:
+            mask = torch.ones_like(response, dtype=torch.bool)
+            return response, mask, torch.zeros(response.shape[0], dtype=torch.bool, device=response.device)
+        return truncate_after_stop(response, self.stop_ids, self.pad_token_id)
+
+    def sync(self, policy) -> None:
+        """Push the policy's current weights, actor adapter merged, to the engine (see the class docstring)."""
+        from safetensors.torch import save
+
+        from rlhf_lit.models.inference_copy import merged_weights
+        from rlhf_lit.vllm_server import file_digest
+
+        t0 = time.perf_counter()
+        lm = policy.lm
+        tensors = merged_weights(lm, "actor" if lm.is_peft else None)
+        data = save({k: v.to(device="cpu", dtype=self.dtype).contiguous() for k, v in tensors.items()})
+        digest = file_digest(data)
+        os.makedirs(self.weights_dir, exist_ok=True)
+        path = os.path.join(self.weights_dir, "weights.safetensors")
+        partial = path + ".partial"
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+        reply = self.client.load_weights(path)
+        self.pushed = (digest, adapter_fingerprint(policy.actor_parameters()))
+        self.load_s, self.sync_s = float(reply.get("load_s", 0.0)), time.perf_counter() - t0
+
+
 def build_sampler(sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int) -> Sampler:
-    """The sampler ``sampling`` asks for: :class:`CopySampler` with ``copy_dtype`` set, else :class:`HFSampler`."""
+    """The sampler ``sampling`` asks for: :class:`VLLMSampler` for ``backend: vllm``, :class:`CopySampler`
+    with ``copy_dtype`` set, else :class:`HFSampler`."""
+    if sampling.backend == "vllm":
+        return VLLMSampler(sampling, stop_ids, pad_token_id)
     cls = CopySampler if sampling.copy_dtype is not None else HFSampler
     return cls(sampling, stop_ids, pad_token_id)

@@ -61,9 +61,20 @@ def iteration_stats(rollout: Rollout, adv: Advantages, has_stop_token: bool, dis
         -masked_mean(r.ref_logprobs, update_mask, distributed=distributed)
     )
     if r.is_weights is not None:  # ppo.tis_cap: token means over the update tokens of every rank
-        capped = r.is_weights >= r.is_cap  # clamped to exactly the cap
         stats[M.ROLLOUT_TIS_WEIGHT] = masked_mean(r.is_weights, update_mask, distributed=distributed)
-        stats[M.ROLLOUT_TIS_CAPPED_FRAC] = masked_mean(capped.float(), update_mask, distributed=distributed)
+        if r.filters.is_level == "sequence":  # the share of responses (with an update token) whose ratio the cap bound
+            rows = update_mask.any(-1)
+            hit = r.filters.is_affected.any(-1).float()
+            stats[M.ROLLOUT_TIS_CAPPED_FRAC] = masked_mean(hit, rows, distributed=distributed)
+        else:
+            hit = r.filters.is_affected.float()
+            stats[M.ROLLOUT_TIS_CAPPED_FRAC] = masked_mean(hit, update_mask, distributed=distributed)
+    f = r.filters
+    if f.overlong is not None:  # reward.overlong_buffer: means over the responses
+        stats[M.ROLLOUT_OVERLONG_FRAC] = (f.overlong < 0).float().mean()
+        stats[M.ROLLOUT_OVERLONG_PENALTY] = f.overlong.float().mean()
+    if f.truncated_masked is not None:  # ppo.mask_truncated_completions
+        stats[M.ROLLOUT_TRUNCATED_MASKED_FRAC] = f.truncated_masked.float().mean()
     return stats
 
 
@@ -111,8 +122,14 @@ def all_stats(
     stats = iteration_stats(rollout, adv, has_stop_token, is_distributed(trainer))
     stats = global_stats(trainer, {**stats, **update_stats}, rollout)
     stats[M.ROLLOUT_NON_FINITE_SCORES] = float(rollout.num_non_finite)
+    if rollout.filters.filtered is not None:  # ppo.dynamic_sampling: already a global count
+        stats[M.ROLLOUT_FILTERED_GROUPS] = float(rollout.filters.filtered_groups)
+    if rollout.filters.rounds is not None:  # ppo.dynamic_sampling_max_rounds: global counts
+        stats[M.ROLLOUT_DYNAMIC_SAMPLING_ROUNDS] = float(rollout.filters.rounds)
+        stats[M.ROLLOUT_UNFILLED_GROUPS] = float(rollout.filters.unfilled_groups)
     stats.update(rollout.sampler_stats)  # the rollout-policy guard's, already global (rl.guard)
-    stats.update(perf_stats(times, rollout.response_ids.numel()))
+    sampled = rollout.sampled_tokens if rollout.sampled_tokens is not None else rollout.response_ids.numel()
+    stats.update(perf_stats(times, sampled))
     return stats
 
 

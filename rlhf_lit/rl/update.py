@@ -1,10 +1,9 @@
 """Step 6 of the PPO iteration: ``ppo_epochs`` x global minibatches x micro-batches, one optimizer step each.
 
 One path for every configuration: each micro-batch runs the policy's forward for the objective's terms and
-back-propagates them (:func:`micro_batch_backward`); the two-pass option only splits the terms into two
-forward + backward pairs (actor terms, then the value term). Then the PTX term (if any), global-norm
-gradient clipping, and the optimizer and schedule step -- skipped, with nothing changed, when the gradient
-norm is inf or nan (:func:`optimizer_step`).
+back-propagates them (:func:`micro_batch_backward`); the two-pass option splits the terms into two forward +
+backward pairs (actor terms, then the value term). Then the PTX term (if any), global-norm gradient clipping,
+the optimizer and schedule step -- skipped, nothing changed, when the gradient norm is inf or nan.
 
 The loss of a minibatch is the token mean over the GLOBAL minibatch (this rank's rows of it and every
 other rank's): DDP and FSDP average gradients over ranks, so a micro-batch's mean loss is weighted by
@@ -15,7 +14,7 @@ token by ``w`` (``functional.aggregation.aggregation_weights``): the micro-batch
 ``world_size * sum(its w) / D``, with ``D`` the global minibatch's ``sum(w)`` (its number of responses for
 ``seq_mean_token_mean``) or, for ``token_sum_norm``, its responses x ``ppo.loss_norm_constant``.
 
-Lightning's manual-optimization contract (DESIGN.md): ``manual_backward`` for every backward, our own
+Lightning's manual-optimization contract (docs/layout.md): ``manual_backward`` for every backward, our own
 clipping (Lightning's FSDP precision plugin refuses norm clipping), ``opt.step()`` and ``sched.step()``
 here. :class:`PPOUpdater` is built with those as callables (``backward``, ``clip``, ``optimizers``), never
 with the LightningModule, and keeps the count of skipped steps in a row (its ``state_dict``).
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -210,15 +210,21 @@ class PPOUpdater:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
     def update(self, batch: UpdateBatch, iteration: int = 0) -> dict[str, float]:
-        """``ppo_epochs`` passes over the rollout in global minibatches (``schedule``), one optimizer step
-        per minibatch. Returns the update's metrics: token-weighted means of the objective's statistics over
-        all micro-batches (``ppo/*``), the PTX loss, the mean gradient norm of the applied steps and the
-        number of skipped steps. ``iteration`` (0-based) seeds the shuffles.
+        """``ppo_epochs`` passes over the rollout in global minibatches (``schedule``), one optimizer step per
+        minibatch holding an update token. Returns each figure's mean over those minibatches (``ppo/*``: the
+        losses as aggregated, the rest token-weighted means over the micro-batches), the PTX loss, the mean
+        gradient norm of the applied steps and the skipped steps. ``iteration`` (0-based) seeds the shuffles.
+        A minibatch with no update token on any rank (dynamic sampling, truncation masking; a global count)
+        runs no forward, PTX term or optimizer step (AdamW would move weights on zero gradients) and is not in
+        the figures; the schedule, sized in minibatches (``ppo_build.configure_optimizer``, the planner's
+        count), still advances. No update token at all: no step, ``{}`` returned.
 
         Raises:
             NonFiniteError: after ``max_consecutive_skips`` optimizer steps in a row with a non-finite norm.
         """
         cfg, trainer = self.settings, self.world()
+        if not global_sum(trainer, batch.mask.sum().float()):
+            log.warning("PPO iteration %d: no response is left for the update: no optimizer step", iteration + 1)
         aggregation = cfg.aggregation
         batch.token_weights = aggregation_weights(batch.mask, aggregation)
         opt, sched = self.optimizers()
@@ -244,7 +250,10 @@ class PPOUpdater:
                 order, world_size, rank, cfg.ppo_minibatch_size, micro, cfg.group_size
             ):
                 mb_rows = mb_rows.to(batch.input_ids.device)
-                global_tokens = global_sum(trainer, batch.mask[mb_rows].sum().float()).clamp(min=1.0)
+                global_tokens = global_sum(trainer, batch.mask[mb_rows].sum().float())
+                if not global_tokens:  # nothing to learn from on any rank: no step, the schedule advances
+                    advance_schedule(sched)
+                    continue
                 denominator = (
                     global_tokens
                     if aggregation == "token_mean"
@@ -273,6 +282,8 @@ class PPOUpdater:
                 if applied:
                     n_applied += 1
                     grad_norms += float("nan") if grad_norm is None else grad_norm
+        if not n_steps:
+            return {}
         out = {k: v / n_steps for k, v in sums.items()}
         out[M.PPO_GRAD_NORM] = grad_norms / n_applied if n_applied else float("nan")
         out[M.PPO_SKIPPED_STEPS] = float(n_steps - n_applied)
@@ -356,6 +367,13 @@ class PPOUpdater:
                 "optimizer.lr, set ppo.max_grad_norm, or check the reward model's scores"
             )
         return False, grad_norm
+
+
+def advance_schedule(sched) -> None:
+    """A schedule step without an optimizer step (an empty minibatch), torch's warning about it silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        sched.step()
 
 
 def clip_global_grad_norm(

@@ -1,7 +1,8 @@
 """The catalogue of outputs and late errors, through the real ``rlhf-lit`` console script (a subprocess each):
 two runs on one folder, a reused export folder, a full disk at export and at the first checkpoint, errors
 raised while the modules are built, an export of the wrong kind either way, NaN / inf in each data field, YAML
-syntax errors in ``fit`` and ``plan``, a hub id offline.
+syntax errors in ``fit`` and ``plan``, a hub id offline, and the mistakes a new user found (issue 37): a key in
+the wrong section, an export_dir where no folder can be made, ``validate`` without a validation split.
 
 One assertion, :func:`assert_outcome`, judges every case: exit code 2, at most 3 non-empty lines on stderr, the
 first ``rlhf-lit: error: ...`` (a case that trains first may print its progress before them), the message
@@ -12,9 +13,13 @@ Rows with a NaN or inf rank, score or margin are skipped and counted (``preferen
 only such rows is refused (exit 2, the count named), and a file holding some trains on the rest, exit 0, with
 the count on stderr (the ``slow`` cases). A non-finite label is refused with file, row and field.
 
+Some behaviours that are not errors run here too, exit 0 and judged by a line on stderr plus their own check
+(``Prepared.after``): one validation pair is validated, a prompt template typed with ``\\n`` gives the prompts of
+YAML double quotes, an export_dir that is a symbolic link is written through it.
+
 Each case costs ~13 s of CPU for the console script's imports (torch, Lightning, transformers), so the cases run
 two at a time as soon as the first of them is reached. Those that train (full disk, two real runs, the counted
-skips) and three that repeat another case's code path are marked ``slow``.
+skips, the symbolic link) and three that repeat another case's code path are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tests.cli.helpers import SFT, console_script, digest, run_cli, sft_args
 from tests.tiny_runs import REPO_ROOT, run_tiny
 
 PPO = "configs/ppo/tiny.yaml"
+DPO = "configs/dpo/tiny.yaml"
 REWARD = "configs/reward/tiny.yaml"
 NAN, INF = float("nan"), float("inf")
 STARTED = "2026-12-02T00:00:00+00:00"
@@ -48,11 +54,12 @@ STARTED = "2026-12-02T00:00:00+00:00"
 @dataclass
 class Ctx:
     """What a case builds its arguments from: its own empty ``folder``, the shared bad ``files`` and the
-    earlier ``export`` (a real tiny SFT export; copy it, never write into it)."""
+    earlier ``export`` (a real tiny SFT export; copy it, never write into it; ``reward_export`` likewise)."""
 
     folder: Path
     files: dict[str, str]
     export: Path
+    reward_export: Path | None = None  # a real tiny reward export, for the cases that ask for one
 
 
 @dataclass
@@ -80,6 +87,7 @@ class Case:
     file_size_limit: Callable[[Ctx], int] | None = None
     trains: bool = False  # it trains before it fails, so its progress lines may come before the message
     slow: bool = False
+    reward_export: bool = False  # it needs ctx.reward_export (a tiny reward run, trained once if selected)
 
 
 def _rows(path: Path, rows: list[dict]) -> str:
@@ -150,6 +158,15 @@ def files(tmp_path_factory) -> dict[str, str]:
             {"prompt": "Q:", "completion": " b", "label": NAN},
             {"prompt": "Q:", "completion": " c", "label": False},
         ],
+    )
+    # -- issue-37 mistakes, part B
+    (root / "empty.yaml").write_text("# settings to come\n\n")
+    paths["empty.yaml"] = str(root / "empty.yaml")
+    paths["pairs"] = _rows(root / "pairs.jsonl", [pair(0), pair(1), pair(2)])
+    config(  # a stack ending with both: the tiny config's reward backbone and a path
+        "ppo_rm_path_and_backbone.yaml",
+        PPO,
+        lambda m: m["reward_model"].update(path=paths["reward_export"]),
     )
     return paths
 
@@ -273,6 +290,132 @@ def no_checkpoint_left(ctx: Ctx) -> Iterator[Prepared]:
 
 def _half_the_weights(ctx: Ctx) -> int:
     return os.path.getsize(ctx.export / "model.safetensors") // 2
+
+
+@contextmanager
+def _metrics_on_stdout(**values: str) -> Iterator[Prepared]:
+    """A case that succeeds: Lightning's table of metrics on stdout has a row for each metric of ``values``
+    (``/`` written ``__``) holding its value as printed."""
+
+    def after(result) -> None:
+        rows = result.stdout.splitlines()
+        for name, value in values.items():
+            name = name.replace("__", "/")
+            assert any(f" {name} " in row and f" {value} " in row for row in rows), (name, result.stdout[-3000:])
+
+    yield Prepared(after=after)
+
+
+@contextmanager
+def export_dir_a_link_to_an_empty_folder(ctx: Ctx) -> Iterator[Prepared]:
+    """``folder/hf`` is a symbolic link to ``folder/disk/exports``, an empty folder (a bigger disk, say): the
+    export must land in the target, the link stay, nothing hidden be left on either side."""
+    target = ctx.folder / "disk" / "exports"
+    target.mkdir(parents=True)
+    (ctx.folder / "hf").symlink_to(target)
+
+    def after(_result) -> None:
+        assert (ctx.folder / "hf").is_symlink() and os.readlink(ctx.folder / "hf") == str(target)
+        assert {"rlhf_lit.json", "model.safetensors"} <= set(os.listdir(target))
+        assert _hidden(ctx.folder) == [] and os.listdir(ctx.folder / "disk") == ["exports"]
+
+    yield Prepared(after=after)
+
+
+SELF_INSTRUCT = [
+    "--data.init_args.train_files=[../shared/data/sft/self_instruct_seed_tasks.jsonl]",
+    "--data.init_args.format=auto",
+    "--data.init_args.response_field=instances.0.output",
+    "--data.init_args.val_size=16",
+]
+
+
+@contextmanager
+def _same_val_loss_as_yaml_double_quotes(ctx: Ctx) -> Iterator[Prepared]:
+    """The template typed on the command line (a backslash and an n, as a shell passes it) validates to the
+    val/loss of the same text in YAML double quotes (which YAML reads as newlines): the same prompts."""
+    config = ctx.folder / "template.yaml"
+    config.write_text('data:\n  init_args:\n    prompt_template: "{instruction}\\n\\n{instances.0.input}"\n')
+    assert "\n\n{instances" in yaml.safe_load(config.read_text())["data"]["init_args"]["prompt_template"]
+
+    def val_loss(stdout: str) -> str:
+        found = [row.split("│")[2].strip() for row in stdout.splitlines() if " val/loss " in row]
+        assert len(found) == 1, stdout[-3000:]
+        return found[0]
+
+    def after(result) -> None:
+        quoted = run_cli("validate", "--config", SFT, "--config", str(config), *_outputs(ctx), *SELF_INSTRUCT)
+        assert quoted.returncode == 0, quoted.stderr[-3000:]
+        assert val_loss(result.stdout) == val_loss(quoted.stdout)
+
+    yield Prepared(after=after)
+
+
+@contextmanager
+def a_small_disk(ctx: Ctx) -> Iterator[Prepared]:
+    """``folder/small``: a 64 KiB tmpfs (a disk too small for the tiny export's ~584 KiB); skipped where this
+    process may not mount one (not root, or a kernel that refuses)."""
+    small = ctx.folder / "small"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield Prepared(after=lambda _result: _assert_empty(small))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def _assert_empty(folder: Path) -> None:
+    assert os.listdir(folder) == [], os.listdir(folder)  # no staging folder, no lock left of the refused run
+
+
+def a_reward_export_with(corrupt: Callable[[Path], None]):
+    """``folder/rm``: a copy of the tiny reward export, ``corrupt`` applied to it (it must come out as it was)."""
+
+    @contextmanager
+    def prepare(ctx: Ctx) -> Iterator[Prepared]:
+        shutil.copytree(ctx.reward_export, ctx.folder / "rm")
+        corrupt(ctx.folder / "rm")
+        yield Prepared(expect=[f"{ctx.folder}/rm"], keep=[ctx.folder / "rm"])
+
+    return prepare
+
+
+def a_file_at(name: str) -> Callable[[Ctx], object]:
+    """``folder/<name>`` is a file (where a folder is wanted); it must come out as it was, nothing beside it."""
+
+    @contextmanager
+    def prepare(ctx: Ctx) -> Iterator[Prepared]:
+        (ctx.folder / name).write_text("not a folder\n")
+
+        def after(_result) -> None:
+            assert (ctx.folder / name).read_text() == "not a folder\n"
+            assert sorted(os.listdir(ctx.folder)) == [name]  # no export, no log folder, no lock, no cache
+
+        yield Prepared(expect=[f"{ctx.folder}/{name}"], after=after)
+
+    return prepare
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    spec = json.loads(path.read_text())
+    edit(spec)
+    path.write_text(json.dumps(spec))
+
+
+def _vocab_shifted_by_1000(rm: Path) -> None:
+    """Every id of the byte tokenizer's 260 moved up by 1000: ids reach 1259, past the 260 embeddings."""
+    def shift(tokenizer: dict) -> None:
+        tokenizer["model"]["vocab"] = {token: i + 1000 for token, i in tokenizer["model"]["vocab"].items()}
+
+    _edit_json(rm / "tokenizer.json", shift)
+
+
+def _no_eos_token(rm: Path) -> None:
+    _edit_json(rm / "tokenizer_config.json", lambda t: t.pop("eos_token"))
 
 
 # ---- the cases ----------------------------------------------------------------------------------------------
@@ -447,11 +590,158 @@ CASES = [
         ("tabs.yaml: line 2, column 1: invalid YAML", "'\\t'"),
         slow=True,  # plan reads YAML as fit does (plan_yaml_unclosed_brace, fit_yaml_tab_indentation)
     ),
+    # -- keys in the wrong section, folders, one validation pair, validate, templates, links ------------------
+    Case(
+        "key_in_the_wrong_section",  # kl_coef lives in kl, not ppo (whose own closest name is vf_coef)
+        _fit(PPO, "--model.init_args.ppo.kl_coeff=0.1"),
+        ("unknown key model.init_args.ppo.kl_coeff (did you mean 'model.init_args.kl.kl_coef'?)",),
+    ),
+    Case(
+        "export_dir_where_no_folder_can_be_made",  # /proc takes no new folder even from root
+        _fit(SFT, "--model.init_args.export_dir=/proc/no_such_folder/hf"),
+        ("model.init_args.export_dir: cannot write to /proc/no_such_folder/hf: /proc refuses new folders",),
+    ),
+    Case(
+        "one_validation_pair",  # not a mistake: validated, the spreads that need two pairs NaN (docs/errors.md)
+        lambda ctx: [
+            "validate",
+            "--config",
+            REWARD,
+            *_outputs(ctx),
+            "--data.init_args.train_files=[../shared/data/preference/hh-rlhf_harmless-base_test.jsonl.gz]",
+            "--data.init_args.max_train_samples_per_file=16",
+            "--data.init_args.val_size=1",
+        ],
+        ("val: kept 1 of 1 rows from hh-rlhf_harmless-base_test.jsonl.gz",),
+        exit_code=0,
+        prepare=lambda ctx: _metrics_on_stdout(reward__accuracy_vs_length_rule_se="nan"),  # an SE of 1 pair
+    ),
+    Case(
+        "validate_without_a_validation_split",  # PPO's prompts hold none by default: once, it exited 0 silently
+        lambda ctx: ["validate", "--config", PPO, *_outputs(ctx)],
+        ("validate: nothing to validate", "data.init_args.val_size is 0", "data.init_args.val_files"),
+    ),
+    Case(
+        "prompt_template_typed_with_backslash_n",  # read as YAML double quotes read it (docs/data.md)
+        lambda ctx: [
+            "validate",
+            "--config",
+            SFT,
+            *_outputs(ctx),
+            *SELF_INSTRUCT,
+            "--data.init_args.prompt_template={instruction}\\n\\n{instances.0.input}",
+        ],
+        ("val: kept 16 of 16 rows from self_instruct_seed_tasks.jsonl",),
+        exit_code=0,
+        prepare=_same_val_loss_as_yaml_double_quotes,
+    ),
+    Case(
+        "export_dir_a_symbolic_link",  # written through the link (docs/errors.md, docs/resume.md)
+        lambda ctx: sft_args(ctx.folder),
+        ("train: kept 16 of", "gsm8k_train.jsonl"),
+        exit_code=0,
+        prepare=export_dir_a_link_to_an_empty_folder,
+        slow=True,  # the export is written after training
+    ),
     # -- a hub dataset id offline -------------------------------------------------------------------------------
     Case(
         "hub_dataset_offline",
         _fit(SFT, "--data.init_args.train_files=[no-such-org/no-such-dataset]"),
-        ("'no-such-org/no-such-dataset'", "not a local file", "OfflineModeIsEnabled"),
+        # named by the checks before loading (with the key), not by datasets after its attempts
+        (
+            "data.init_args.train_files[0]: 'no-such-org/no-such-dataset' is not a local file and not in the "
+            "Hugging Face cache, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set (offline)",
+        ),
+    ),
+    # -- plan ranges and shapes, caches, evaluate, empty configs, resume ----------------------------------
+    Case(
+        "fit_empty_config",
+        lambda ctx: ["fit", "--config", ctx.files["empty.yaml"], *_outputs(ctx)],
+        ("empty.yaml: the config file is empty",),
+    ),
+    Case(
+        "plan_empty_config",
+        lambda ctx: ["plan", "--config", SFT, "--config", ctx.files["empty.yaml"]],
+        ("empty.yaml: the config file is empty",),
+    ),
+    Case(
+        "plan_negative_device_memory",
+        lambda ctx: ["plan", "--config", SFT, "--device-memory-gb", "-5"],
+        ("plan --device-memory-gb must be a number > 0, got -5.0",),
+    ),
+    Case(
+        "plan_max_length_past_the_positions",
+        lambda ctx: ["plan", "--config", SFT, "--data.init_args.max_length=100000000"],
+        ("data.init_args.max_length (100000000) exceeds the model's 512 positions",),
+    ),
+    Case(
+        "plan_reward_model_path_and_backbone",
+        lambda ctx: ["plan", "--config", ctx.files["ppo_rm_path_and_backbone.yaml"]],
+        ("model.init_args.reward_model: give exactly one of 'path'", "'backbone'"),
+    ),
+    Case(
+        "evaluate_tokenizer_past_the_embeddings",
+        lambda ctx: ["evaluate", "--model", f"{ctx.folder}/rm", "--data", ctx.files["pairs"]],
+        ("its tokenizer does not match its model: token ids reach 1259, past the model's 260 embeddings",),
+        prepare=a_reward_export_with(_vocab_shifted_by_1000),
+        reward_export=True,
+    ),
+    Case(
+        "evaluate_tokenizer_without_eos",
+        lambda ctx: ["evaluate", "--model", f"{ctx.folder}/rm", "--data", ctx.files["pairs"]],
+        ("its tokenizer has no EOS token", "append_eos"),
+        prepare=a_reward_export_with(_no_eos_token),
+        reward_export=True,
+    ),
+    Case(  # the config alone rules every stop token out: refused by the checks, before the tokenizer loads
+        "mask_truncated_completions_without_a_stop_token",
+        _fit(
+            "configs/ppo/tiny_grpo.yaml",
+            "--model.init_args.ppo.mask_truncated_completions=true",
+            "--model.init_args.sampling.stop_at_eos=false",
+        ),
+        (
+            "model.init_args.ppo.mask_truncated_completions needs a stop token",
+            "model.init_args.sampling.stop_at_eos",
+        ),
+    ),
+    Case(  # without a buffer the penalty would do nothing: refused before any model loads
+        "overlong_penalty_without_a_buffer",
+        _fit("configs/ppo/tiny_grpo.yaml", "--model.init_args.reward.overlong_penalty=0.5"),
+        ("model.init_args.reward.overlong_penalty=0.5", "model.init_args.reward.overlong_buffer is not"),
+    ),
+    Case(  # plan reads no model either: the same check, the same line
+        "plan_missing_eos_penalty_without_a_stop_token",
+        lambda ctx: [
+            "plan",
+            "--config",
+            "configs/ppo/tiny_grpo.yaml",
+            "--model.init_args.reward.missing_eos_penalty=1.0",
+            "--model.init_args.sampling.stop_at_eos=false",
+        ],
+        ("model.init_args.reward.missing_eos_penalty=1.0 needs a stop token", "sampling.stop_at_eos"),
+    ),
+    Case(
+        "export_dir_on_a_disk_too_small",
+        lambda ctx: [
+            *_fit(SFT)(ctx),
+            f"--model.init_args.export_dir={ctx.folder}/small/hf",
+        ],
+        ("small/hf: not enough free space for the export", "plus a 10% safety margin", "free"),
+        prepare=a_small_disk,
+    ),
+    Case(
+        "dpo_reference_cache_is_a_file",
+        lambda ctx: [*_fit(DPO)(ctx), f"--model.init_args.reference_cache={ctx.folder}/cache"],
+        ("model.init_args.reference_cache: cannot write to", "/cache: it is a file, not a folder"),
+        prepare=a_file_at("cache"),
+    ),
+    Case(
+        "dpo_reference_cache_under_a_file",
+        lambda ctx: [*_fit(DPO)(ctx), f"--model.init_args.reference_cache={ctx.folder}/cache/dpo"],
+        ("model.init_args.reference_cache: cannot write to", "/cache is a file, not a folder"),
+        prepare=a_file_at("cache"),
+        slow=True,  # the same check as dpo_reference_cache_is_a_file, one folder up
     ),
 ]
 
@@ -521,11 +811,12 @@ def outcomes(request, files, tmp_path_factory) -> Iterator[dict[str, Future]]:
         for item in request.session.items
         if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params
     ]
+    reward = run_tiny(REWARD, tmp_path_factory).export_dir if any(c.reward_export for c in selected) else None
     root = tmp_path_factory.mktemp("catalogue")
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {}
     for case in selected:
-        ctx = Ctx(root / case.id, files, export)
+        ctx = Ctx(root / case.id, files, export, reward)
         if case.file_size_limit is None:
             futures[case.id] = pool.submit(_run, case, ctx)
         else:

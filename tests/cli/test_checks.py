@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -225,9 +226,15 @@ def test_the_issues_nonsense_settings_are_refused():
     ],
 )
 def test_ppo_consistency_checks(changes, expected):
-    config = parsed("ppo")
+    refused(changes, expected)
+
+
+def refused(changes: dict, expected: str, prefix: str = "", stage: str = "ppo") -> None:
+    """The stage's tiny config with ``changes`` (dotted keys, each under ``prefix``) is refused by the checks
+    with a message matching ``expected``."""
+    config = parsed(stage)
     for key, value in changes.items():
-        _set(config, key, value)
+        _set(config, prefix + key, value)
     with pytest.raises(ConfigError, match=expected):
         check(config)
 
@@ -306,6 +313,66 @@ def test_missing_inputs_are_named(tmp_path):
         check(config)
 
 
+def test_a_hub_dataset_offline_is_one_line_before_loading_unless_cached(tmp_path, monkeypatch):
+    """Offline (the tests run with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1) a dataset id that is in neither
+    cache is refused by the checks, before ``datasets`` is asked (which would fail only after its own
+    attempts); one in the hub cache passes on to ``datasets``."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    config = parsed("sft")
+    config["data"]["init_args"]["train_files"] = ["../shared/data/sft/self_instruct_seed_tasks.jsonl", "an-org/a-set"]
+    with pytest.raises(ConfigError) as info:
+        check(config)
+    assert str(info.value) == (
+        "data.init_args.train_files[1]: 'an-org/a-set' is not a local file and not in the Hugging Face cache, "
+        "and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set (offline); give a data file (.jsonl, .json, .parquet, "
+        ".csv), or download the dataset first"
+    )
+    (tmp_path / "datasets--an-org--a-set").mkdir()  # as huggingface_hub names a cached dataset repo
+    config["data"]["init_args"]["train_files"][1] = "an-org/a-set:test"  # a split suffix names the same id
+    check(config)
+
+
+def test_a_hub_model_and_a_hub_dataset_get_the_same_three_answers(monkeypatch):
+    """One helper serves both hub checks: not cached and offline, no such repository, the hub unreachable; the
+    metadata request (``info``) is the injected collaborator, asked once with a 5 s timeout."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from rlhf_lit.checks.paths import _hub_problem
+
+    class NotFound(RepositoryNotFoundError):
+        def __init__(self) -> None:
+            Exception.__init__(self, "404")
+
+    asked = []
+
+    def info(outcome):
+        def ask(**kwargs):
+            asked.append(kwargs)
+            if outcome is not None:
+                raise outcome
+        return ask
+
+    model = ("k", "org/m", "model", "local folder", "give a model folder")
+    dataset = ("k", "'org/d'", "dataset", "local file", "give a data file")
+    assert _hub_problem(*model, True, ["HF_HUB_OFFLINE"], info(TimeoutError())) is None  # cached: not asked
+    assert _hub_problem(*dataset, False, ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"], info(None)) == (
+        "k: 'org/d' is not a local file and not in the Hugging Face cache, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
+        "is set (offline); give a data file, or download the dataset first"
+    )
+    assert asked == []  # offline: only the caches count
+    assert _hub_problem(*model, False, [], info(NotFound())) == (
+        "k: org/m: no such model on the Hugging Face hub (or it is private), and no such local folder"
+    )
+    assert _hub_problem(*dataset, False, [], info(ConnectionError())) == (
+        "k: cannot fetch 'org/d' from the Hugging Face hub (ConnectionError); it is not a local file or cached; "
+        "give a data file, or download it while online"
+    )
+    assert _hub_problem(*model, False, [], info(None)) is None  # the hub has it
+    assert asked == [{"timeout": 5}] * 3
+
+
 def test_an_export_an_earlier_stage_writes_is_named_with_that_stage_and_config(tmp_path, monkeypatch):
     configs = tmp_path / "configs"
     (configs / "sft").mkdir(parents=True)
@@ -353,6 +420,37 @@ def test_outputs_must_be_writable(tmp_path):
     config = parsed("reward")
     config["model"]["init_args"]["export_dir"] = str(blocker / "hf")
     check(config, "validate")  # validate writes no export
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_under_a_folder_refusing_new_folders_is_refused(tmp_path):
+    """/proc takes no new folder, even from root (for whom os.access says writable): a folder is tried."""
+    config = parsed("reward")
+    config["model"]["init_args"]["export_dir"] = "/proc/no_such_folder/hf"
+    with pytest.raises(
+        ConfigError,
+        match=r"^model[.]init_args[.]export_dir: cannot write to /proc/no_such_folder/hf: /proc refuses new "
+        r"folders \(No such file or directory\)$",
+    ):
+        check(config)
+    config["model"]["init_args"]["export_dir"] = str(tmp_path / "a" / "hf")
+    check(config)  # a writable parent: the trial folder is made and removed
+    assert os.listdir(tmp_path) == []
+
+
+def test_validate_without_a_validation_split_is_refused():
+    config = parsed("ppo")  # PPO's prompts hold no validation split by default (val_size 0)
+    assert config["data"]["init_args"]["val_size"] == 0 and not config["data"]["init_args"]["val_files"]
+    check(config, "fit")  # fit does not need one
+    with pytest.raises(ConfigError, match=r"^validate: nothing to validate: the data holds no validation split "):
+        check(config, "validate")
+    config["data"]["init_args"]["val_size"] = 2
+    check(config, "validate")
+    config["data"]["init_args"].update(val_size=0, val_files=["../shared/data/sft/self_instruct_seed_tasks.jsonl"])
+    check(config, "validate")
+    config["trainer"]["limit_val_batches"] = 0
+    with pytest.raises(ConfigError, match=r"^validate: nothing to validate: trainer[.]limit_val_batches is 0"):
+        check(config, "validate")
 
 
 def test_prompts_without_a_length_limit_are_checked_once_read():
@@ -423,7 +521,8 @@ def test_ckpt_path_checks(tmp_path, caplog):
 
 
 def test_all_shipped_configs_pass_the_value_checks():
-    """Every stage config under configs/ is within the rules (model folders of earlier stages aside)."""
+    """Every stage config under configs/ is within the rules (model folders of earlier stages and hub ids,
+    which the tests, offline, have not cached, aside)."""
     captured = {}
     for path in sorted((REPO_ROOT / "configs").rglob("*.yaml")):
         if "trainer" in path.parts:
@@ -434,6 +533,7 @@ def test_all_shipped_configs_pass_the_value_checks():
             RLHFCLI, "before_instantiate_classes", lambda self: captured.update(c=self.config.as_dict())
         )
         patch.setattr("rlhf_lit.checks.paths._model_folder_problem", lambda *a, **k: None)
+        patch.setattr("rlhf_lit.checks.paths._hub_dataset_problem", lambda *a, **k: None)
         try:
             with in_repo_root():
                 cli_main(["--config", str(path.relative_to(REPO_ROOT))], run=False)

@@ -12,6 +12,7 @@ in the same order on one CPU thread, so the comparison is exact (``torch.equal``
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -247,7 +248,9 @@ def test_ckpt_path_last_rebuilds_the_model_from_the_checkpoint_and_names_what_th
 ):
     """Lightning rebuilds the model from a checkpoint's hyper-parameters only for a file path; with ``last`` a
     changed setting won silently. Now ``last`` is found where the run keeps it, the checkpoint's settings are
-    used and the changed one is named, as for a file path; ``ckpt_path`` stays ``last`` for Lightning."""
+    used and the changed one is named, as for a file path; ``ckpt_path`` stays ``last`` for Lightning. A run
+    setting (``ppo.total_iterations``, RUN_CONTROL_SETTINGS) is the config's, said in a line of its own.
+    (Changed: total_iterations used to be named among the settings not used.)"""
     root = tmp_path / "run"
     _fit(root, "--model.init_args.ppo.total_iterations=1")
     monkeypatch.setattr(RLHFCLI, "before_instantiate_classes", lambda self: None)
@@ -264,10 +267,38 @@ def test_ckpt_path_last_rebuilds_the_model_from_the_checkpoint_and_names_what_th
     sampling = cli.config.fit.model.init_args.sampling
     temperature = sampling.init_args.temperature if "init_args" in sampling else sampling.temperature
     assert temperature == 0.7 and cli.config.fit.ckpt_path == "last"
-    (warning,) = [r.getMessage() for r in caplog.records if "ckpt_path:" in r.getMessage()]
-    assert "sampling.temperature" in warning and "ppo.total_iterations" in warning and "not used" in warning
+    assert cli.config.fit.model.init_args.ppo.total_iterations == 5  # run control: the config's, not the 1 saved
+    (used, not_used) = sorted(r.getMessage() for r in caplog.records if "ckpt_path:" in r.getMessage())
+    assert "sampling.temperature" in not_used and "not used" in not_used and "total_iterations" not in not_used
+    assert used.startswith("ckpt_path: the config's ppo.total_iterations=5 (the checkpoint's 1) is used"), used
+    assert "not an exact resume: ppo.total_iterations: the learning-rate schedule" in used
     caplog.clear()
     with in_repo_root(), caplog.at_level(logging.WARNING, logger="rlhf_lit"):
         same = ["--model.init_args.ppo.total_iterations=1", "--ckpt_path", "last"]  # as the checkpoint
         cli_main([*args, *same])
     assert not [r for r in caplog.records if "ckpt_path:" in r.getMessage()]
+
+
+def test_a_finished_ppo_run_resumes_to_train_longer_and_exports_elsewhere(tmp_path):
+    """Issue 37: the same command with ``total_iterations`` 3 (was 2), another ``export_dir`` and ``--ckpt_path``
+    used to rebuild the run from the checkpoint's settings and refuse the checkpoint's export folder. Run
+    settings follow the config (RUN_CONTROL_SETTINGS): the run trains iterations 3 only, writes the new export,
+    and the first export stays byte for byte as it was."""
+    from tests.cli.helpers import digest
+
+    root = tmp_path / "run"
+    _fit(root, "--model.init_args.ppo.total_iterations=2", f"--model.init_args.export_dir={tmp_path / 'hf'}")
+    first = digest(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "rlhf_lit.json").read_text())["iterations"] == 2
+    resumed = _fit(
+        root,
+        "--model.init_args.ppo.total_iterations=3",
+        f"--model.init_args.export_dir={tmp_path / 'hf3'}",
+        "--ckpt_path",
+        str(root / "ck" / "last.ckpt"),
+    )
+    assert resumed["ppo_state"]["iteration"] == 3 and resumed["global_step"] == 3 * STEPS_PER_ITERATION
+    assert len(resumed["ppo_state"]["history"]) == 3  # iterations 1-2 restored, iteration 3 trained
+    assert json.loads((tmp_path / "hf3" / "rlhf_lit.json").read_text())["iterations"] == 3
+    assert digest(tmp_path / "hf") == first  # the first run's export, untouched
+    assert resumed["hyper_parameters"]["export_dir"] == str(tmp_path / "hf3")

@@ -158,6 +158,16 @@ def _parse(monkeypatch, args):
             ["--data.init_args.batch_siz=3"],
             "unknown key data.init_args.batch_siz (did you mean 'batch_size'?)",
         ),
+        # a key in the wrong section: the closest name in every section (kl_coef 0.93 vs ppo's own vf_coef
+        # 0.67, difflib ratios 2 * 7 / 15 and 2 * 5 / 15), named in full
+        (
+            ["--model.init_args.ppo.kl_coeff=0.1"],
+            "unknown key model.init_args.ppo.kl_coeff (did you mean 'model.init_args.kl.kl_coef'?)",
+        ),
+        (
+            ["--model.init_args.clip_range=0.1"],
+            "unknown key model.init_args.clip_range (did you mean 'model.init_args.ppo.clip_range'?)",
+        ),
         # nan / inf: the key's declared range (rlhf_lit.ranges, checks.rules), as the value checks word it
         (
             ["--model.init_args.optimizer.lr=nan"],
@@ -198,6 +208,8 @@ def _parse(monkeypatch, args):
         "abbreviation",
         "type",
         "data_key",
+        "other_section",
+        "no_section",
         "nan",
         "minus_inf",
         "inf_in_a_union",

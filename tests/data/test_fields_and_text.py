@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_lit.data import DataFormatError, PreferenceDataModule, PromptDataModule, SFTDataModule
-from rlhf_lit.data.formats import get_path, template_fields
+from rlhf_lit.data.formats import Fields, get_path, template_fields, unescape
 from rlhf_lit.data.records import as_hh_prompt, looks_like_hh
 
 EOS = "<|endoftext|>"
@@ -160,3 +160,26 @@ def test_the_real_self_instruct_seed_tasks_through_the_template(tok, shared_data
         assert tok.decode(dm.train_dataset[i]["prompt_ids"]).endswith(
             rows[i]["instances"][0]["input"].strip()
         )
+
+
+def test_escapes_are_read_as_yaml_double_quotes_read_them():
+    # '{a}\\n\\n{b}': 10 characters, 2 of them backslashes (how a shell passes '{a}\n\n{b}')
+    assert unescape("{a}\\n\\n{b}") == "{a}\n\n{b}"
+    assert unescape("a\\tb\\rc") == "a\tb\rc"
+    assert unescape("C:\\\\d \\d") == "C:\\d \\d"  # an escaped backslash is one; another escape is kept
+    assert unescape("{a}\n\n{b}") == "{a}\n\n{b}"  # from YAML double quotes: nothing left to read
+    fields = Fields(prompt_template="{instruction}\\n\\n{instances.0.input}", separator="\\n")
+    assert (fields.prompt_template, fields.separator) == ("{instruction}\n\n{instances.0.input}", "\n")
+
+
+def test_a_template_typed_with_backslash_n_builds_the_same_prompts(tok, shared_data):
+    """The template as a shell passes it (backslash, n) and as YAML double quotes give it (newlines): the
+    same 175 prompts, none holding a backslash-n (before, 118 of them did)."""
+    path = str(shared_data / "sft" / "self_instruct_seed_tasks.jsonl")
+    typed, quoted = (
+        build(PromptDataModule, path, tok, prompt_template=template, shuffle=False)
+        for template in ("{instruction}\\n\\n{instances.0.input}", "{instruction}\n\n{instances.0.input}")
+    )
+    prompts = [tok.decode(example["prompt_ids"]) for example in typed.train_dataset]
+    assert len(prompts) == 175 and not [p for p in prompts if "\\n" in p]
+    assert [e["prompt_ids"] for e in typed.train_dataset] == [e["prompt_ids"] for e in quoted.train_dataset]

@@ -133,3 +133,23 @@ def test_the_key_parts_see_data_bytes_tokenizer_and_weights(tmp_path):
     with torch.no_grad():
         next(p for n, p in module.lm.named_parameters() if "wte" in n)[0, 0] += 1e-3
     assert tensor_fingerprint(module._reference_weights()) != fingerprint
+
+
+def test_a_cache_that_cannot_be_written_names_the_cache_folder(tmp_path):
+    """A file in the way of the cache folder (it appeared after the checks, which refuse it before any model
+    loads) is one OutputError naming the cache path, not a FileExistsError, nor a failure of the export."""
+    import pytest
+
+    from rlhf_lit.models.reference_cache import ReferenceLogpCache
+    from rlhf_lit.outputs import OutputError
+
+    (tmp_path / "blocker").write_text("a file")
+    for folder in (tmp_path / "blocker", tmp_path / "blocker" / "cache"):
+        cache = ReferenceLogpCache(str(folder), {"data": "d"})
+        cache.add(torch.tensor([[5, 6, 7]]), torch.tensor([1]), torch.tensor([2]), torch.tensor([-1.5]))
+        with pytest.raises(OutputError) as info:
+            cache.save()
+        message = str(info.value)
+        assert message.startswith(f"cannot write the reference cache to {folder} (model.init_args.reference_cache)")
+        assert f"{tmp_path / 'blocker'} is a file, not a folder" in message and "export" not in message, message
+    assert (tmp_path / "blocker").read_text() == "a file"

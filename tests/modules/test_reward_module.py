@@ -546,6 +546,30 @@ def test_pair_weights_give_each_ranked_prompt_the_same_total_weight(rm, monkeypa
 
 
 # -- length-bias diagnostics ------------------------------------------------------------------------------
+def test_one_validation_pair_is_evaluated(rm, monkeypatch):
+    """A validation split of one pair (val_size=1 on one file): torchmetrics' CatMetric returns one value as
+    a 0-d tensor, which the length diagnostics could not concatenate (a RuntimeError in the sanity check).
+    Margin 0.5 - 1.5 = -1 (wrong); lengths 12 vs 12: matched, the rule's coin flip 0.5."""
+    chosen, rejected = torch.tensor([0.5]), torch.tensor([1.5])
+    batch = {
+        "source": torch.tensor([0]),
+        "chosen_response_len": torch.tensor([12]),
+        "rejected_response_len": torch.tensor([12]),
+        "margin": None,
+    }
+    logged: dict[str, float] = {}
+    monkeypatch.setattr(rm, "log", lambda name, value, **k: logged.__setitem__(name, float(value)))
+    monkeypatch.setattr(rm, "_score_pairs", lambda batch, need_hidden=False: (chosen, rejected, None))
+    monkeypatch.setattr(rm, "_source_names", lambda: ["a"])
+    with torch.no_grad():
+        rm.validation_step(batch, 0)
+        rm.on_validation_epoch_end()
+    assert rm.results["pairs"] == 1
+    assert logged[M.REWARD_ACCURACY] == 0.0 and logged[M.REWARD_MARGIN] == -1.0
+    assert logged[M.REWARD_LENGTH_RULE_ACCURACY] == 0.5 and logged[M.REWARD_LENGTH_MATCHED_FRACTION] == 1.0
+    assert math.isnan(logged[M.REWARD_VS_LENGTH_RULE_SE])  # a paired SE needs two pairs
+
+
 def test_validation_logs_the_length_diagnostics_pooled_and_per_file(rm, monkeypatch):
     """Six pairs over two files, scores patched in; every logged value worked out by hand.
 

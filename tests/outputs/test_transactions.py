@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -190,6 +191,39 @@ def test_a_commit_killed_between_its_renames_is_recovered(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
+def test_an_export_folder_that_is_a_symbolic_link_is_written_through_it(tmp_path):
+    """export_dir -> a folder elsewhere (a bigger disk, say): the export lands in the target, staged beside
+    it; the link stays a link, and nothing hidden is left on either side (before, the link was moved aside as
+    ``.hf.old-<pid>``, which rmtree refuses, and a real folder took its place)."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "exports").mkdir()
+    (tmp_path / "runs").mkdir()
+    link = tmp_path / "runs" / "hf"
+    link.symlink_to(tmp_path / "disk" / "exports")
+    export = ExportFolder(str(link))
+    staging = export.begin()
+    assert os.path.dirname(staging) == str(tmp_path / "disk")  # beside the target: one file system
+    write_export(staged(str(link)), b"new")  # a writer names the path under export_dir
+    export.commit()
+    assert link.is_symlink() and os.readlink(link) == str(tmp_path / "disk" / "exports")
+    assert read_export(str(tmp_path / "disk" / "exports")) == b"new"
+    assert os.listdir(tmp_path / "runs") == ["hf"] and os.listdir(tmp_path / "disk") == ["exports"]
+    ExportFolder(str(link), overwrite=True).write(lambda s: write_export(s, b"newer"))  # an earlier one
+    assert link.is_symlink() and read_export(str(link)) == b"newer"
+    assert os.listdir(tmp_path / "runs") == ["hf"] and os.listdir(tmp_path / "disk") == ["exports"]
+
+
+def test_recover_removes_a_link_moved_aside(tmp_path):
+    """What a commit of the earlier code left when export_dir was a link: the link itself as ``.hf.old-<pid>``
+    beside a real ``hf``; the next run removes it (rmtree refused it in silence)."""
+    (tmp_path / "target").mkdir()
+    ExportFolder(str(tmp_path / "hf")).write(lambda s: write_export(s, b"x"))
+    (tmp_path / ".hf.old-12345").symlink_to(tmp_path / "target")
+    ExportFolder(str(tmp_path / "hf")).recover()
+    assert sorted(os.listdir(tmp_path)) == ["hf", "target"] and read_export(str(tmp_path / "hf")) == b"x"
+    assert os.listdir(tmp_path / "target") == []  # the link is removed, not what it pointed to
+
+
 def test_checkpoint_write_failure_keeps_the_last_checkpoint(tmp_path):
     path = str(tmp_path / "last.ckpt")
     AtomicCheckpointIO().save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
@@ -230,6 +264,17 @@ def test_free_space_is_checked_before_training(tmp_path):
     check_free_space(str(tmp_path / "hf"), 1)
     with pytest.raises(OutputError, match="not enough free space"):
         check_free_space(str(tmp_path / "hf"), 1 << 60)
+
+
+def test_the_free_space_refusal_applies_and_names_its_margin(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    check_free_space(str(tmp_path / "hf"), int(free / 1.2))  # 1.1 * free/1.2 = 0.92 free: fits with the margin
+    needed = int(free / 1.05)  # fits without a margin, not with 10%: 1.1 * free/1.05 = 1.048 free
+    with pytest.raises(OutputError) as info:
+        check_free_space(str(tmp_path / "hf"), needed)
+    message = str(info.value)
+    assert f"({needed} bytes) plus a 10% safety margin" in message, message
+    assert f"({int(1.1 * needed)} bytes) in all;" in message, message
 
 
 def test_disk_errors_are_recognised_by_errno_or_message():

@@ -61,8 +61,16 @@ class RecordingUpdater:
     """Stands in for ``module.updater``: records every ``UpdateBatch`` it is given (``calls``), then delegates
     to the real updater. Install with ``module.updater = RecordingUpdater(module.updater)``."""
 
+    _OWN = ("inner", "calls", "on_update")
+
     def __init__(self, updater, on_update=None) -> None:
         self.inner, self.calls, self.on_update = updater, [], on_update
+
+    def __setattr__(self, name, value):  # what the module sets on its updater (ptx_stream, ...) reaches it
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
 
     def update(self, batch, iteration: int = 0):
         self.calls.append(batch)

@@ -2,7 +2,7 @@
 
 The module runs one real iteration (sampling, reward model, update). Spies record what it sampled and
 what its reward model scored; from those alone the oracle recomputes steps 2-6 with nothing of rlhf_lit's
-math (DESIGN.md's conventions, written out as loops over sequences and tokens):
+math (the conventions of docs/layout.md, written out as loops over sequences and tokens):
 
 2-3. reference and old log-probs and the critic's values from a plain Hugging Face forward of a FRESH GPT-2
      into which the LoRA weights are merged by hand (``W + alpha / r * (B A)^T``), one unpadded sequence
@@ -43,6 +43,7 @@ from tests.ppo.helpers import (
     uneven_sampler,
     update_fields,
 )
+from tests.ppo.oracle_recording import move_off_zero
 
 TEMPERATURE = 0.7
 KL_COEF = 0.2
@@ -133,13 +134,7 @@ def _record_one_iteration(tmp_path):
         sampler=uneven_sampler(rec),  # responses 1 and 2 end with the stop token at positions 2 and 4
         schedule=schedule,
     )
-    lm = module.policy.lm
-    with torch.no_grad():  # LoRA B starts at 0 and the value head at 0: move both adapters and the head
-        gen = torch.Generator().manual_seed(1)
-        for p in lm.adapter_parameters("actor") + lm.adapter_parameters("critic"):
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-        module.policy.value_head.linear.weight.normal_(0.0, 0.5, generator=gen)
-        module.policy.value_head.linear.bias.fill_(0.3)
+    move_off_zero(module)  # LoRA B starts at 0 and the value head at 0: move both adapters and the head
     rec["lora"] = {a: _lora(module, a) for a in ("actor", "critic")}
     rec["head"] = {k: v.detach().clone() for k, v in module.policy.value_head.linear.state_dict().items()}
 
@@ -314,7 +309,7 @@ def test_first_minibatch_loss_and_gradients_equal_the_oracle(recorded):
 def test_actor_critic_reads_log_probs_and_values_at_the_right_positions_with_left_padding():
     """``ActorCritic`` on a left-padded batch (prompts of 1, 3 and 5 tokens; responses of 2-4, right padded)
     against the plain forward of each unpadded sequence: the log-prob of response token t comes from the
-    logits at position P - 1 + t, its value from the hidden state there (DESIGN.md), for actor, critic and
+    logits at position P - 1 + t, its value from the hidden state there (docs/layout.md), for actor, critic and
     reference alike, and no padding or position offset changes a number (docs/pitfalls.md: left padding)."""
     torch.manual_seed(0)
     module = make_module()

@@ -25,6 +25,7 @@ from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
 from rlhf_lit.rl.schedule import epoch_schedule
 from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer, uneven_sampler
+from tests.ppo.oracle_recording import move_off_zero
 from tests.ppo.test_oracle import _forward, _lora, _merged, _plain_gpt2
 
 TEMPERATURE, KL_COEF, CLIP, ENTROPY_COEF = 0.7, 0.2, 0.2, 0.01
@@ -61,10 +62,7 @@ def _record(case, tmp_path):
         sampler=uneven_sampler(rec),  # uneven lengths whatever was sampled
         schedule=schedule,
     )
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(1)
-        for p in module.policy.lm.adapter_parameters("actor"):
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    move_off_zero(module)  # critic-free: the actor's LoRA matrices only
     rec["lora"] = _lora(module, "actor")
     reward = RecordingReward(module.collector.reward_fn)
     module.collector.reward_fn = reward

@@ -16,21 +16,30 @@ one unpadded sequence at a time) and its own arithmetic, written from the papers
   k3 ``exp(ref - logp) - 1 - (ref - logp)``, abs ``|logp - ref|``), the token rewards, and the advantages of
   GAE (Schulman et al. 2016, eq. 16; whitening optional), GRPO / Dr.GRPO (Shao et al. 2024 s. 4.1.2; Liu et
   al. 2025), RLOO (Ahmadian et al. 2024, eq. 7) and REINFORCE++ (Hu 2025): checked against the update's input;
+* with ``ppo.tis_cap``, from a stand-in sampler whose recorded log-probs are not the trainer's
+  (:func:`offset_sampler`, injected through the constructor): the truncated importance weights
+  ``min(exp(old - sampler), tis_cap)`` (Yao et al. 2025) from the trainer's old log-probs the oracle
+  recomputes and the log-probs the sampler recorded, 1 on a token the sampler did not draw; checked against
+  the update's input and the logged ``rollout/tis_*``;
 * for each minibatch, in the order the module's schedule drew them: the clipped surrogate with the dual clip
-  (Schulman et al. 2017, eq. 7; Ye et al. 2020), the clipped value loss (``0.5 * max((V - R)^2, (V_clip -
-  R)^2)``), the KL term in the loss where configured, the entropy bonus, aggregated as configured (token
-  mean; mean over responses of token means, Shao et al. 2024 eq. 3; token sum / (responses x constant), Liu
-  et al. 2025 eq. 3); its statistics (clip fraction, value clip fraction, approximate KL, mean ratio,
-  entropy, KL term); its gradients by autograd; the global-norm clipping; and an AdamW step
-  (Loshchilov & Hutter 2019, Alg. 2) at the learning rate the schedule gives that step, per parameter group.
+  (Schulman et al. 2017, eq. 7; Ye et al. 2020) times the importance weight where configured, the clipped
+  value loss (``0.5 * max((V - R)^2, (V_clip - R)^2)``), the KL term in the loss where configured, the
+  entropy bonus, aggregated as configured (token mean; mean over responses of token means, Shao et al. 2024
+  eq. 3; token sum / (responses x constant), Liu et al. 2025 eq. 3); its statistics (clip fraction, value
+  clip fraction, approximate KL, mean ratio, entropy, KL term); with ``ptx.coef``, the SFT loss of the step's
+  PTX batch through the actor (Ouyang et al. 2022, eq. 2); its gradients by autograd; the global-norm
+  clipping; and an AdamW step (Loshchilov & Hutter 2019, Alg. 2) at the learning rate the schedule gives
+  that step, per parameter group.
 
 Checked per minibatch: the loss the module back-propagated, its statistics, the gradients before clipping
 and the parameters the step started from (so after the first update the ratios, clip fractions and value
 clips are those of a policy that has moved), then the final parameters and the figures the module logged
 (the means over the minibatches). Every config has more prompts than samples per prompt, uneven response
 lengths, several minibatches per epoch and at least two epochs; each aggregation, both KL placements and
-every KL estimator appear; the non-degeneracy test asserts that the clip, the dual clip and the value clip
-all bind somewhere after the first update.
+every KL estimator appear; the non-degeneracy test asserts that the clip, the dual clip, the value clip and
+the importance-weight cap all bind somewhere. ``READ`` lists every option the update reads, each set away from
+its default by some case (warm-up and three schedules, the PTX term included); ``NOT_READ`` every other
+field of the same settings with the reason no case needs it.
 """
 
 from __future__ import annotations
@@ -48,17 +57,10 @@ from rlhf_lit import metrics as M
 from rlhf_lit.functional.aggregation import AGGREGATIONS
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig
-from rlhf_lit.rl.schedule import epoch_schedule
-from tests.ppo.helpers import (
-    LORA,
-    RecordingReward,
-    RecordingUpdater,
-    make_data,
-    make_module,
-    make_trainer,
-    uneven_sampler,
-)
+from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, PTXConfig
+from rlhf_lit.rl.sampler import SampleRecord
+from tests.ppo.helpers import LORA, RecordingReward, make_data, make_module, make_trainer, uneven_sampler
+from tests.ppo.oracle_recording import move_off_zero, record_steps, recording_schedule
 from tests.ppo.test_oracle import _forward, _plain_gpt2
 
 TEMPERATURE = 0.7
@@ -81,6 +83,8 @@ class Case:
     shared_trunk: bool = False
     max_new_tokens: int = 6
     short_rows: tuple = ((1, 1), (2, 3))
+    sampler_offset: float = 0.0  # > 0: the sampler's recorded log-probs are not the trainer's (with tis_cap)
+    ptx: dict | None = None  # PTXConfig fields: the pretraining-mix term
 
 
 # Every option the update reads differs from its default and from the other options of its kind (clip_range
@@ -108,11 +112,15 @@ CASES = {
             kl_placement="reward",
             logprob_chunk_size=2,
             seed=7,
+            tis_cap=1.08,
+            max_consecutive_skips=2,
+            rollout_forward_batch_size=4,
         ),
         kl=dict(kl_coef=0.15, estimator="k2"),
         optimizer=dict(lr=0.15, weight_decay=0.01, betas=(0.8, 0.95), eps=1e-2, scheduler="linear"),
         critic_lr=0.03,
         short_rows=((1, 1), (2, 3), (4, 0)),
+        sampler_offset=0.15,
     ),
     "gae_loss_kl_token_sum_shared_trunk": Case(
         "gae",
@@ -126,7 +134,7 @@ CASES = {
             gae_lambda=0.7,
             clip_range=0.25,
             value_clip_range=0.4,
-            dual_clip=1.5,
+            dual_clip=1.3,
             vf_coef=0.7,
             entropy_coef=0.05,
             whiten_advantages=False,
@@ -137,7 +145,9 @@ CASES = {
             seed=3,
         ),
         kl=dict(kl_coef=0.3, estimator="k1"),
-        optimizer=dict(lr=0.03, weight_decay=0.02, betas=(0.85, 0.9), eps=1e-2, scheduler="cosine"),
+        optimizer=dict(
+            lr=0.03, weight_decay=0.02, betas=(0.85, 0.9), eps=1e-2, scheduler="cosine", warmup_steps=1
+        ),
         shared_trunk=True,
     ),
     "grpo_loss_kl_token_sum": Case(
@@ -157,9 +167,14 @@ CASES = {
             loss_norm_constant=4.0,
             kl_placement="loss",
             seed=5,
+            tis_cap=1.05,
+            rollout_forward_batch_size=4,
         ),
         kl=dict(kl_coef=0.1, estimator="k2"),
-        optimizer=dict(lr=0.06, weight_decay=0.03, betas=(0.7, 0.9), eps=1e-2, scheduler="linear"),
+        optimizer=dict(
+            lr=0.06, weight_decay=0.03, betas=(0.7, 0.9), eps=1e-2, scheduler="linear", warmup_steps=1
+        ),
+        sampler_offset=0.1,
     ),
     "dr_grpo_reward_kl_token_mean": Case(
         "grpo",
@@ -211,7 +226,7 @@ CASES = {
             ppo_minibatch_size=2,
             micro_batch_size=1,
             clip_range=0.22,
-            dual_clip=1.3,
+            dual_clip=1.1,
             entropy_coef=0.06,
             max_grad_norm=None,
             loss_aggregation="token_mean",
@@ -219,7 +234,14 @@ CASES = {
             seed=17,
         ),
         kl=dict(kl_coef=0.12, estimator="k2"),
-        optimizer=dict(lr=0.04, weight_decay=0.01, betas=(0.85, 0.95), eps=1e-2, scheduler="cosine"),
+        optimizer=dict(
+            lr=0.04,
+            weight_decay=0.01,
+            betas=(0.85, 0.95),
+            eps=1e-2,
+            scheduler="constant_with_warmup",
+            warmup_steps=1,
+        ),
     ),
     "reinforce_pp_reward_kl_token_sum": Case(
         "reinforce_pp",
@@ -261,95 +283,90 @@ CASES = {
         ),
         kl=dict(kl_coef=0.15, estimator="abs"),
         optimizer=dict(lr=0.05, weight_decay=0.02, betas=(0.8, 0.9), eps=1e-2, scheduler="cosine"),
+        ptx=dict(
+            coef=0.4,
+            train_files=["demo:sft?n=12&seed=3&split=train"],
+            format="explicit",
+            batch_size=3,
+            max_length=40,
+        ),
     ),
 }
 
 
 # ---------------------------------------------------------------------------------------- the recording
-class RecordingObjective:
-    """Stands in for the updater's objective: delegates, and keeps each micro-batch's terms, update-token
-    count and detached statistics in ``calls``."""
+def offset_sampler(record: dict, rows, offset: float):
+    """``uneven_sampler`` standing in for a sampler that is not the trainer (a 16-bit copy, an inference
+    engine): the log-prob it records for each drawn token is the true one plus a fixed offset drawn uniformly
+    from ``[-offset, offset]`` (seeded), so ``pi_trainer / pi_sampler`` is ``exp(-offset_t)``, away from 1 on
+    every token. ``record["drawn"]`` keeps ``(response_ids as drawn, recorded log-probs)``."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.calls = inner, []
+    class Offset(uneven_sampler(record, rows)):
+        def sample(self, policy, prompt_ids, prompt_mask, **kwargs):
+            out = super().sample(policy, prompt_ids, prompt_mask, **kwargs)
+            true = self.last_record  # HFSampler's record: the tokens before Uneven cut rows short
+            gen = torch.Generator().manual_seed(29)
+            shift = (2 * torch.rand(true.logprobs.shape, generator=gen) - 1) * offset
+            self.last_record = SampleRecord(true.response_ids, true.logprobs + shift, true.fingerprint)
+            record["drawn"] = (true.response_ids.clone(), self.last_record.logprobs.clone())
+            return out
 
-    def loss(self, out, mb, terms):
-        loss, stats = self.inner.loss(out, mb, terms)
-        self.calls.append({"terms": terms, "tokens": int(mb.mask.sum()), "stats": dict(stats)})
-        return loss, stats
+    return Offset
+
+
+class RecordingStream:
+    """Stands in for the updater's PTX stream: delegates, and keeps a copy of every batch it hands out."""
+
+    def __init__(self, inner, batches: list) -> None:
+        self.inner, self.batches = inner, batches
+
+    def next_batch(self) -> dict:
+        batch = self.inner.next_batch()
+        self.batches.append({k: v.clone() for k, v in batch.items() if torch.is_tensor(v)})
+        return batch
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-def _snapshot(batch):
-    """A copy of an ``UpdateBatch`` whose tensors are clones."""
-    return type(batch)(**{k: v.clone() if torch.is_tensor(v) else v for k, v in vars(batch).items()})
-
-
 def _record(case: Case, tmp_path):
     rec: dict = {"epochs": [], "steps": []}
-
-    def schedule(*args):
-        out = epoch_schedule(*args)
-        rec["epochs"].append([(rows.clone(), n_micro) for rows, n_micro in out])
-        return out
-
+    if case.sampler_offset:  # the rollout guard would warn about the offsets it is told to expect
+        sampler = offset_sampler(rec, case.short_rows, case.sampler_offset)
+        guard = {"logprob_gap_tolerance": 1.0}
+    else:
+        sampler, guard = uneven_sampler(rec, rows=case.short_rows), {}
+    extra = {} if case.ptx is None else {"ptx": PTXConfig(**case.ptx)}
     torch.manual_seed(0)
     module = make_module(
         sampling=SamplingConfig(
-            max_new_tokens=case.max_new_tokens, temperature=TEMPERATURE, num_samples_per_prompt=case.n
+            max_new_tokens=case.max_new_tokens,
+            temperature=TEMPERATURE,
+            num_samples_per_prompt=case.n,
+            **guard,
         ),
         ppo=PPOConfig(advantage_estimator=case.estimator, total_iterations=1, **case.ppo),
         kl=KLConfig(**case.kl),
         critic=CriticConfig(lora=copy.deepcopy(LORA), shared_trunk=case.shared_trunk, lr=case.critic_lr),
         optimizer=OptimizerConfig(**case.optimizer),
-        sampler=uneven_sampler(rec, rows=case.short_rows),
-        schedule=schedule,
+        sampler=sampler,
+        schedule=recording_schedule(rec),
+        **extra,
     )
-    lm = module.policy.lm
-    with torch.no_grad():  # LoRA B and the value head start at 0: move them, so KL != 0 and values vary
-        gen = torch.Generator().manual_seed(1)
-        for p in lm.adapter_parameters("actor") + lm.adapter_parameters("critic"):
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-        if module.policy.value_head is not None:
-            module.policy.value_head.linear.weight.normal_(0.0, 0.5, generator=gen)
-            module.policy.value_head.linear.bias.fill_(0.3)
+    move_off_zero(module)
     rec["initial"] = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 
     reward = RecordingReward(module.collector.reward_fn)
     module.collector.reward_fn = reward
-    # the update's input as it arrives (a copy: the update sets the batch's token weights)
-    module.updater = RecordingUpdater(
-        module.updater, on_update=lambda b: rec.setdefault("batch", _snapshot(b))
-    )
-    updater = module.updater.inner
-    objective = RecordingObjective(updater.objective)
-    updater.objective = objective
-    real_backward, real_clip = updater.backward, updater.clip
-    losses: list[float] = []
+    updater = record_steps(module, rec)  # the update's input, and every minibatch's loss, gradients and step
+    real_ptx_backward = updater.ptx_backward
 
-    def backward(loss, *args, **kwargs):
-        losses.append(float(loss.detach()))
-        return real_backward(loss, *args, **kwargs)
+    def ptx_backward(device):  # the stream is the module's (set at fit start): record what it hands out
+        if not isinstance(updater.ptx_stream, RecordingStream):
+            updater.ptx_stream = RecordingStream(updater.ptx_stream, rec.setdefault("ptx", []))
+        return real_ptx_backward(device)
 
-    def clip(opt):  # the end of a minibatch: its gradients (before clipping) and the step's start
-        params = dict(module.named_parameters())
-        rec["steps"].append(
-            {
-                "loss": sum(losses),
-                "grads": {n: p.grad.clone() for n, p in params.items() if p.grad is not None},
-                "params": {n: p.detach().clone() for n, p in params.items() if p.requires_grad},
-                "micro": list(objective.calls),
-            }
-        )
-        losses.clear()
-        objective.calls.clear()
-        norm = real_clip(opt)
-        rec["steps"][-1]["norm"] = norm
-        return norm
-
-    updater.backward, updater.clip = backward, clip
+    updater.ptx_backward = ptx_backward
     make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=case.prompts))
     assert module.iteration == 1
     rec["scores"] = reward.calls[-1]
@@ -394,7 +411,8 @@ class Oracle:
         # the oracle's own trainable weights, by the module's parameter names
         self.params = {n: t.clone().requires_grad_() for n, t in rec["initial"].items()}
         self.state = {n: (torch.zeros_like(t), torch.zeros_like(t)) for n, t in self.params.items()}
-        self.steps_done = 0
+        self.steps_done = 0  # AdamW steps applied (its bias correction's t - 1)
+        self.minibatches_done = 0  # minibatches so far, empty ones included (the learning-rate schedule's step)
         prompt_ids, prompt_mask, response_ids, response_mask = rec["sample"]
         self.rows = []
         for i in range(prompt_ids.shape[0]):
@@ -450,6 +468,8 @@ class Oracle:
             row["old"], _, values = self.token_terms(row, actor_w, critic_w)
             row["values"] = None if values is None else [float(v) for v in values]
             row["kl"] = [float(k) for k in _kl(self.kl_estimator, row["old"], row["ref"])]
+        if self.cfg.tis_cap is not None:
+            self.importance_weights()
         beta = 0.0 if self.kl_in_loss else self.kl_coef
         rewards = []
         for row, score in zip(self.rows, scores):
@@ -495,6 +515,22 @@ class Oracle:
         for row, adv in zip(self.rows, advs):
             row["adv"] = adv
 
+    def importance_weights(self) -> None:
+        """Truncated importance sampling (Yao et al. 2025): each response token's weight is
+        ``min(pi_trainer / pi_sampler, tis_cap) = min(exp(old - sampler), tis_cap)`` from the trainer's
+        log-prob at rollout time (``old``, recomputed here) and the one the sampler recorded when it drew the
+        token; 1 where the token is not the one the sampler drew (a row the stand-in cut short)."""
+        drawn_ids, drawn_logprobs = self.rec["drawn"]
+        for i, row in enumerate(self.rows):
+            weights = []
+            for t, token in enumerate(row["response"].tolist()):
+                if t < drawn_ids.shape[1] and int(drawn_ids[i, t]) == token:
+                    log_ratio = float(row["old"][t]) - float(drawn_logprobs[i, t])
+                    weights.append(min(math.exp(log_ratio), self.cfg.tis_cap))
+                else:
+                    weights.append(1.0)
+            row["tis"] = weights
+
     # -- step 6, one minibatch
     def aggregate(self, per_row: list[torch.Tensor]) -> torch.Tensor:
         """The minibatch's loss from each response's token losses (``ppo.loss_aggregation``)."""
@@ -506,11 +542,20 @@ class Oracle:
         return torch.cat(per_row).sum() / (len(per_row) * constant)
 
     def lr_factor(self, k: int) -> float:
-        """The schedule's multiplier at optimizer step k (0-based, no warm-up): linear decay to 0 over the
-        run, or a half cosine."""
-        progress = k / self.total_steps
-        if self.case.optimizer["scheduler"] == "linear":
+        """The schedule's multiplier at minibatch k (0-based; a minibatch without update tokens makes no
+        optimizer step but counts: the schedule spans ``ppo_epochs`` x minibatches, as the planner counts):
+        ``k / w`` over the ``w`` warm-up steps, then linear decay to 0 at the run's end, a half cosine over the
+        same span, or constant."""
+        warmup = self.case.optimizer.get("warmup_steps", 0)
+        if k < warmup:
+            return k / warmup
+        progress = (k - warmup) / (self.total_steps - warmup)
+        scheduler = self.case.optimizer["scheduler"]
+        if scheduler == "linear":
             return 1.0 - progress
+        if scheduler == "constant_with_warmup":
+            return 1.0
+        assert scheduler == "cosine"
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def step(self, mb_rows: list[int]) -> dict:
@@ -528,6 +573,8 @@ class Oracle:
                 capped = torch.minimum(surrogate, -cfg.dual_clip * adv)
                 stats["dual"].append((adv < 0) & (capped < surrogate))
                 surrogate = torch.where(adv < 0, capped, surrogate)
+            if "tis" in row:  # the importance weight multiplies the token's (dual-)clipped term
+                surrogate = surrogate * torch.tensor(row["tis"])
             pg.append(surrogate)
             ent.append(entropy)
             kl.append(_kl(self.kl_estimator, logp, row["ref"]))
@@ -547,6 +594,9 @@ class Oracle:
             loss = loss + self.kl_coef * self.aggregate(kl)
         if self.has_critic:
             loss = loss + cfg.vf_coef * self.aggregate(vf)
+        if self.case.ptx is not None:  # Ouyang et al. 2022, eq. 2: this step's PTX batch through the actor
+            nll = self.ptx_nll(self.rec["ptx"][self.steps_done], actor_w)
+            loss = loss + self.case.ptx["coef"] * nll
 
         def token_mean(parts):
             return float(torch.cat([p.float() for p in parts]).mean())
@@ -562,6 +612,8 @@ class Oracle:
         }
         if self.kl_in_loss:
             out[M.PPO_KL_LOSS] = token_mean([k.detach() for k in kl])
+        if self.case.ptx is not None:
+            out[M.PPO_PTX_LOSS] = float(nll.detach())
         if self.has_critic:
             out[M.PPO_VALUE_LOSS] = float(self.aggregate(vf).detach())
             out[M.PPO_VALUE_CLIPFRAC] = token_mean(stats["vclip"])
@@ -571,6 +623,23 @@ class Oracle:
         out["norm"] = self.apply(grads)
         out["next"] = {n: p.detach().clone() for n, p in self.params.items()}
         return out
+
+    def ptx_nll(self, batch: dict, actor_w) -> torch.Tensor:
+        """The SFT loss of a PTX batch: ``-log p(token)`` at temperature 1, summed over every label token
+        (labels != -100; the logits at position t predict token t + 1) of every row, over their number.
+        Rows are right padded: each is run unpadded."""
+        total, count = 0.0, 0
+        for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
+            keep = mask.bool()
+            ids, labels = ids[keep], labels[keep]
+            logits, _ = _forward(self.plain, actor_w, ids)
+            logp = torch.log_softmax(logits, dim=-1)
+            for t in range(1, len(ids)):
+                if int(labels[t]) != -100:
+                    total = total - logp[t - 1, int(labels[t])]
+                    count += 1
+        assert count > 0
+        return total / count
 
     @torch.no_grad()
     def apply(self, grads: dict[str, torch.Tensor]) -> float:
@@ -582,7 +651,7 @@ class Oracle:
         opt = self.case.optimizer
         beta1, beta2 = opt["betas"]
         t = self.steps_done + 1
-        factor = self.lr_factor(self.steps_done)
+        factor = self.lr_factor(self.minibatches_done)
         for name, p in self.params.items():
             g = grads[name] * scale
             m, v = self.state[name]
@@ -595,7 +664,13 @@ class Oracle:
             new = new - (lr / (1 - beta1**t)) * m / ((v / (1 - beta2**t)).sqrt() + opt["eps"])
             self.params[name] = new.requires_grad_()
         self.steps_done += 1
+        self.minibatches_done += 1
         return norm
+
+    def skip(self) -> None:
+        """A minibatch without update tokens: no AdamW step (weights, moments and t unchanged); the
+        learning-rate schedule moves on by one."""
+        self.minibatches_done += 1
 
 
 # ---------------------------------------------------------------------------------------- the tests
@@ -657,6 +732,10 @@ def test_the_case_is_not_degenerate(replayed):
         assert any(0 < s[M.PPO_VALUE_CLIPFRAC] < 1 for s in steps[1:])
     if case.ppo["max_grad_norm"] is not None:
         assert any(s["norm"] > case.ppo["max_grad_norm"] for s in steps)  # the clipping binds
+    if case.ppo.get("tis_cap") is not None:  # the weights bind: some capped, some well below 1
+        weights = [w for row in rows for w in row["tis"]]
+        assert 0 < sum(w == case.ppo["tis_cap"] for w in weights) < len(weights) / 2
+        assert min(weights) < 0.97
 
 
 def test_the_experience_equals_the_oracle(replayed):
@@ -683,6 +762,10 @@ def test_the_experience_equals_the_oracle(replayed):
         assert batch.kl_coef == case.kl["kl_coef"]
     else:
         assert batch.ref_logprobs is None
+    if case.ppo.get("tis_cap") is not None:
+        checks.append(("tis", batch.is_weights, 2e-5))
+    else:
+        assert batch.is_weights is None
     for key, ours, atol in checks:
         assert_close(ours[mask], padded(key), atol=atol, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
     assert (batch.advantages[~mask] == 0).all()
@@ -741,15 +824,138 @@ def test_the_logged_update_figures_equal_the_oracle(replayed):
     keys = [M.PPO_POLICY_LOSS, M.PPO_CLIPFRAC, M.PPO_DUAL_CLIPFRAC, M.PPO_APPROX_KL, M.PPO_RATIO_MEAN]
     keys += [M.PPO_ENTROPY]
     keys += [M.PPO_KL_LOSS] if oracle.kl_in_loss else []
+    keys += [M.PPO_PTX_LOSS] if case.ptx is not None else []
     keys += [M.PPO_VALUE_LOSS, M.PPO_VALUE_CLIPFRAC] if case.estimator == "gae" else []
     for key in keys:
         expected = sum(s[key] for s in steps) / len(steps)
         assert logged[key] == pytest.approx(expected, rel=1e-5, abs=1e-6), key
-    for key in (M.PPO_KL_LOSS, M.PPO_VALUE_LOSS, M.PPO_VALUE_CLIPFRAC):
+    for key in (M.PPO_KL_LOSS, M.PPO_VALUE_LOSS, M.PPO_VALUE_CLIPFRAC, M.PPO_PTX_LOSS):
         if key not in keys:
             assert key not in logged, key
     assert logged[M.PPO_GRAD_NORM] == pytest.approx(sum(s["norm"] for s in steps) / len(steps), rel=1e-4)
     assert logged[M.PPO_SKIPPED_STEPS] == 0.0
+    cap = case.ppo.get("tis_cap")
+    if cap is not None:  # every response token is an update token (test_the_experience_equals_the_oracle)
+        weights = [w for row in oracle.rows for w in row["tis"]]
+        assert logged[M.ROLLOUT_TIS_WEIGHT] == pytest.approx(sum(weights) / len(weights), rel=1e-5)
+        capped = sum(w == cap for w in weights) / len(weights)
+        assert logged[M.ROLLOUT_TIS_CAPPED_FRAC] == pytest.approx(capped, rel=1e-5)
+    else:
+        assert M.ROLLOUT_TIS_WEIGHT not in logged and M.ROLLOUT_TIS_CAPPED_FRAC not in logged
+
+
+# Every option the update reads: walk ``rlhf_lit/rl/update.py`` (``UpdateSettings.from_configs``, the
+# optimizer and schedule it steps, the clipping it calls, ``UpdateBatch``'s fields),
+# ``rlhf_lit/rl/objectives.py`` (``PPOObjective.from_settings``) and the options of
+# ``rlhf_lit/modules/ppo_config.py`` that make the update's input (advantages, KL placement and estimator,
+# importance weights). Each must be set away from its default by some case (``_case_value``);
+# ``test_every_option_the_update_reads_is_set_off_its_default`` checks it.
+READ = {
+    "ppo": {
+        *("ppo_epochs", "ppo_minibatch_size", "micro_batch_size", "gamma", "gae_lambda", "clip_range"),
+        *("dual_clip", "value_clip_range", "vf_coef", "entropy_coef", "whiten_advantages", "max_grad_norm"),
+        *("max_consecutive_skips", "total_iterations", "rollout_forward_batch_size", "logprob_chunk_size"),
+        *("seed", "advantage_estimator", "scale_by_std", "loss_aggregation", "loss_norm_constant"),
+        *("kl_placement", "tis_cap"),
+    },
+    "kl": {"kl_coef", "estimator"},
+    "critic": {"lora", "shared_trunk", "lr"},
+    "optimizer": {"lr", "weight_decay", "betas", "eps", "scheduler", "warmup_steps"},
+    "sampling": {"max_new_tokens", "temperature", "num_samples_per_prompt"},
+    "ptx": {"coef", "train_files", "format", "batch_size", "max_length"},
+}
+# The policy-gradient family's options: read by the update, each with its own whole-schedule case (and a case
+# combining them) in tests/ppo/test_oracle_pg_family.py, whose oracle extends this one.
+FAMILY = "the policy-gradient family's whole-schedule cases: tests/ppo/test_oracle_pg_family.py"
+FAMILY_PPO = (
+    *("clip_range_low", "clip_range_high", "importance_sampling_level", "policy_loss", "top_entropy_quantile"),
+    *("mask_truncated_completions", "dynamic_sampling", "tis_level", "tis_mode"),
+)
+# The other fields of the same settings: what they do is not the update's, or no case here can exercise it.
+NOT_READ = {
+    "ppo": {"checkpoint_every": "a callback writes checkpoints (test_checkpoint_every.py)"}
+    | {name: FAMILY for name in FAMILY_PPO}
+    | {
+        "dynamic_sampling_max_rounds": "more rollouts before the update; the update gets the configured batch "
+        "(tests/ppo/test_dynamic_sampling.py checks the rows it keeps)"
+    },
+    "kl": {
+        "adaptive": "the KL controller moves beta after the update (tests/unit/test_kl_control.py)",
+        "target_kl": "the adaptive controller's (tests/unit/test_kl_control.py)",
+        "horizon": "the adaptive controller's (tests/unit/test_kl_control.py)",
+    },
+    "critic": {"init_from_reward": "the value head's initial weights, which every case sets itself"},
+    "optimizer": {"name": "the 8-bit AdamWs are bitsandbytes', CUDA only"},
+    "sampling": {
+        name: "how responses are drawn; the oracle reads what was drawn"
+        for name in (
+            "min_new_tokens", "top_k", "top_p", "stop_at_eos", "stop_token_ids", "stop_strings", "do_sample",
+            "merge_adapter", "backend", "copy_dtype", "strict_sync", "vllm",
+        )
+    }
+    | {"logprob_gap_tolerance": "the rollout guard's (the sampler_offset cases raise it to keep it quiet)"},
+    "reward": {
+        name: "shapes the score before the advantages (test_ppo_module.py); these cases keep the raw score"
+        for name in ("normalize", "clip", "missing_eos_penalty", "skip_non_finite")
+    }
+    | {name: FAMILY for name in ("overlong_buffer", "overlong_penalty")},
+    "monitor": {
+        name: "the reward-hacking monitor reads the logged figures"
+        for name in ("enabled", "heldout", "window", "num_se", "max_perplexity_ratio")
+    },
+}
+
+
+def _settings() -> dict:
+    from rlhf_lit.modules.ppo_config import MonitorConfig, RewardShapingConfig
+
+    return {
+        "ppo": PPOConfig,
+        "kl": KLConfig,
+        "critic": CriticConfig,
+        "optimizer": OptimizerConfig,
+        "sampling": SamplingConfig,
+        "reward": RewardShapingConfig,
+        "monitor": MonitorConfig,
+        "ptx": PTXConfig,
+    }
+
+
+def _case_value(case: Case, group: str, name: str):
+    """The value ``case`` gives option ``group.name`` (as ``_record`` builds the module), or its default."""
+    default = getattr(_settings()[group](), name)
+    if group == "ppo":
+        fixed = {"advantage_estimator": case.estimator, "total_iterations": 1}
+        return fixed[name] if name in fixed else case.ppo.get(name, default)
+    if group == "kl":
+        return case.kl.get(name, default)
+    if group == "optimizer":
+        return case.optimizer.get(name, default)
+    if group == "ptx":
+        return (case.ptx or {}).get(name, default)
+    if group == "critic":
+        return {"lora": LORA, "shared_trunk": case.shared_trunk, "lr": case.critic_lr}[name]
+    if group == "sampling":
+        return {
+            "max_new_tokens": case.max_new_tokens,
+            "temperature": TEMPERATURE,
+            "num_samples_per_prompt": case.n,
+        }[name]
+    raise KeyError(f"{group}.{name}")
+
+
+def test_every_option_the_update_reads_is_set_off_its_default():
+    """Each field of the settings is either read by the update (then some case sets it away from its default)
+    or listed with the reason no case needs it, so a new option cannot slip past the oracle unnoticed."""
+    import dataclasses
+
+    for group, settings in _settings().items():
+        fields = {f.name for f in dataclasses.fields(settings)}
+        read, other = READ.get(group, set()), set(NOT_READ.get(group, {}))
+        assert read | other == fields and not read & other, (group, fields ^ (read | other), read & other)
+        for name in read:
+            default = getattr(settings(), name)
+            assert any(_case_value(c, group, name) != default for c in CASES.values()), f"{group}.{name}"
 
 
 def test_every_option_is_away_from_its_default_and_every_combination_is_covered():

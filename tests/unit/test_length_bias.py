@@ -150,3 +150,25 @@ def test_a_change_length_explains_is_told_apart_from_one_it_does_not():
     assert longer["adjusted_change"] == pytest.approx(0.0, abs=1e-12)
     # lengths that never vary within a policy carry no length effect: slope 0
     assert within_group_slope([before], [torch.tensor([5, 5, 5])]) == 0.0
+
+
+def test_report_on_one_pair():
+    """One validation pair (a reward run with val_size=1): every value that one pair defines, NaN for the
+    spreads it does not (an SE needs 2 values). Margin -0.5 (wrong); lengths 10 vs 14: d = 4/14 = 0.286, the
+    25-50pct bucket, not length-matched; the rule credits the longer (rejected) one: 0."""
+    chosen, rejected = torch.tensor([0.2]), torch.tensor([0.7])
+    report = length_bias_report(chosen - rejected, torch.tensor([10]), torch.tensor([14]), chosen, rejected)
+    assert (report["accuracy"], report["length_rule_accuracy"]) == (0.0, 0.0)
+    assert math.isnan(report["accuracy_se"]) and math.isnan(report["length_rule_accuracy_se"])
+    vs = report["vs_length_rule"]
+    assert vs["difference"] == 0.0 and math.isnan(vs["se"]) and math.isnan(vs["z"])
+    assert report["length_matched"]["pairs"] == 0 and report["length_matched"]["fraction"] == 0.0
+    assert math.isnan(report["length_matched"]["accuracy"])
+    assert report["by_length_diff"]["25-50pct"] == {
+        "pairs": 1,
+        "fraction": 1.0,
+        "accuracy": 0.0,
+        "length_rule_accuracy": 0.0,
+    }
+    # two responses: scores [0.2, 0.7] against lengths [10, 14], the same order: rho = 1 (torchmetrics' eps)
+    assert report["score_length_spearman"] == pytest.approx(1.0, abs=1e-4)

@@ -14,6 +14,7 @@ from rlhf_lit.functional import (
     trim_left_padding,
     truncate_after_stop,
 )
+from rlhf_lit.functional.sequence import pad_cat
 
 
 def close(actual, expected, atol=1e-6):
@@ -53,6 +54,28 @@ def test_trim_left_padding_drops_only_columns_padded_in_every_row():
     assert same[0] is not None and torch.equal(same[0], out_ids) and same[2] == 2
     # at least one prompt column stays, even if the prompt block were all padding
     assert trim_left_padding(ids, torch.tensor([[0, 0, 0, 0, 1, 1]]).expand(2, 6), 4)[2] == 1
+
+
+def test_pad_cat_pads_each_piece_to_the_widest_on_its_side():
+    a = torch.tensor([[1, 2, 3]])
+    b = torch.tensor([[4], [5]])
+    # responses: columns added after a piece's own; prompts: before
+    assert pad_cat([a, b], 0).tolist() == [[1, 2, 3], [4, 0, 0], [5, 0, 0]]
+    assert pad_cat([b, a], 9, "left").tolist() == [[9, 9, 4], [9, 9, 5], [1, 2, 3]]
+    masks = pad_cat([torch.tensor([[True]]), torch.tensor([[True, False]])], False)
+    assert masks.dtype == torch.bool and masks.tolist() == [[True, False], [True, False]]
+    # weights padded with 1.0; trailing dims kept: (1, 1, 2) and (1, 2, 2) -> (2, 2, 2)
+    w = pad_cat([torch.full((1, 1, 2), 0.5), torch.zeros(1, 2, 2)], 1.0)
+    assert w.tolist() == [[[0.5, 0.5], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]]]
+    same = torch.tensor([[1, 2]])
+    out = pad_cat([same], 0)
+    assert torch.equal(out, same) and out.data_ptr() != same.data_ptr()  # a new tensor, the input untouched
+    with pytest.raises(ValueError, match="side"):
+        pad_cat([a], 0, "top")
+    with pytest.raises(ValueError, match="pads dim 1"):
+        pad_cat([torch.tensor([1, 2])], 0)
+    with pytest.raises(ValueError, match="at least one"):
+        pad_cat([], 0)
 
 
 # ---------------------------------------------------------------- last real index (pitfall: score token)
@@ -176,7 +199,7 @@ def test_truncate_after_stop_is_out_of_place():
 
 
 def test_response_positions_are_the_ones_before_each_response_token():
-    """T = 5, P = 3: the outputs at positions 2 and 3 predict response tokens 3 and 4 (DESIGN.md)."""
+    """T = 5, P = 3: the outputs at positions 2 and 3 predict response tokens 3 and 4 (docs/layout.md)."""
     from rlhf_lit.functional.sequence import response_positions
 
     outputs = torch.arange(10.0).reshape(1, 5, 2)  # (B=1, T=5, 2)
