@@ -10,6 +10,7 @@ Run from the repository root (``../shared`` beside it); see bench/README.md:
     python bench/run.py --vs-trl --workload grpo     # GRPO: TRL's GRPOTrainer, ours, TRL, ours, ...
     python bench/run.py --vs-trl --workload grpo --grpo-model smollm2 --grpo-backends hf,static --threads 1
     python bench/run.py --vs-trl --workload dpo      # DPO: TRL's DPOTrainer (LoRA, full), ours, ...
+    python bench/run.py --vs-trl --workload grpo_loss  # GRPO first-step loss: TRL's _compute_loss vs ours
 
 Progress goes to stderr, one JSON line per workload (the TRL harness's format, ``system: "rlhf_lit"``) to
 stdout; ``--out FILE`` appends them to FILE too. Each repetition is a fresh process (``--_child``).
@@ -43,7 +44,7 @@ from bench.common import (  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory", "grpo", "dpo"], default="all")
+    p.add_argument("--workload", choices=["rm", "ppo", "all", "memory", "grpo", "dpo", "grpo_loss"], default="all")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per workload and system")
     p.add_argument("--ppo-iterations", type=int, default=W.PPO["iterations"], choices=[1, 2, 3, 4],
                    help="PPO and GRPO iterations per run")
@@ -96,6 +97,10 @@ def run_in_child(args) -> None:
 
         backend = kind.removeprefix("grpo").lstrip("-") or "hf"
         emit_child_result(child_grpo(args.threads, args.ppo_iterations, args.grpo_model, backend))
+    elif kind == "grpo_loss":
+        from bench.grpo_first_step import child_grpo_loss
+
+        emit_child_result(child_grpo_loss(args.threads, args.grpo_model))
     elif kind == "dpo":
         from bench.dpo import child_dpo
 
@@ -145,7 +150,11 @@ def main(argv=None) -> None:
         from bench.grpo_workload import prepare_model
 
         prepare_model(args.grpo_model)
-    if args.workload == "memory":
+    if args.workload == "grpo_loss":  # with or without --vs-trl: it is a comparison with TRL either way
+        from bench import grpo_first_step
+
+        grpo_first_step.main(args, fingerprint)
+    elif args.workload == "memory":
         from bench import memory
 
         memory.main(args)
