@@ -223,6 +223,13 @@ def parse_args(argv=None):
         help="override a config value in every run, e.g. model.init_args.ppo.total_iterations=2",
     )
     p.add_argument(
+        "--merge",
+        default=None,
+        metavar="DIR,DIR,...",
+        help="instead of training: merge the reports of proofs run apart (e.g. one --seeds value per process, "
+        "each with its own --out) into one report in --out",
+    )
+    p.add_argument(
         "--config",
         action="append",
         default=[],
@@ -230,6 +237,38 @@ def parse_args(argv=None):
         help="use another config for a run, e.g. grpo=configs/ppo/tiny_grpo.yaml",
     )
     return p.parse_args(argv)
+
+
+# what must agree for runs of several proofs to share one start and one held-out evaluation
+_SHARED_KEYS = ("prompts", "limits", "n_train", "n_heldout", "samples_per_prompt", "seed", "threads")
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report of several proofs run apart (e.g. one training seed per process): their runs in the order
+    given, then the per-method means over every seed (``constraint_eval.method_summaries``).
+
+    Raises:
+        ValueError: the reports differ in what the start's evaluation depends on (``_SHARED_KEYS``), their start
+            evaluations differ (per held-out prompt), or a run key (``<run>/seed<s>``) appears twice.
+    """
+    first = reports[0]
+    runs: dict = {}
+    for i, r in enumerate(reports):
+        differ = [k for k in _SHARED_KEYS if r.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"report {i} differs from report 0 in {differ}: not one held-out evaluation")
+        if r["before"]["per_prompt_pass"] != first["before"]["per_prompt_pass"]:
+            raise ValueError(f"report {i} evaluated the start policy differently from report 0")
+        for key, run in r["runs"].items():
+            if key in runs:
+                raise ValueError(f"run {key} is in more than one report")
+            runs[key] = run
+    merged = dict(first, runs=runs, command=" and ".join(r["command"] for r in reports))
+    seeds = sorted({s for r in reports for s in r.get("seeds") or []})
+    if seeds:
+        merged["seeds"] = seeds
+        merged["methods"] = E.method_summaries(merged)
+    return merged
 
 
 def main(argv=None, *, fit=run_fit, evaluate=None) -> dict:
@@ -241,6 +280,17 @@ def main(argv=None, *, fit=run_fit, evaluate=None) -> dict:
     """
     evaluate = evaluate or E.evaluate
     args = parse_args(argv)
+    if args.merge:
+        dirs = [Path(d) for d in args.merge.split(",") if d]
+        try:
+            report = merge_reports([json.loads((d / "report.json").read_text()) for d in dirs])
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"constraint_proof: cannot merge {args.merge}: {e}") from None
+        merge_command = " ".join(["python", "experiments/constraint_proof.py", *(argv or sys.argv[1:])])
+        report["command"] += f" (apart), then {merge_command}"
+        E.write_report(report, args.out.resolve())
+        E.log(f"[proof] merged report: {args.out.resolve() / 'report.md'}")
+        return report
     configs = dict(CONFIGS, **dict(item.split("=", 1) for item in args.config))
     runs = [r for r in args.runs.split(",") if r]
     unknown = [r for r in runs if r not in configs]

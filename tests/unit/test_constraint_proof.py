@@ -296,3 +296,52 @@ def test_seeded_dapo_runs_on_a_tiny_model(proof, tmp_path):
     m = report["methods"]["dapo"]
     assert m["seeds"] == [3] and m["pass_rate_se_seeds"] is None and m["vs"] is None
     assert m["rise"] == pytest.approx(run["rise"]) and "| dapo |" in (out / "report.md").read_text()
+
+
+def test_proofs_run_apart_per_seed_merge_into_the_report_of_one_seeded_run(proof, tmp_path):
+    """Two processes, one seed each, merged (``--merge``): the same per-method means as one process running both
+    seeds (the figures of the test above, by hand); a start evaluated differently is refused."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(f"Question number {i}?") + "\n" for i in range(6)))
+    figures = {("grpo", 0): 0.7, ("grpo", 1): 0.5, ("dapo", 0): 0.8, ("dapo", 1): 0.8}
+    start = {"pass_rate": 0.3}
+
+    def fit(config_path, threads, log_file):
+        return 120.0
+
+    def evaluate(config, adapter_dir, heldout_file, samples, batch_size, seed, threads):
+        if adapter_dir is None:
+            p, se = start["pass_rate"], 0.03
+        else:
+            p, se = figures[(adapter_dir.parent.parent.name, config["seed_everything"])], 0.03
+        return dict(pass_rate=p, pass_rate_se=se, kl=1.0, kl_se=0.1, n=2, mean_words=9.0, eos_rate=0.9,
+                    examples=[], per_prompt_pass=[p, p])
+
+    def run(seed, out):
+        argv = ["--out", str(out), "--prompts", str(prompts), "--heldout", "2", "--eval-batch", "2",
+                "--runs", "grpo,dapo", "--seeds", seed]
+        return proof.main(argv, fit=fit, evaluate=evaluate)
+
+    run("0", tmp_path / "s0")
+    run("1", tmp_path / "s1")
+    merged = proof.main(["--merge", f"{tmp_path / 's0'},{tmp_path / 's1'}", "--out", str(tmp_path / "all")])
+    assert list(merged["runs"]) == ["grpo/seed0", "dapo/seed0", "grpo/seed1", "dapo/seed1"]
+    assert merged["seeds"] == [0, 1]
+    grpo, dapo = merged["methods"]["grpo"], merged["methods"]["dapo"]
+    # grpo: mean 0.6, SE over seeds 0.1 (> the evaluation's 0.03/sqrt(2)); rise 0.3 +- sqrt(0.1^2 + 0.03^2)
+    assert grpo["pass_rate"] == pytest.approx(0.6) and grpo["rise_se"] == pytest.approx(math.sqrt(0.0109))
+    # dapo: both seeds 0.8, so the evaluation's SE 0.03/sqrt(2) is the floor; 0.2 above grpo
+    assert dapo["pass_rate_se"] == pytest.approx(0.03 / math.sqrt(2))
+    assert dapo["vs"]["diff"] == pytest.approx(0.2)
+    on_disk = json.loads((tmp_path / "all" / "report.json").read_text())
+    assert on_disk["methods"]["dapo"]["vs"]["diff"] == pytest.approx(0.2)
+    assert "--seeds 0" in on_disk["command"] and "--seeds 1" in on_disk["command"] and "--merge" in on_disk["command"]
+    assert "## Mean over seeds [0, 1]" in (tmp_path / "all" / "report.md").read_text()
+
+    with pytest.raises(SystemExit, match="cannot merge.*run grpo/seed0 is in more than one report"):
+        proof.main(["--merge", f"{tmp_path / 's0'},{tmp_path / 's0'}", "--out", str(tmp_path / "twice")])
+    start["pass_rate"] = 0.4  # a start evaluated on another machine or thread count
+    run("1", tmp_path / "other")
+    with pytest.raises(SystemExit, match="evaluated the start policy differently"):
+        proof.main(["--merge", f"{tmp_path / 's0'},{tmp_path / 'other'}", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
