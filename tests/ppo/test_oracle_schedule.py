@@ -801,10 +801,13 @@ def test_every_minibatch_equals_the_oracle(replayed):
         for name, grad in theirs["grads"].items():
             scale = float(grad.abs().max())
             assert scale > 1e-7, f"{where} {name}"  # every trainable parameter gets a gradient
+            # float32 rounding, relative to the tensor's largest entry: up to 2.1e-5 measured on an AMD EPYC
+            # with AVX-512 (Zen 4) in an entry that cancels to 1% of the largest; a wiring mistake moves a
+            # gradient by far more (and the loss, checked above to 1e-5, with it)
             assert_close(
                 ours["grads"][name],
                 grad,
-                atol=2e-5 * scale,
+                atol=1e-4 * scale,
                 rtol=1e-4,
                 msg=lambda m, n=name, w=where: f"{w} {n}: {m}",
             )
