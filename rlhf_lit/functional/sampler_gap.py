@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["logprob_gap", "truncated_is_weights"]
+__all__ = ["logprob_gap"]
 
 
 def logprob_gap(
@@ -40,41 +40,3 @@ def logprob_gap(
     count = mask.sum().double()
     return diff.sum(), count, diff.max() if diff.numel() else diff.new_zeros(())
 
-
-def truncated_is_weights(
-    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, known: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Truncated importance-sampling weights ``min(exp(trainer - sampler), cap)`` per token, 1 where the
-    sampler's log-prob is not known.
-
-    When the sampler's distribution is not the trainer's (a bf16 sampling copy under a float32 trainer), the
-    rollout's tokens come from the sampler, so the policy gradient, whose expectation is over the trainer's
-    policy, is biased; weighting each token's term by ``pi_trainer / pi_sampler`` removes the bias and capping
-    the weight at ``cap`` bounds its variance (truncated importance sampling: Yao et al. 2025, "Your Efficient
-    RL Framework Secretly Brings You Off-Policy RL Training"; veRL's token-level ``rollout_is_threshold``).
-    The weights carry no gradient.
-
-    Args:
-        trainer_logprobs: ``(B, R)`` float, the trainer's log-probs of the sampled tokens at rollout time (the
-            rollout's ``old_logprobs``, nats).
-        sampler_logprobs: ``(B, R)`` float, the sampler's log-probs of the same tokens (nats); read only where
-            ``known``.
-        known: ``(B, R)`` bool, True where the sampler's log-prob is that of the token in the rollout.
-        cap: ``C >= 1``, the largest weight.
-
-    Returns:
-        ``(B, R)`` float32 weights in ``(0, cap]``, detached; exactly 1 where ``known`` is False.
-
-    Raises:
-        ValueError: if ``cap < 1`` or the shapes differ.
-    """
-    if cap < 1.0:
-        raise ValueError(f"the truncated importance-sampling cap must be >= 1, got {cap}")
-    if not (trainer_logprobs.shape == sampler_logprobs.shape == known.shape):
-        raise ValueError(
-            f"shapes differ: trainer {tuple(trainer_logprobs.shape)}, sampler {tuple(sampler_logprobs.shape)}, "
-            f"known {tuple(known.shape)}"
-        )
-    with torch.no_grad():
-        log_ratio = torch.where(known, trainer_logprobs.float() - sampler_logprobs.float(), 0.0)
-        return torch.exp(log_ratio).clamp(max=cap)

@@ -26,13 +26,13 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import SamplerSyncError
 from rlhf_lit.functional.policy_gradient import rollout_is_weights
-from rlhf_lit.functional.sampler_gap import logprob_gap, truncated_is_weights
+from rlhf_lit.functional.sampler_gap import logprob_gap
 from rlhf_lit.parallel.collectives import gather, global_sum, is_distributed
 from rlhf_lit.rl.sampler import adapter_fingerprint
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["check_sampler", "importance_weights", "local_gap", "sampler_logprobs"]
+__all__ = ["check_sampler", "local_gap", "rollout_importance", "sampler_logprobs"]
 
 
 def check_sampler(
@@ -153,15 +153,3 @@ def rollout_importance(
         old_logprobs, drawn.to(device), known.to(device), response_mask.bool(), cap, level, mode
     )
 
-
-def importance_weights(
-    sampler, response_ids: torch.Tensor, response_mask: torch.Tensor, old_logprobs: torch.Tensor, cap: float | None
-) -> torch.Tensor | None:
-    """``(B, R)`` truncated importance-sampling weights of the policy loss (``ppo.tis_cap``;
-    ``functional.sampler_gap.truncated_is_weights``) from the log-probs the sampler recorded, 1 where it recorded
-    none; None when ``cap`` is None."""
-    if cap is None:
-        return None
-    drawn, known = sampler_logprobs(getattr(sampler, "last_record", None), response_ids, response_mask)
-    device = old_logprobs.device
-    return truncated_is_weights(old_logprobs, drawn.to(device), known.to(device), cap)

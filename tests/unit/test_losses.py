@@ -14,7 +14,7 @@ from rlhf_lit.functional import (
     ppo_value_loss,
     sft_nll,
 )
-from rlhf_lit.functional.sampler_gap import truncated_is_weights
+from rlhf_lit.functional.policy_gradient import rollout_is_weights
 
 
 def close(actual, expected, atol=1e-6):
@@ -178,15 +178,19 @@ def test_policy_loss_with_truncated_importance_weights_by_hand():
 
 
 def test_truncated_is_weights_by_hand():
+    """Token-level truncated importance sampling (``ppo.tis_cap``; the ``token`` / ``truncate`` defaults)."""
     trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     sampler = torch.tensor([[-1.5, -1.0, float("-inf"), -3.0]])
     known = torch.tensor([[True, True, False, True]])
+    mask = torch.ones_like(known)
     # exp(0.5) = 1.6487 capped at 1.5; exp(-1) = 0.36788; unknown: 1 (its -inf never read); equal: 1
-    close(truncated_is_weights(trainer, sampler, known, 1.5), torch.tensor([[1.5, 0.36788, 1.0, 1.0]]))
+    weights, affected = rollout_is_weights(trainer, sampler, known, mask, 1.5)
+    close(weights, torch.tensor([[1.5, 0.36788, 1.0, 1.0]]))
+    assert affected.tolist() == [[True, False, False, False]]
     with pytest.raises(ValueError, match=">= 1"):
-        truncated_is_weights(trainer, sampler, known, 0.5)
-    with pytest.raises(ValueError, match="shapes differ"):
-        truncated_is_weights(trainer, sampler[:, :3], known, 2.0)
+        rollout_is_weights(trainer, sampler, known, mask, 0.5)
+    with pytest.raises(ValueError, match="one shape"):
+        rollout_is_weights(trainer, sampler[:, :3], known, mask, 2.0)
 
 
 def test_policy_loss_property_monotone_in_ratio_for_positive_advantage():

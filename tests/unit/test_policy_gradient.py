@@ -18,7 +18,6 @@ from rlhf_lit.functional.policy_gradient import (
     top_entropy_mask,
     zero_variance_groups,
 )
-from rlhf_lit.functional.sampler_gap import truncated_is_weights
 
 
 def close(actual, expected, atol=1e-6):
@@ -195,7 +194,8 @@ def test_rollout_is_weights_levels_and_modes_by_hand():
     mask = torch.tensor([[True, True, False], [True, True, True]])  # row 0's third token is padding
     # token: ratios 3, 0.5 | 1.5, 1.8, unknown -> 1; cap 2
     w, hit = rollout_is_weights(trainer, sampler, known, mask, 2.0, "token", "truncate")
-    close(w, [[2.0, 0.5, 1.0], [1.5, 1.8, 1.0]])
+    w_token = [[2.0, 0.5, 1.0], [1.5, 1.8, 1.0]]
+    close(w, w_token)
     assert hit.tolist() == [[True, False, False], [False, False, False]]
     w, _ = rollout_is_weights(trainer, sampler, known, mask, 2.0, "token", "mask")
     close(w, [[0.0, 0.5, 1.0], [1.5, 1.8, 1.0]])
@@ -205,11 +205,8 @@ def test_rollout_is_weights_levels_and_modes_by_hand():
     assert hit.tolist() == [[False, False, False], [True, True, True]]
     w, _ = rollout_is_weights(trainer, sampler, known, mask, 2.0, "sequence", "mask")
     close(w, [[1.5, 1.5, 1.0], [0.0, 0.0, 0.0]])
-    # token / truncate is today's tis_cap: the same weights as truncated_is_weights on the response
-    close(
-        rollout_is_weights(trainer, sampler, known, torch.ones(2, 3, dtype=torch.bool), 2.0)[0],
-        truncated_is_weights(trainer, sampler, known, 2.0),
-    )
+    # token / truncate are the defaults (ppo.tis_cap alone); row 0's third token in the mask: ratio 1 / 1
+    close(rollout_is_weights(trainer, sampler, known, torch.ones(2, 3, dtype=torch.bool), 2.0)[0], w_token)
     with pytest.raises(ValueError, match=">= 1"):
         rollout_is_weights(trainer, sampler, known, mask, 0.5)
     with pytest.raises(ValueError, match="level"):
