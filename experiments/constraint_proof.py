@@ -249,8 +249,11 @@ def merge_reports(reports: list[dict]) -> dict:
 
     Raises:
         ValueError: the reports differ in what the start's evaluation depends on (``_SHARED_KEYS``), their start
-            evaluations differ (per held-out prompt), or a run key (``<run>/seed<s>``) appears twice.
+            evaluations differ (per held-out prompt), a run key (``<run>/seed<s>``) appears twice, or there is
+            no report.
     """
+    if not reports:
+        raise ValueError("no report to merge")
     first = reports[0]
     runs: dict = {}
     for i, r in enumerate(reports):

@@ -340,6 +340,8 @@ def test_proofs_run_apart_per_seed_merge_into_the_report_of_one_seeded_run(proof
 
     with pytest.raises(SystemExit, match="cannot merge.*run grpo/seed0 is in more than one report"):
         proof.main(["--merge", f"{tmp_path / 's0'},{tmp_path / 's0'}", "--out", str(tmp_path / "twice")])
+    with pytest.raises(SystemExit, match="no report to merge"):
+        proof.main(["--merge", ",", "--out", str(tmp_path / "none")])
     start["pass_rate"] = 0.4  # a start evaluated on another machine or thread count
     run("1", tmp_path / "other")
     with pytest.raises(SystemExit, match="evaluated the start policy differently"):
