@@ -165,6 +165,20 @@ def training_history(run_dir: Path) -> list[dict]:
     return out
 
 
+def _in_se(value: float, se: float) -> float | None:
+    """``value / se``; None (JSON null, shown "n/a") when the SE is 0 (e.g. identical before and after)."""
+    return value / se if se > 0 else None
+
+
+def _se_text(in_se: float | None) -> str:
+    return "n/a SE" if in_se is None else f"{in_se:.1f} SE"
+
+
+def _budget_text(budget, under: bool | None) -> str:
+    """The KL budget cell: ``<budget>; under`` / ``OVER``, or ``no budget`` (no ``kl.target_kl``)."""
+    return "no budget" if under is None else f"{budget}; {'under' if under else 'OVER'}"
+
+
 def run_summary(config: dict, run_dir: Path, wall_s: float, before: dict, after: dict) -> dict:
     """One run's figures: before / after, the rise in standard errors, KL against the budget."""
     init = config["model"]["init_args"]
@@ -179,11 +193,11 @@ def run_summary(config: dict, run_dir: Path, wall_s: float, before: dict, after:
         after=after,
         rise=rise,
         rise_se=se,
-        rise_in_se=rise / se if se > 0 else float("inf"),
+        rise_in_se=_in_se(rise, se),
         rise_above_3se=rise > NUM_SE * se,
         kl_budget=budget,
         paired_rise_se=paired_se,
-        paired_rise_in_se=rise / paired_se if paired_se > 0 else float("inf"),
+        paired_rise_in_se=_in_se(rise, paired_se),
         kl_under_budget=None if budget is None else after["kl"] < budget,
         history=training_history(run_dir),
         config=str(run_dir / "config.yaml"),
@@ -229,7 +243,7 @@ def method_summary(before: dict, runs: list[dict]) -> dict:
         rise_se=rise_se,
         rise_se_seeds=None if p_seeds is None else math.sqrt(p_seeds**2 + b_se**2),
         rise_se_eval=math.sqrt(p_eval**2 + b_se**2),
-        rise_in_se=rise / rise_se if rise_se > 0 else float("inf"),
+        rise_in_se=_in_se(rise, rise_se),
         rise_above_3se=rise > NUM_SE * rise_se,
         kl=kl,
         kl_se=kl_eval if kl_seeds is None else max(kl_seeds, kl_eval),
@@ -262,7 +276,7 @@ def method_summaries(report: dict) -> dict:
         ref = out[names[0]]
         diff = m["pass_rate"] - ref["pass_rate"]
         se = math.sqrt(m["pass_rate_se"] ** 2 + ref["pass_rate_se"] ** 2)
-        m["vs"] = dict(run=names[0], diff=diff, diff_se=se, diff_in_se=diff / se if se > 0 else float("inf"))
+        m["vs"] = dict(run=names[0], diff=diff, diff_se=se, diff_in_se=_in_se(diff, se))
     return out
 
 
@@ -286,15 +300,14 @@ def _methods_markdown(report: dict) -> list[str]:
 
     for name, m in report["methods"].items():
         v = m["vs"]
-        vs = "" if v is None else f"{v['diff']:+.3f} +- {v['diff_se']:.3f} ({v['diff_in_se']:.1f} SE)"
+        vs = "" if v is None else f"{v['diff']:+.3f} +- {v['diff_se']:.3f} ({_se_text(v['diff_in_se'])})"
         p_ses = ses(m["pass_rate_se_seeds"], m["pass_rate_se_eval"])
         lines.append(
             f"| {name} | {m['pass_rate']:.3f} +- {m['pass_rate_se']:.3f} ({p_ses}) "
-            f"| {m['rise']:+.3f} +- {m['rise_se']:.3f} ({m['rise_in_se']:.1f} SE, "
+            f"| {m['rise']:+.3f} +- {m['rise_se']:.3f} ({_se_text(m['rise_in_se'])}, "
             f"{'>' if m['rise_above_3se'] else 'NOT >'} 3 SE) | {vs} "
             f"| {m['kl']:.3f} +- {m['kl_se']:.3f} ({ses(m['kl_se_seeds'], m['kl_se_eval'])}; "
-            f"{m['kl_budget']}; "
-            f"{'under' if m['kl_under_budget'] else 'OVER'}) | {m['mean_words']:.1f} | {m['eos_rate']:.2f} "
+            f"{_budget_text(m['kl_budget'], m['kl_under_budget'])}) | {m['mean_words']:.1f} | {m['eos_rate']:.2f} "
             f"| {m['fit_minutes']:.1f} |"
         )
     return lines
@@ -317,9 +330,9 @@ def markdown(report: dict) -> str:
     for name, r in report["runs"].items():
         a = r["after"]
         lines.append(
-            f"| {name} | {a['pass_rate']:.3f} +- {a['pass_rate_se']:.3f} | {r['rise']:+.3f} ({r['rise_in_se']:.1f} SE, "
-            f"{'>' if r['rise_above_3se'] else 'NOT >'} 3 SE; paired by prompt {r['paired_rise_in_se']:.1f} SE) | {a['kl']:.3f} +- {a['kl_se']:.3f} "
-            f"({r['kl_budget']}; {'under' if r['kl_under_budget'] else 'OVER'}) | {a['mean_words']:.1f} | "
+            f"| {name} | {a['pass_rate']:.3f} +- {a['pass_rate_se']:.3f} | {r['rise']:+.3f} ({_se_text(r['rise_in_se'])}, "
+            f"{'>' if r['rise_above_3se'] else 'NOT >'} 3 SE; paired by prompt {_se_text(r['paired_rise_in_se'])}) | {a['kl']:.3f} +- {a['kl_se']:.3f} "
+            f"({_budget_text(r['kl_budget'], r['kl_under_budget'])}) | {a['mean_words']:.1f} | "
             f"{a['eos_rate']:.2f} | {r['fit_minutes']:.1f} |"
         )
     if report.get("methods"):

@@ -64,6 +64,21 @@ def test_summary_compares_against_three_standard_errors_and_the_kl_budget(ev, tm
     assert s["paired_rise_se"] == pytest.approx(math.sqrt(0.125 / 2))  # diffs [0.5, 0]
 
 
+def test_no_budget_and_no_change_read_as_such_in_strict_json_and_markdown(ev, tmp_path):
+    """A config without ``kl.target_kl`` is "no budget" (not "OVER"); a rise over an SE of 0 (identical before
+    and after, per prompt too) is null / "n/a SE", not an infinity that strict JSON cannot hold."""
+    config = {"model": {"init_args": {"ppo": {"advantage_estimator": "grpo"}}}}
+    same = dict(pass_rate=0.5, pass_rate_se=0.0, kl=0.2, kl_se=0.0, per_prompt_pass=[0.5, 0.5], mean_words=3.0,
+                eos_rate=1.0)
+    s = ev.run_summary(config, tmp_path, 60.0, same, same)
+    assert s["kl_under_budget"] is None and s["rise_in_se"] is None and s["paired_rise_in_se"] is None
+    report = dict(n_heldout=2, samples_per_prompt=1, n_train=4, limits=[10], command="c", before=same,
+                  runs={"grpo": s})
+    json.dumps(report, allow_nan=False)
+    md = ev.markdown(report)
+    assert "(n/a SE, NOT > 3 SE; paired by prompt n/a SE)" in md and "(no budget)" in md and "OVER" not in md
+
+
 def test_the_whole_proof_runs_on_a_tiny_model(proof, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(f"Question number {i}?") + "\n" for i in range(6)))
