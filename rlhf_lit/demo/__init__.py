@@ -39,6 +39,7 @@ from rlhf_lit.demo.stages import (
     run_stages,
     stage_args,
 )
+from rlhf_lit.errors import ConfigError
 
 log = logging.getLogger("rlhf_lit")
 
@@ -80,7 +81,12 @@ def main(args: list[str]) -> None:
     [--out DIR]``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="rlhf-lit demo", description=__doc__.split("\n")[0])
+    class _Parser(argparse.ArgumentParser):
+        # a usage mistake is one line and exit 2 through rlhf_lit.cli.main, not argparse's usage block
+        def error(self, message: str):
+            raise ConfigError(f"demo: {message} (rlhf-lit demo --help)")
+
+    parser = _Parser(prog="rlhf-lit demo", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--method",
         choices=METHODS,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lit.demo import main
 from rlhf_lit.demo.report import seeds_summary
 from rlhf_lit.demo.stages import DEFAULT_OUT, METHOD_OUT, METHOD_STAGES, STAGES, stage_args
+from tests.cli.helpers import run_cli
 from tests.tiny_runs import in_repo_root
 
 
@@ -30,11 +30,22 @@ def test_the_dpo_stage_starts_from_the_sft_export_and_reseeds_its_pairs():
     assert not any("reward_model" in a for a in args)  # DPO has no reward model
 
 
-def test_an_unknown_method_is_one_usage_error(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--method", "grpo"])
-    assert info.value.code == 2
-    assert "argument --method: invalid choice: 'grpo'" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--method", "grpo"], "rlhf-lit: error: demo: argument --method: invalid choice: 'grpo'"),
+        (["--seeds", "0,x"], "rlhf-lit: error: demo: --seeds: expected comma-separated integers, got '0,x'"),
+        (["--bogus"], "rlhf-lit: error: demo: unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_demo_usage_mistake_is_one_error_line_through_the_console_script(args, expected):
+    """Not argparse's usage block and its own ``rlhf-lit demo: error:`` line: the one line every subcommand
+    prints for a user mistake, exit 2, before anything runs."""
+    done = run_cli("demo", *args, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), done.stderr
+    assert lines[0].endswith("(rlhf-lit demo --help)")
 
 
 def _dpo_summary(seed: int, sft_gold: float, dpo_gold: float, gain_in_se: float, kl: float) -> dict:
