@@ -7,6 +7,8 @@
   (``ppo.checkpoint_every``); :func:`periodic_checkpoint` decides whether a trainer gets one;
   :func:`run_folder_checkpoint` keeps the other stages' ``last.ckpt`` in the run's folder.
 * :class:`RewardHackingMonitor` (``monitor``): PPO's over-optimisation watch (``monitor.enabled``).
+* :class:`HeapTrim` (``memory``): gives the host heap's free pages back after each step on a CPU (the
+  shipped real-model configs add it).
 * :class:`GoldScoreCallback` (``gold_score``): the demo's evaluation-only gold score of PPO's samples.
 
 The reward model's calibration report, reliability diagram and export are still written by
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rlhf_lit.callbacks.checkpoints import IterationCheckpoint, periodic_checkpoint, run_folder_checkpoint
     from rlhf_lit.callbacks.gold_score import GoldScoreCallback
+    from rlhf_lit.callbacks.memory import HeapTrim
     from rlhf_lit.callbacks.monitor import RewardHackingMonitor, _shift_se
     from rlhf_lit.callbacks.outputs import HFExport, PPOCurves, RolloutSamples, unless_configured
     from rlhf_lit.callbacks.progress import StageProgressBar
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 # imported on first use (PEP 562): the CLI needs only the progress bar, not the data code the others import
 _LAZY = {
     "GoldScoreCallback": "rlhf_lit.callbacks.gold_score",
+    "HeapTrim": "rlhf_lit.callbacks.memory",
     "IterationCheckpoint": "rlhf_lit.callbacks.checkpoints",
     "periodic_checkpoint": "rlhf_lit.callbacks.checkpoints",
     "run_folder_checkpoint": "rlhf_lit.callbacks.checkpoints",
@@ -43,6 +47,7 @@ _LAZY = {
 __all__ = [
     "GoldScoreCallback",
     "HFExport",
+    "HeapTrim",
     "IterationCheckpoint",
     "PPOCurves",
     "RewardHackingMonitor",

