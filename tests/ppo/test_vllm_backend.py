@@ -342,34 +342,68 @@ class _Dying(TransformersEngine):
         return super().generate(request)
 
 
-def test_an_engine_that_dies_mid_run_stops_it_with_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys):
+def _engine_model():
+    """The tiny PPO config's architecture (configs/ppo/tiny.yaml), randomly initialised: the first push replaces it."""
+    return load_backbone(BackboneConfig(tiny={**TINY_GPT2, "n_embd": 64, "n_positions": 512}, tokenizer="byte"))
+
+
+def _fit_tiny(root, url, *extra: str) -> None:
+    """``rlhf-lit fit`` of configs/ppo/tiny.yaml, 4 iterations of 4 prompts, sampling from the server at ``url``,
+    ``last.ckpt`` after every iteration (raises SystemExit on an error)."""
+    from rlhf_lit.cli import main
+    from tests.tiny_runs import in_repo_root, one_thread
+
+    with in_repo_root(), one_thread():
+        main(["fit", "--config", "configs/ppo/tiny.yaml", f"--trainer.default_root_dir={root}",
+              "--trainer.logger=false", "--model.init_args.export_dir=null", "--model.init_args.log_samples_every=0",
+              "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.sampling.backend=vllm",
+              f"--model.init_args.sampling.vllm.url={url}", "--model.init_args.ppo.checkpoint_every=1",
+              "--model.init_args.ppo.total_iterations=4", "--data.init_args.batch_size=4", *extra])
+
+
+def test_an_engine_that_dies_mid_run_stops_it_with_one_line_and_the_same_command_resumes_exactly(tmp_path, capsys):
+    """The engine dies in iteration 3: the fit stops with one line (exit 2) and ``last.ckpt`` of iteration 2;
+    the same command with ``--ckpt_path last`` against a fresh server (random weights, start-up digest) finishes,
+    and its checkpoint (adapters, value head, AdamW state, KL controller, RNG, the history of every logged
+    figure but wall times) equals an uninterrupted run's bit for bit: the fresh engine gets the policy's weights
+    before its first rollout, and the rollout seeds come from the torch generator the checkpoint restores."""
     import threading
 
-    from rlhf_lit.cli import main
     from rlhf_lit.vllm_server import make_server
+    from tests.cli.helpers import assert_same, without_timings
 
     holder: list = []
-    engine = _Dying(load_backbone(BackboneConfig(tiny={**TINY_GPT2, "n_embd": 64, "n_positions": 512},
-                                                 tokenizer="byte")), lives=2, server_holder=holder)
+    engine = _Dying(_engine_model(), lives=2, server_holder=holder)
     server = make_server(engine)
     holder.append(server)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    from tests.tiny_runs import in_repo_root, one_thread
-
-    with in_repo_root(), one_thread(), pytest.raises(SystemExit) as info:
-        main(["fit", "--config", "configs/ppo/tiny.yaml", f"--trainer.default_root_dir={tmp_path}",
-              "--trainer.logger=false", "--model.init_args.export_dir=null", "--model.init_args.log_samples_every=0",
-              "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.sampling.backend=vllm",
-              f"--model.init_args.sampling.vllm.url={url}", "--model.init_args.ppo.checkpoint_every=1",
-              "--model.init_args.ppo.total_iterations=4", "--data.init_args.batch_size=4"])
+    with pytest.raises(SystemExit) as info:
+        _fit_tiny(tmp_path / "killed", url)
     server.shutdown()
     assert info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhf-lit: error:")]
     assert len(err) == 1 and "the vLLM server at" in err[0], err
-    checkpoint = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] > 0  # iterations 1-2 finished and were saved; the third never ran
+    checkpoint = torch.load(tmp_path / "killed" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["ppo_state"]["iteration"] == 2  # iterations 1-2 finished and were saved; the third died
     assert sum(1 for key in checkpoint["state_dict"] if "lora_" in key) > 0
+
+    fresh = TransformersEngine(_engine_model())
+    with serving(fresh) as url:  # a new server on another port: the same command with its url
+        _fit_tiny(tmp_path / "killed", url, "--ckpt_path", "last")
+    assert fresh.loads == 3  # the first rollout's push (the start-up weights are not the policy's), 2 updates
+    with serving(TransformersEngine(_engine_model())) as url:
+        _fit_tiny(tmp_path / "straight", url)
+    resumed = torch.load(tmp_path / "killed" / "last.ckpt", map_location="cpu", weights_only=False)
+    straight = torch.load(tmp_path / "straight" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["ppo_state"]["iteration"] == straight["ppo_state"]["iteration"] == 4
+    assert_same(straight["state_dict"], resumed["state_dict"], "state_dict")
+    assert_same(straight["optimizer_states"], resumed["optimizer_states"], "optimizer")
+    for key in ("kl_controller", "score_stats", "rng"):
+        assert_same(straight["ppo_state"][key], resumed["ppo_state"][key], key)
+    history = without_timings(resumed["ppo_state"]["history"])
+    assert_same(without_timings(straight["ppo_state"]["history"]), history, "history")
+    assert len(history) == 4 and history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: the case has teeth
 
 
 def test_vllm_under_fsdp_is_refused_from_the_config_before_any_process_starts(tmp_path):
