@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -30,6 +30,10 @@ from rlhf_lit.errors import ConfigError
 from rlhf_lit.functional.sequence import truncate_after_stop
 from rlhf_lit.ranges import check_field_ranges, ranged
 
+#: How the policy's weights reach the vLLM engine (``VLLMSettings.weight_sync``).
+WeightSync = Literal["merged", "lora"]
+WEIGHT_SYNCS: tuple[str, ...] = get_args(WeightSync)
+
 
 @dataclass
 class VLLMSettings:
@@ -42,17 +46,29 @@ class VLLMSettings:
             engine before every rollout (``weights.safetensors``, replaced atomically); null: a temporary folder.
         dtype: the dtype of the pushed weights, the engine's (``rlhf-lit vllm-serve --dtype``): ``float32`` on
             CPU (its log-probs then match a float32 trainer's to ~3e-5 nats), ``bfloat16`` on a GPU.
+        weight_sync: how the policy reaches the engine after every update. ``merged``: the whole weights with
+            the actor adapter merged (``weights.safetensors``), which the engine loads in place. ``lora``: the
+            base once (the reference weights), then only the actor adapter, as a peft folder the engine applies
+            to every request as a vLLM ``LoRARequest`` (the server started with ``--enable-lora
+            --max-lora-rank`` >= ``backbone.lora.r``). Default ``merged``: on CPU it sampled SmolLM2-135M
+            faster than an unmerged LoRA request costs, and that outweighs its longer push for rollouts of more
+            than a few hundred tokens (docs/ppo.md: vLLM, measured).
     """
 
     url: str = "http://127.0.0.1:8011"
     timeout_s: float = ranged(600.0, "> 0")
     weights_dir: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    weight_sync: WeightSync = "merged"
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "sampling.vllm.")
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"sampling.vllm.url must start with http://, got {self.url!r}")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ConfigError(
+                f"sampling.vllm.weight_sync must be one of {list(WEIGHT_SYNCS)}, got {self.weight_sync!r}"
+            )
 
 
 @dataclass
