@@ -50,9 +50,10 @@ class VLLMSettings:
             the actor adapter merged (``weights.safetensors``), which the engine loads in place. ``lora``: the
             base once (the reference weights), then only the actor adapter, as a peft folder the engine applies
             to every request as a vLLM ``LoRARequest`` (the server started with ``--enable-lora
-            --max-lora-rank`` >= ``backbone.lora.r``). Default ``merged``: on CPU it sampled SmolLM2-135M
-            faster than an unmerged LoRA request costs, and that outweighs its longer push for rollouts of more
-            than a few hundred tokens (docs/ppo.md: vLLM, measured).
+            --max-lora-rank`` >= ``backbone.lora.r``; vLLM serves no LoRA on GPT-2). Default ``merged``, by
+            measurement: SmolLM2-135M float32 with an r 16 adapter on all projections, 16 x 48 tokens, one thread
+            (AMD EPYC, bench/RESULTS.md): ``merged`` 132.9 tokens/s and a 4.6 s sync, ``lora`` 39.4 tokens/s and
+            a 0.29 s sync, so ``merged`` gives the faster iteration above ~240 sampled tokens per iteration.
     """
 
     url: str = "http://127.0.0.1:8011"
@@ -127,8 +128,8 @@ class SamplingConfig:
             project's CPU machine, transformers 5.24, it took 114 s for 4 prompts x 12 new tokens of a 2-layer
             model against 0.5 s for ``generate``, so it cannot be tested here; docs/ppo.md.)
             ``vllm``: the vLLM engine in its own process behind ``rlhf_lit.vllm_server`` (``sampling.vllm``
-            says where; ``rlhf_lit.rl.sampler.VLLMSampler``): the trainer pushes its merged weights before every
-            rollout and the engine returns each drawn token's log-prob after the temperature, so the guard and
+            says where; ``rlhf_lit.rl.sampler.VLLMSampler``): the trainer pushes its merged weights (or its actor
+            adapter, ``sampling.vllm.weight_sync``) before every rollout and the engine returns each drawn token's log-prob after the temperature, so the guard and
             ``ppo.tis_cap`` work as for a copy. Same distribution: full softmax at ``temperature``, the same
             stop tokens and lengths, per-row seeds drawn from torch's generator. Refused for a 4-bit base and
             under several processes.

@@ -4,7 +4,8 @@
 0.32.0 wants ``transformers>=5.16.1,<5.20``; this project pins 5.24), so the engine runs in a separate
 virtual environment, behind this small HTTP/JSON server, and the trainer talks to it with the standard library
 (``rlhf_lit.rl.vllm_client``). This module imports only the standard library at module level (and of this
-project ``rlhf_lit.ranges``, standard library only, for its options' ranges), and vLLM inside :class:`VLLMEngine`,
+project ``rlhf_lit.ranges``, standard library only, for its options' ranges), and vLLM through
+``rlhf_lit.vllm_engine.VLLMEngine`` once the options are checked,
 so it runs in the vLLM environment with nothing else of this project::
 
     PYTHONPATH=<this repository> ../vllm-venv/bin/python -m rlhf_lit.vllm_server --model <folder> --port 8011
@@ -50,8 +51,8 @@ __all__ = [
     "INSTALL_HINT",
     "PROTOCOL",
     "GenerateRequest",
-    "VLLMEngine",
     "adapter_digest",
+    "fail",
     "file_digest",
     "main",
     "make_server",
@@ -69,7 +70,7 @@ INSTALL_HINT = (
 )
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
     """A user mistake of the server's command: one line on stderr, exit status 2 (as ``rlhf-lit`` does)."""
     print(f"rlhf-lit: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -154,108 +155,6 @@ def parse_generate(body: dict) -> GenerateRequest:
         prompts, float(temperature), numbers["max_new_tokens"], numbers["min_new_tokens"], stops, numbers["seed"],
         lora,
     )
-
-
-class VLLMEngine:
-    """vLLM's offline ``LLM`` on one model folder, float32 by default, no tokenizer (token ids in and out).
-
-    Args:
-        model: a Hugging Face model folder (config and weights); the trainer pushes its own weights before the
-            first rollout, so only the architecture must match the policy's.
-        dtype: the engine's weights dtype (``float32`` on CPU: its log-probs then match a float32 trainer's).
-        max_model_len: the longest prompt + response, tokens (None: the model config's).
-        gpu_memory_utilization: the share of a GPU the engine may take (ignored on CPU).
-        enforce_eager: no CUDA graphs / compilation (faster start; on CPU the measured fast path).
-        max_lora_rank: serve LoRA requests of rank up to this (vLLM's ``enable_lora``, one adapter at a time);
-            None: no LoRA (``/load_lora`` refused).
-
-    Raises:
-        SystemExit: (status 2, one line) when vLLM cannot be imported.
-    """
-
-    def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 max_lora_rank: int | None = None) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-        # load() sends a function to the engine's worker process (its local IPC pickles it): our own code only
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        try:
-            import vllm
-        except ImportError as err:
-            _fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
-                  f"{INSTALL_HINT}")
-        self.vllm = vllm
-        self.name = f"vllm {vllm.__version__}"
-        self.model = model
-        self.max_lora_rank = max_lora_rank
-        self.lora_request = None  # the adapter of the last load_lora
-        lora = {} if max_lora_rank is None else {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
-        self.llm = vllm.LLM(
-            model=model,
-            dtype=dtype,
-            skip_tokenizer_init=True,
-            enforce_eager=enforce_eager,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",  # after temperature: the distribution a token was drawn from
-            seed=0,
-            **lora,
-        )
-
-    def generate(self, request: GenerateRequest) -> tuple[list[list[int]], list[list[float]]]:
-        """``(tokens, logprobs)`` per prompt (see ``/generate``)."""
-        params = [
-            self.vllm.SamplingParams(
-                n=1,
-                temperature=request.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_tokens=request.max_new_tokens,
-                min_tokens=request.min_new_tokens if request.stop_token_ids else 0,
-                stop_token_ids=request.stop_token_ids,
-                ignore_eos=True,  # the model's EOS stops a response only when it is in stop_token_ids
-                seed=request.seed + i,
-                logprobs=0,  # the drawn token's only
-                detokenize=False,
-            )
-            for i in range(len(request.prompts))
-        ]
-        prompts = [{"prompt_token_ids": p} for p in request.prompts]
-        lora = self.lora_request if request.lora else None
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
-        tokens, logprobs = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            tokens.append(ids)
-            logprobs.append([float(step[t].logprob) for t, step in zip(ids, completion.logprobs)])
-        return tokens, logprobs
-
-    def load(self, path: str) -> None:
-        """Load the tensors of the safetensors file ``path`` (Hugging Face names) into the engine's model, in
-        place (vLLM's ``reload_weights`` in each worker; the worker reads the file itself)."""
-
-        def reload(worker, path):
-            from safetensors.torch import load_file
-
-            worker.reload_weights(weights_iterator=iter(load_file(path).items()))
-
-        self.llm.collective_rpc(reload, args=(path,))
-
-    def load_lora(self, path: str) -> None:
-        """Load the peft adapter folder ``path`` now (vLLM's ``add_lora``), under a new adapter id, and drop the
-        previous one: requests with ``lora`` use it from then on."""
-        from vllm.lora.request import LoRARequest
-
-        previous = self.lora_request
-        lora_id = previous.lora_int_id + 1 if previous is not None else 1
-        request = LoRARequest(f"policy-{lora_id}", lora_id, path)
-        engine = self.llm.llm_engine
-        if not engine.add_lora(request):
-            raise RuntimeError(f"vLLM did not load the LoRA adapter {path}")
-        self.lora_request = request
-        if previous is not None:
-            engine.remove_lora(previous.lora_int_id)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -347,7 +246,7 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit 2, not argparse's usage block
-        _fail(f"vllm-serve {message} (rlhf-lit vllm-serve --help)")
+        fail(f"vllm-serve {message} (rlhf-lit vllm-serve --help)")
 
 
 def _ranged(kind: type, allowed: str):
@@ -392,8 +291,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="the largest adapter rank served with --enable-lora (vLLM allows 1, 8, 16, 32, 64, ...)")
     args = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
-        _fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
+        fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
               "architecture, e.g. the SFT export)")
+    try:
+        import vllm  # noqa: F401 -- used by rlhf_lit.vllm_engine
+    except ImportError as err:
+        fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
+             f"{INSTALL_HINT}")
+    from rlhf_lit.vllm_engine import VLLMEngine
+
     engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.gpu_memory_utilization,
                         max_lora_rank=args.max_lora_rank if args.enable_lora else None)
     server = make_server(engine, port=args.port)
@@ -428,7 +334,7 @@ def serve_command(argv: list[str]) -> None:
             break
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         where = f"--python {python}" if source == "--python" else f"{source}={python} (no --python given)"
-        _fail(f"{where}: no such interpreter (the vLLM environment's python, from --python or else "
+        fail(f"{where}: no such interpreter (the vLLM environment's python, from --python or else "
               f"$RLHF_LIT_VLLM_PYTHON; {INSTALL_HINT})")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
