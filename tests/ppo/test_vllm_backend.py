@@ -5,8 +5,10 @@ The transformers stand-in samples with the ``hf`` backend's function on its own 
 checks everything around the engine: the weights the trainer pushes are the policy's (the gap to the trainer's
 log-probs is ~0 on every iteration, with an actor that moves), a skipped push or a restarted engine is caught by
 the rollout-policy guard, the rollout a vLLM reply gives is the one ``hf`` gives for the same tokens, ``ppo.tis_cap``
-reads the engine's log-probs, and every error is one line (exit 2). The real engine's tests are in
-``tests/ppo/test_vllm_engine.py`` (skipped without ``RLHF_LIT_VLLM_PYTHON``).
+reads the engine's log-probs, every error is one line (exit 2), and a run whose engine died resumes exactly. The
+weights, guard and resume checks are repeated with ``sampling.vllm.weight_sync: lora`` (the stand-in puts the pushed
+adapter on its model with peft). The real engine's tests are in ``tests/ppo/test_vllm_engine.py`` (skipped without
+``RLHF_LIT_VLLM_PYTHON``).
 """
 
 from __future__ import annotations
