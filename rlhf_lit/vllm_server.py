@@ -228,10 +228,15 @@ class _Handler(BaseHTTPRequestHandler):
         if missing:
             raise RequestError(f"load_lora: {path} has no {' or '.join(missing)} (a peft adapter folder)")
         t0 = time.perf_counter()
-        config, weights = (open(os.path.join(path, name), "rb").read() for name in ADAPTER_FILES)
+        config, weights = (_read(os.path.join(path, name)) for name in ADAPTER_FILES)
         self.engine.load_lora(path)
         self.state["lora"] = adapter_digest(config, weights)
         return {"lora": self.state["lora"], "load_s": time.perf_counter() - t0}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
@@ -272,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
 
     Raises:
         SystemExit: 2 with one line for an option outside its range (``--port`` 0-65535, 0 picking a free one;
-            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank`` >= 1) or a folder without ``config.json``.
+            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank`` >= 1), a folder
+            without ``config.json``, or vLLM not importable.
     """
     parser = _Parser(prog="rlhf-lit vllm-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", help="the vLLM environment's python (read by rlhf-lit vllm-serve; default "

@@ -106,9 +106,10 @@ def check_sampling_engine(sampling, lora=None) -> None:
     rank, served = (lora.r if lora is not None else 0), health.get("max_lora_rank")
     if sampling.vllm.weight_sync == "lora" and (served is None or served < rank):
         started = "without --enable-lora" if served is None else f"with --max-lora-rank {served}"
+        enough = 1 << max(3, (rank - 1).bit_length())  # vLLM's ranks: 1, 8, 16, 32, ...
         raise SamplerEngineError(
             f"sampling.vllm.weight_sync: lora, but the vLLM server at {sampling.vllm.url} was started {started}; "
-            f"restart it with `rlhf-lit vllm-serve ... --enable-lora --max-lora-rank {1 << max(3, (rank - 1).bit_length())}` "
+            f"restart it with `rlhf-lit vllm-serve ... --enable-lora --max-lora-rank {enough}` "
             f"(>= backbone.lora.r = {rank}), or use weight_sync: merged"
         )
 

@@ -6,7 +6,8 @@ weights have changed (``sync``, after each update), so an engine that holds its 
 ``generate`` on the policy itself (``rlhf_lit.generation.sample_responses``), which reads the live weights,
 so its ``sync`` does nothing. :class:`CopySampler` runs the same ``generate`` on a separate copy of the policy
 in ``sampling.copy_dtype`` (``rlhf_lit.models.inference_copy``), which ``sync`` refreshes. :class:`VLLMSampler` asks a vLLM engine in its own process (``rlhf_lit.vllm_server``) and pushes the
-merged weights (or the actor adapter alone, ``sampling.vllm.weight_sync: lora``) to it at every ``sync``. :func:`build_sampler` picks one from the sampling settings.
+merged weights (or the actor adapter alone, ``sampling.vllm.weight_sync: lora``) to it at every ``sync``.
+:func:`build_sampler` picks one from the sampling settings.
 
 For the rollout-policy guard (``rlhf_lit.rl.guard``) a sampler keeps, after each ``sample``, a
 :class:`SampleRecord` in ``last_record``: the tokens it drew, each one's log-prob under the distribution it
@@ -208,8 +209,9 @@ class VLLMSampler:
     :class:`SampleRecord`'s fingerprint is the adapter's at the last push when that digest is the one of the
     bytes pushed, else ``engine:<digest>``, which never matches the policy's: an engine that missed a push (a
     skipped ``sync``, a restarted server) is caught by the rollout-policy guard on the next iteration (a
-    restarted server asked for an adapter it never loaded refuses the request: one line, the run stops). The record's log-probs are the engine's after the temperature
-    (vLLM's ``processed_logprobs``), for the guard and ``ppo.tis_cap``.
+    restarted server asked for an adapter it never loaded refuses the request: one line, the run stops). The
+    record's log-probs are the engine's after the temperature (vLLM's ``processed_logprobs``), for the guard and
+    ``ppo.tis_cap``.
 
     Args:
         sampling: the sampling settings (``sampling.vllm``: where the server is).
