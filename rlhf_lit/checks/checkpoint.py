@@ -12,7 +12,7 @@ from rlhf_lit.errors import ConfigError
 __all__ = ["RUN_CONTROL_SETTINGS", "check_ckpt_path", "last_checkpoint", "run_control_values"]
 
 #: The module settings (``model.init_args.<key>``) that control a run, not its weights: where it writes, how
-#: long it trains, how often it logs and checkpoints. On resume (``--ckpt_path``) the config's value is used,
+#: long it trains, how often it logs and checkpoints, where its vLLM server is. On resume (``--ckpt_path``) the config's value is used,
 #: as Lightning uses the config's ``trainer`` settings (``max_steps``, ``max_epochs``, callbacks); every other
 #: module setting (the model's shapes, the training math) is rebuilt from the checkpoint's hyper-parameters.
 #: The value says why changing the setting makes the resumed run differ from an uninterrupted run of the
@@ -23,6 +23,10 @@ RUN_CONTROL_SETTINGS: dict[str, str | None] = {
     "reference_cache": None,
     "log_samples_every": None,
     "ppo.checkpoint_every": None,
+    # where the vLLM server runs: a server restarted on another port after it died resumes the run
+    "sampling.vllm.url": None,
+    "sampling.vllm.timeout_s": None,
+    "sampling.vllm.weights_dir": None,
     "ppo.total_iterations": "the learning-rate schedule is sized from it (unless optimizer.scheduler is "
     "constant), so the learning rates from here on differ from the checkpoint's run",
 }

@@ -61,7 +61,7 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
         SamplerEngineError: ``sampling.backend: vllm`` and its server does not answer (``check_sampling_engine``).
     """
     check_overlong(shaping.overlong_buffer, shaping.overlong_penalty, sampling.max_new_tokens)
-    check_sampling_engine(sampling)  # before any model loads
+    check_sampling_engine(sampling, backbone.lora)  # before any model loads
     tokenizer = load_backbone_tokenizer(backbone)
     stop_ids = resolve_stop_ids(sampling, tokenizer)
     check_stop_tokens(shaping.missing_eos_penalty, ppo.mask_truncated_completions, bool(stop_ids))
@@ -88,17 +88,30 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
     return tokenizer, stop_ids, policy, reward_source
 
 
-def check_sampling_engine(sampling) -> None:
+def check_sampling_engine(sampling, lora=None) -> None:
     """With ``sampling.backend: vllm``, ask the engine's server for ``/health`` (``build_models`` calls it first,
-    so an engine that is not running costs no model load).
+    so an engine that is not running costs no model load); with ``sampling.vllm.weight_sync: lora``, check that
+    it serves adapters of the actor's rank ``lora.r`` (``backbone.lora``).
 
     Raises:
-        SamplerEngineError: the server is not reachable or speaks another protocol (one line).
+        SamplerEngineError: the server is not reachable, speaks another protocol, or (``weight_sync: lora``)
+            was started without ``--enable-lora`` or with a ``--max-lora-rank`` below ``lora.r`` (one line).
     """
-    if sampling.backend == "vllm":
-        from rlhf_lit.rl.vllm_client import VLLMClient
+    if sampling.backend != "vllm":
+        return
+    from rlhf_lit.errors import SamplerEngineError
+    from rlhf_lit.rl.vllm_client import VLLMClient
 
-        VLLMClient(sampling.vllm.url, sampling.vllm.timeout_s).health()
+    health = VLLMClient(sampling.vllm.url, sampling.vllm.timeout_s).health()
+    rank, served = (lora.r if lora is not None else 0), health.get("max_lora_rank")
+    if sampling.vllm.weight_sync == "lora" and (served is None or served < rank):
+        started = "without --enable-lora" if served is None else f"with --max-lora-rank {served}"
+        enough = 1 << max(3, (rank - 1).bit_length())  # vLLM's ranks: 1, 8, 16, 32, ...
+        raise SamplerEngineError(
+            f"sampling.vllm.weight_sync: lora, but the vLLM server at {sampling.vllm.url} was started {started}; "
+            f"restart it with `rlhf-lit vllm-serve ... --enable-lora --max-lora-rank {enough}` "
+            f"(>= backbone.lora.r = {rank}), or use weight_sync: merged"
+        )
 
 
 def prepare_fit(module) -> None:

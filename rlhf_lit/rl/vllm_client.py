@@ -90,9 +90,10 @@ class VLLMClient:
         min_new_tokens: int,
         stop_token_ids: list[int],
         seed: int,
+        lora: bool = False,
     ) -> dict:
         """``POST /generate``: ``{"tokens", "logprobs", "weights"}``, checked: one response per prompt, each
-        at most ``max_new_tokens`` tokens with one log-prob per token.
+        at most ``max_new_tokens`` tokens with one log-prob per token; ``lora``: drawn with the loaded adapter.
 
         Raises:
             SamplerEngineError: as :meth:`_call`, or a reply that breaks the protocol.
@@ -107,6 +108,7 @@ class VLLMClient:
                 "min_new_tokens": min_new_tokens,
                 "stop_token_ids": stop_token_ids,
                 "seed": seed,
+                "lora": lora,
             },
         )
         tokens, logprobs = out.get("tokens"), out.get("logprobs")
@@ -135,4 +137,15 @@ class VLLMClient:
         out = self._call("POST", "/load_weights", {"path": path})
         if not isinstance(out.get("weights"), str):
             raise SamplerEngineError(f"the server at {self.url} answered /load_weights with no weights digest")
+        return out
+
+    def load_lora(self, path: str) -> dict:
+        """``POST /load_lora``: ``{"lora": digest, "load_s": seconds}``.
+
+        Raises:
+            SamplerEngineError: as :meth:`_call`.
+        """
+        out = self._call("POST", "/load_lora", {"path": path})
+        if not isinstance(out.get("lora"), str):
+            raise SamplerEngineError(f"the server at {self.url} answered /load_lora with no adapter digest")
         return out

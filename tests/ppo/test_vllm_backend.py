@@ -5,8 +5,10 @@ The transformers stand-in samples with the ``hf`` backend's function on its own 
 checks everything around the engine: the weights the trainer pushes are the policy's (the gap to the trainer's
 log-probs is ~0 on every iteration, with an actor that moves), a skipped push or a restarted engine is caught by
 the rollout-policy guard, the rollout a vLLM reply gives is the one ``hf`` gives for the same tokens, ``ppo.tis_cap``
-reads the engine's log-probs, and every error is one line (exit 2). The real engine's tests are in
-``tests/ppo/test_vllm_engine.py`` (skipped without ``RLHF_LIT_VLLM_PYTHON``).
+reads the engine's log-probs, every error is one line (exit 2), and a run whose engine died resumes exactly. The
+weights, guard and resume checks are repeated with ``sampling.vllm.weight_sync: lora`` (the stand-in puts the pushed
+adapter on its model with peft). The real engine's tests are in ``tests/ppo/test_vllm_engine.py`` (skipped without
+``RLHF_LIT_VLLM_PYTHON``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import PPOConfig, refuse_impossible_settings, refuse_sharded_settings
 from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint, build_sampler
 from rlhf_lit.rl.vllm_client import VLLMClient
-from rlhf_lit.vllm_server import INITIAL_WEIGHTS, RequestError, file_digest, parse_generate
+from rlhf_lit.vllm_server import INITIAL_WEIGHTS, RequestError, adapter_digest, file_digest, parse_generate
 from tests.cli.helpers import run_cli
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import make_data, make_module, make_trainer
@@ -75,10 +77,14 @@ def test_a_generate_request_is_checked_field_by_field():
         parse_generate({**REQUEST, "top_k": 5})  # no truncated sampling on this protocol
     with pytest.raises(RequestError, match=r"missing field\(s\) \['seed'\]"):
         parse_generate({k: v for k, v in REQUEST.items() if k != "seed"})
+    assert request.lora is False and parse_generate({**REQUEST, "lora": True}).lora is True  # optional
+    with pytest.raises(RequestError, match="lora must be true or false, got 1"):
+        parse_generate({**REQUEST, "lora": 1})
 
 
 def test_the_weights_digest_is_sha256_of_the_bytes():
     assert file_digest(b"abc") == "ba7816bf8f01cfea"  # sha256("abc") = ba7816bf 8f01cfea 414140de ...
+    assert adapter_digest(b"a", b"bc") == "ba7816bf8f01cfea"  # the config's bytes, then the weights'
 
 
 def test_the_settings_are_range_checked():
@@ -87,6 +93,9 @@ def test_the_settings_are_range_checked():
     with pytest.raises(ConfigError, match=r"sampling.vllm.url must start with http://"):
         VLLMSettings(url="127.0.0.1:8011")
     assert SamplingConfig(backend="vllm", vllm={"url": "http://127.0.0.1:9"}).vllm.url == "http://127.0.0.1:9"
+    with pytest.raises(ConfigError, match=r"sampling.vllm.weight_sync must be one of \['merged', 'lora'\], got 'full'"):
+        VLLMSettings(weight_sync="full")
+    assert SamplingConfig(backend="vllm", vllm={"weight_sync": "lora"}).vllm.weight_sync == "lora"
     with pytest.raises(ConfigError, match="sampling.copy_dtype and sampling.backend: vllm"):
         SamplingConfig(backend="vllm", copy_dtype="bfloat16")
     # the guard's default tolerance follows the engine's dtype, as a copy's does
@@ -105,7 +114,8 @@ def test_the_client_reads_replies_and_turns_every_failure_into_one_line():
     with serving(engine) as url:
         client = VLLMClient(url, timeout_s=30)
         health = client.health()
-        assert (health["protocol"], health["weights"]) == (1, INITIAL_WEIGHTS)
+        assert (health["protocol"], health["weights"], health["lora"], health["max_lora_rank"]) == (
+            2, INITIAL_WEIGHTS, None, None)
         out = client.generate(**{k: v for k, v in REQUEST.items() if k != "prompts"}, prompts=REQUEST["prompts"])
         assert out == {"tokens": [[9, 2], [4, 4, 4, 4]], "logprobs": [[-0.5, -1.5], [-1.0] * 4], "weights": "initial"}
         assert engine.requests[0].prompts == [[5, 6, 7], [8]] and engine.requests[0].seed == 3
@@ -185,6 +195,80 @@ def test_the_sampler_pushes_the_merged_policy_and_the_record_follows_the_engine(
         assert sampler.last_record.fingerprint == f"engine:{INITIAL_WEIGHTS}"
 
 
+def test_with_lora_sync_the_sampler_pushes_the_base_once_then_the_adapter_as_a_lora_request(tmp_path):
+    """``weight_sync: lora``: the first sync pushes the reference weights and the actor adapter (a peft folder the
+    engine puts on its model per request); every later sync only a new adapter folder. The engine with the adapter
+    gives the actor's logits, without it the reference's; the record follows the engine's digest."""
+    module = make_module(sampling=SamplingConfig(max_new_tokens=6, temperature=0.7))
+    policy = module.policy
+    with torch.no_grad():  # a trained-looking actor
+        for p in policy.actor_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    engine = TransformersEngine(_engine().lm, max_lora_rank=8)
+    ids = torch.tensor([[0, 0, 70, 71, 72], [60, 61, 62, 63, 64]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with serving(engine) as url:
+        sampling = SamplingConfig(max_new_tokens=6, temperature=0.7, backend="vllm",
+                                  vllm={"url": url, "weights_dir": str(tmp_path), "weight_sync": "lora"})
+        sampler = build_sampler(sampling, module.stop_ids, module.tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        response, response_mask, _ = sampler.sample(policy, ids, mask)
+        assert (engine.loads, engine.lora_loads) == (1, 1) and engine.requests[0].lora is True
+        assert sorted(p.name for p in (tmp_path / "adapter-1").iterdir()) == [
+            "adapter_config.json", "adapter_model.safetensors"]
+        full = torch.cat([ids, response], 1)
+        full_mask = torch.cat([mask, response_mask.long()], 1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        real = full_mask.bool()
+        with torch.no_grad():
+            with policy.lm.adapter("actor"):
+                actor = policy.lm.logits(policy.lm.hidden_states(full, full_mask))
+            with policy.lm.reference():
+                reference = policy.lm.logits(policy.lm.hidden_states(full, full_mask))
+            with_adapter = engine._with_adapter()(input_ids=full, attention_mask=full_mask, position_ids=positions)
+            base = engine.lm(input_ids=full, attention_mask=full_mask, position_ids=positions)
+        torch.testing.assert_close(with_adapter.logits[real], actor[real], atol=2e-5, rtol=0)
+        torch.testing.assert_close(base.logits[real], reference[real], atol=2e-5, rtol=0)
+        assert (actor - reference)[real].abs().max() > 1e-2  # the adapter matters: the case has teeth
+        fingerprint = adapter_fingerprint(policy.actor_parameters())
+        assert sampler.last_record.fingerprint == fingerprint
+        with torch.no_grad():  # an update
+            next(iter(policy.actor_parameters())).add_(0.01)
+        sampler.sample(policy, ids, mask)  # no sync: the engine holds the previous adapter
+        assert sampler.last_record.fingerprint == fingerprint != adapter_fingerprint(policy.actor_parameters())
+        sampler.sync(policy)
+        sampler.sample(policy, ids, mask)
+        assert sampler.last_record.fingerprint == adapter_fingerprint(policy.actor_parameters())
+        assert (engine.loads, engine.lora_loads) == (1, 2)  # the base once, an adapter per sync
+        assert not (tmp_path / "adapter-1").exists() and (tmp_path / "adapter-2").exists()
+    with serving(TransformersEngine(_engine().lm, max_lora_rank=8)) as url:  # restarted: no adapter loaded
+        sampler.client = VLLMClient(url)
+        with pytest.raises(SamplerEngineError, match=r"HTTP 400\): lora: true, but no adapter was loaded"):
+            sampler.sample(policy, ids, mask)
+    with serving(ScriptedEngine([])) as url:  # started without --enable-lora
+        with pytest.raises(SamplerEngineError, match="started without --enable-lora"):
+            VLLMClient(url).load_lora(str(tmp_path / "adapter-2"))
+
+
+def test_lora_sync_needs_a_server_started_for_the_actors_rank_before_any_model_loads():
+    from rlhf_lit.models import LoraSettings
+    from rlhf_lit.modules.ppo_build import check_sampling_engine
+
+    for engine, started in ((ScriptedEngine([]), "without --enable-lora"),
+                            (TransformersEngine(torch.nn.Linear(1, 1), max_lora_rank=8), "with --max-lora-rank 8")):
+        with serving(engine) as url:
+            sampling = SamplingConfig(backend="vllm", vllm={"url": url, "weight_sync": "lora"})
+            with pytest.raises(SamplerEngineError) as info:
+                check_sampling_engine(sampling, LoraSettings(r=24))
+            message = str(info.value)
+            assert f"was started {started}" in message and "--enable-lora --max-lora-rank 32" in message
+            assert "backbone.lora.r = 24" in message and "\n" not in message
+            check_sampling_engine(SamplingConfig(backend="vllm", vllm={"url": url}), LoraSettings(r=24))  # merged
+    with serving(TransformersEngine(torch.nn.Linear(1, 1), max_lora_rank=8)) as url:
+        check_sampling_engine(SamplingConfig(backend="vllm", vllm={"url": url, "weight_sync": "lora"}),
+                              LoraSettings(r=8))
+
+
 def test_a_vllm_rollout_is_the_hf_rollout_of_the_same_responses():
     """The same responses (an ``hf`` rollout's, as an engine returns them: each cut after its stop token) give
     the same Rollout, field by field: padding, masks, stop flags, the sequences and every recomputed tensor."""
@@ -257,10 +341,12 @@ def test_tis_weights_read_the_engines_logprobs():
 
 
 # ------------------------------------------------------------------------------------------- PPO runs
-def _run(tmp_path, url, iterations=3, sampler=None, module_overrides=None, **sampling_overrides):
+def _run(tmp_path, url, iterations=3, sampler=None, module_overrides=None, weight_sync="merged",
+         **sampling_overrides):
     torch.manual_seed(0)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.7, backend="vllm",
-                              vllm={"url": url, "weights_dir": str(tmp_path)}, **sampling_overrides)
+                              vllm={"url": url, "weights_dir": str(tmp_path), "weight_sync": weight_sync},
+                              **sampling_overrides)
     module = make_module(
         sampling=sampling,
         ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=iterations),
@@ -282,6 +368,22 @@ def test_ppo_against_the_engine_has_no_gap_on_any_iteration(tmp_path, caplog):
         assert 0.0 <= stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5
     assert module.history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: a stale engine would show
     assert _guard_warnings(caplog) == []
+
+
+def test_ppo_with_lora_sync_has_no_gap_and_a_missed_adapter_fires_the_guard(tmp_path, caplog):
+    engine = TransformersEngine(_engine().lm, max_lora_rank=8)
+    with serving(engine) as url, caplog.at_level(logging.WARNING, logger="rlhf_lit"):
+        module = _run(tmp_path / "good", url, weight_sync="lora")
+    assert (engine.loads, engine.lora_loads) == (1, 4)  # the base once; the first sample's adapter, one per update
+    assert all(0.0 <= stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5 for stats in module.history)
+    assert module.history[-1][M.ROLLOUT_KL_REF] != 0.0 and _guard_warnings(caplog) == []
+    caplog.clear()
+    with serving(TransformersEngine(_engine().lm, max_lora_rank=8)) as url, \
+            caplog.at_level(logging.WARNING, logger="rlhf_lit"):
+        module = _run(tmp_path / "skip", url, sampler=skip_one_sync, weight_sync="lora")
+    warnings = _guard_warnings(caplog)
+    assert len(warnings) == 1 and "PPO iteration 2" in warnings[0] and "not the policy's" in warnings[0]
+    assert module.history[1][M.ROLLOUT_SAMPLER_LOGPROB_GAP] > 1e-4 > module.history[2][M.ROLLOUT_SAMPLER_LOGPROB_GAP]
 
 
 def skip_one_sync(sampling, stop_ids, pad_token_id):
@@ -329,8 +431,8 @@ def test_an_unreachable_engine_is_one_line_before_any_model_loads(tmp_path, caps
 class _Dying(TransformersEngine):
     """Serves ``lives`` rollouts, then its server goes away (the engine process died)."""
 
-    def __init__(self, model, lives: int, server_holder: list) -> None:
-        super().__init__(model)
+    def __init__(self, model, lives: int, server_holder: list, max_lora_rank: int | None = None) -> None:
+        super().__init__(model, max_lora_rank=max_lora_rank)
         self.lives, self.server_holder = lives, server_holder
 
     def generate(self, request):
@@ -342,34 +444,74 @@ class _Dying(TransformersEngine):
         return super().generate(request)
 
 
-def test_an_engine_that_dies_mid_run_stops_it_with_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys):
+def _engine_model():
+    """The tiny PPO config's architecture (configs/ppo/tiny.yaml), randomly initialised: the first push replaces it."""
+    return load_backbone(BackboneConfig(tiny={**TINY_GPT2, "n_embd": 64, "n_positions": 512}, tokenizer="byte"))
+
+
+def _fit_tiny(root, url, *extra: str) -> None:
+    """``rlhf-lit fit`` of configs/ppo/tiny.yaml, 4 iterations of 4 prompts, sampling from the server at ``url``,
+    ``last.ckpt`` after every iteration (raises SystemExit on an error)."""
+    from rlhf_lit.cli import main
+    from tests.tiny_runs import in_repo_root, one_thread
+
+    with in_repo_root(), one_thread():
+        main(["fit", "--config", "configs/ppo/tiny.yaml", f"--trainer.default_root_dir={root}",
+              "--trainer.logger=false", "--model.init_args.export_dir=null", "--model.init_args.log_samples_every=0",
+              "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.sampling.backend=vllm",
+              f"--model.init_args.sampling.vllm.url={url}", "--model.init_args.ppo.checkpoint_every=1",
+              "--model.init_args.ppo.total_iterations=4", "--data.init_args.batch_size=4", *extra])
+
+
+@pytest.mark.parametrize("weight_sync", ["merged", "lora"])
+def test_an_engine_that_dies_mid_run_stops_it_with_one_line_and_the_same_command_resumes_exactly(
+    tmp_path, capsys, weight_sync
+):
+    """The engine dies in iteration 3: the fit stops with one line (exit 2) and ``last.ckpt`` of iteration 2;
+    the same command with ``--ckpt_path last`` against a fresh server (random weights, start-up digest) finishes,
+    and its checkpoint (adapters, value head, AdamW state, KL controller, RNG, the history of every logged
+    figure but wall times) equals an uninterrupted run's bit for bit: the fresh engine gets the policy's weights
+    before its first rollout, and the rollout seeds come from the torch generator the checkpoint restores."""
     import threading
 
-    from rlhf_lit.cli import main
     from rlhf_lit.vllm_server import make_server
+    from tests.cli.helpers import assert_same, without_timings
 
     holder: list = []
-    engine = _Dying(load_backbone(BackboneConfig(tiny={**TINY_GPT2, "n_embd": 64, "n_positions": 512},
-                                                 tokenizer="byte")), lives=2, server_holder=holder)
+    rank = 8 if weight_sync == "lora" else None  # configs/ppo/tiny.yaml: lora r 8
+    sync = f"--model.init_args.sampling.vllm.weight_sync={weight_sync}"
+    engine = _Dying(_engine_model(), lives=2, server_holder=holder, max_lora_rank=rank)
     server = make_server(engine)
     holder.append(server)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    from tests.tiny_runs import in_repo_root, one_thread
-
-    with in_repo_root(), one_thread(), pytest.raises(SystemExit) as info:
-        main(["fit", "--config", "configs/ppo/tiny.yaml", f"--trainer.default_root_dir={tmp_path}",
-              "--trainer.logger=false", "--model.init_args.export_dir=null", "--model.init_args.log_samples_every=0",
-              "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.sampling.backend=vllm",
-              f"--model.init_args.sampling.vllm.url={url}", "--model.init_args.ppo.checkpoint_every=1",
-              "--model.init_args.ppo.total_iterations=4", "--data.init_args.batch_size=4"])
+    with pytest.raises(SystemExit) as info:
+        _fit_tiny(tmp_path / "killed", url, sync)
     server.shutdown()
     assert info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhf-lit: error:")]
     assert len(err) == 1 and "the vLLM server at" in err[0], err
-    checkpoint = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] > 0  # iterations 1-2 finished and were saved; the third never ran
+    checkpoint = torch.load(tmp_path / "killed" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["ppo_state"]["iteration"] == 2  # iterations 1-2 finished and were saved; the third died
     assert sum(1 for key in checkpoint["state_dict"] if "lora_" in key) > 0
+
+    fresh = TransformersEngine(_engine_model(), max_lora_rank=rank)
+    with serving(fresh) as url:  # a new server on another port: the same command with its url
+        _fit_tiny(tmp_path / "killed", url, sync, "--ckpt_path", "last")
+    # the first rollout's push (the start-up weights are not the policy's), then one per update (2)
+    assert (fresh.loads, fresh.lora_loads) == ((3, 0) if weight_sync == "merged" else (1, 3))
+    with serving(TransformersEngine(_engine_model(), max_lora_rank=rank)) as url:
+        _fit_tiny(tmp_path / "straight", url, sync)
+    resumed = torch.load(tmp_path / "killed" / "last.ckpt", map_location="cpu", weights_only=False)
+    straight = torch.load(tmp_path / "straight" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["ppo_state"]["iteration"] == straight["ppo_state"]["iteration"] == 4
+    assert_same(straight["state_dict"], resumed["state_dict"], "state_dict")
+    assert_same(straight["optimizer_states"], resumed["optimizer_states"], "optimizer")
+    for key in ("kl_controller", "score_stats", "rng"):
+        assert_same(straight["ppo_state"][key], resumed["ppo_state"][key], key)
+    history = without_timings(resumed["ppo_state"]["history"])
+    assert_same(without_timings(straight["ppo_state"]["history"]), history, "history")
+    assert len(history) == 4 and history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: the case has teeth
 
 
 def test_vllm_under_fsdp_is_refused_from_the_config_before_any_process_starts(tmp_path):

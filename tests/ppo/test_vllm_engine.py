@@ -2,9 +2,11 @@
 
 Skipped unless ``RLHF_LIT_VLLM_PYTHON`` names that environment's python (install: ``rlhf_lit.vllm_server.
 INSTALL_HINT``; the README's vLLM section). One server (the tiny PPO config's GPT-2 architecture, float32, on
-CPU) serves every test of this module: the engine draws from the pushed policy (its log-probs match the
-trainer's float32 recomputation), an update it missed fires the rollout-policy guard, and a tiny PPO and a tiny
-GRPO run go through ``rlhf-lit fit`` end to end.
+CPU) serves the merged-weights tests of this module: the engine draws from the pushed policy (its log-probs match
+the trainer's float32 recomputation), an update it missed fires the rollout-policy guard, and a tiny PPO and a tiny
+GRPO run go through ``rlhf-lit fit`` end to end. A second one, ``--enable-lora`` on a tiny Llama (vLLM serves no
+LoRA on GPT-2), serves ``sampling.vllm.weight_sync: lora``: the same two checks with the actor adapter as a LoRA
+request.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -39,18 +42,35 @@ pytestmark = [
 # the tiny PPO config's architecture (configs/ppo/tiny.yaml): head_dim 32 (vLLM's CPU attention refuses 16)
 ARCH = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 512}
 LORA = LoraSettings(r=4, alpha=8, target_modules=["c_attn", "c_fc"])
+# a tiny Llama for LoRA requests (head_dim 32), its adapter on attention and MLP projections
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 512}
+LLAMA_LORA = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
     """``http://127.0.0.1:<port>`` of ``rlhf-lit vllm-serve`` on a saved tiny GPT-2 (stopped afterwards)."""
-    folder = tmp_path_factory.mktemp("vllm_model")
-    load_backbone(BackboneConfig(tiny=ARCH, tokenizer="byte")).save_pretrained(folder)
+    with _serving(tmp_path_factory.mktemp("vllm_model"), ARCH) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def lora_engine_url(tmp_path_factory):
+    """The same with ``--enable-lora --max-lora-rank 8`` on a saved tiny Llama."""
+    with _serving(tmp_path_factory.mktemp("vllm_lora_model"), LLAMA, "--enable-lora", "--max-lora-rank", "8") as url:
+        yield url
+
+
+@contextmanager
+def _serving(folder, arch: dict, *flags: str):
+    load_backbone(BackboneConfig(tiny=arch, tokenizer="byte")).save_pretrained(folder)
     port = _free_port()
     log = folder / "server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", VLLM_PYTHON, "--model", str(folder), "--port", str(port)],
+            [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", VLLM_PYTHON, "--model", str(folder),
+             "--port", str(port), *flags],
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     try:
@@ -65,18 +85,27 @@ def engine_url(tmp_path_factory):
         server.wait(60)
 
 
-def _module(url: str):
-    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, backend="vllm", vllm={"url": url})
-    return make_module(
-        backbone=BackboneConfig(tiny=ARCH, tokenizer="byte", lora=LORA),
-        reward_model={"backbone": BackboneConfig(tiny=ARCH, tokenizer="byte", seed=1)},
-        sampling=sampling,
-        critic={"lora": LORA},
-    )
+def _models(weight_sync: str) -> dict:
+    arch, lora = (ARCH, LORA) if weight_sync == "merged" else (LLAMA, LLAMA_LORA)
+    return dict(backbone=BackboneConfig(tiny=arch, tokenizer="byte", lora=lora),
+                reward_model={"backbone": BackboneConfig(tiny=arch, tokenizer="byte", seed=1)}, critic={"lora": lora})
 
 
-def test_the_engine_draws_from_the_pushed_policy(engine_url):
-    module = _module(engine_url)
+def _module(url: str, weight_sync: str = "merged"):
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, backend="vllm",
+                              vllm={"url": url, "weight_sync": weight_sync})
+    return make_module(sampling=sampling, **_models(weight_sync))
+
+
+@pytest.fixture(params=["merged", "lora"])
+def engine(request):
+    """``(weight_sync, url)``: each test runs against the merged-weights server and the LoRA one."""
+    return request.param, request.getfixturevalue("engine_url" if request.param == "merged" else "lora_engine_url")
+
+
+def test_the_engine_draws_from_the_pushed_policy(engine):
+    weight_sync, url = engine
+    module = _module(url, weight_sync)
     policy = module.policy
     with torch.no_grad():  # a trained-looking actor
         for p in policy.actor_parameters():
@@ -103,14 +132,15 @@ def test_the_engine_draws_from_the_pushed_policy(engine_url):
         base = policy.reference_logprobs(full, full_mask, ids.shape[1], 0.7)
     assert (record.logprobs - base)[response_mask].abs().max() > 1e-3
     assert sampler.sync_s > 0
+    if weight_sync == "lora":  # the base went once, the adapter as a LoRA request
+        assert sampler.pushed[0].startswith(f"{sampler.base_pushed}+") and sampler.adapters == 1
 
 
-def test_an_update_the_real_engine_missed_fires_the_guard(engine_url, tmp_path, caplog):
+def test_an_update_the_real_engine_missed_fires_the_guard(engine, tmp_path, caplog):
+    weight_sync, url = engine
     with caplog.at_level(logging.WARNING, logger="rlhf_lit"):
-        module = _run(tmp_path, engine_url, sampler=skip_one_sync, module_overrides=dict(
-            backbone=BackboneConfig(tiny=ARCH, tokenizer="byte", lora=LORA),
-            reward_model={"backbone": BackboneConfig(tiny=ARCH, tokenizer="byte", seed=1)},
-            critic={"lora": LORA}))
+        module = _run(tmp_path, url, sampler=skip_one_sync, module_overrides=_models(weight_sync),
+                      weight_sync=weight_sync)
     warnings = _guard_warnings(caplog)
     assert len(warnings) == 1 and "PPO iteration 2" in warnings[0] and "not the policy's" in warnings[0]
     gaps = [stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] for stats in module.history]
