@@ -14,9 +14,13 @@ import os
 import lightning as L
 import torch
 
+from rlhf_lit.models import BackboneConfig
 from rlhf_lit.models.reference_cache import data_fingerprint, tensor_fingerprint, tokenizer_fingerprint
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from tests.conftest import TINY_GPT2
 from tests.dpo.helpers import make_data, make_module, make_trainer, write_pairs
+
+FULL = BackboneConfig(tiny=TINY_GPT2, tokenizer="byte")  # full fine-tuning: the reference is the start
 
 
 class Record(L.Callback):
@@ -133,6 +137,31 @@ def test_the_key_parts_see_data_bytes_tokenizer_and_weights(tmp_path):
     with torch.no_grad():
         next(p for n, p in module.lm.named_parameters() if "wte" in n)[0, 0] += 1e-3
     assert tensor_fingerprint(module._reference_weights()) != fingerprint
+
+
+def test_a_resumed_full_finetuning_run_keys_its_cache_with_the_weights_at_the_start(tmp_path):
+    """Full fine-tuning: the reference is the weights at the start, so the key is taken in ``configure_model``,
+    before Lightning restores ``ckpt_path`` into them; the resumed run reads the first run's cache (keyed with
+    the restored, trained weights it would compute a cache of the wrong reference)."""
+    data_path = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    cache = str(tmp_path / "cache")
+
+    def fit(name, epochs, ckpt_path=None):
+        torch.manual_seed(0)
+        module = make_module(FULL, optimizer={"lr": 1e-2}, reference_cache=cache)
+        trainer = make_trainer(tmp_path / name, max_epochs=epochs, limit_val_batches=0)
+        trainer.fit(module, datamodule=make_data(module, data_path, shuffle=False), ckpt_path=ckpt_path)
+        return module, trainer
+
+    first, trainer = fit("first", 1)
+    trainer.save_checkpoint(tmp_path / "first.ckpt")
+    key = first.reference.cache.key_parts["reference"]
+    assert tensor_fingerprint(first._reference_weights()) != key  # the weights moved
+    resumed, trainer = fit("resumed", 2, str(tmp_path / "first.ckpt"))
+    assert trainer.global_step == 2 * first.trainer.global_step > 0
+    assert resumed.reference.cache.key_parts["reference"] == key
+    assert resumed.reference.forwards == 0  # read from the first run's file, the only one
+    assert os.listdir(cache) == [os.path.basename(first.reference.cache.path)]
 
 
 def test_a_cache_that_cannot_be_written_names_the_cache_folder(tmp_path):
