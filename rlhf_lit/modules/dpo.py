@@ -168,9 +168,7 @@ class DPOModule(L.LightningModule):
         self.loss_type, self.beta = loss_type, float(beta)
         self.export_dir, self.export_mode = export_dir, export_mode
         self.trim_padding = bool(trim_padding)
-        # Built on the meta device under FSDP2 (as SFTModule): the policy's base and the reference copy are
-        # read shard by shard in configure_model (rlhf_lit.models.sharded_load).
-        empty = weights_deferred()
+        empty = weights_deferred()  # FSDP2: the bases stay on meta until configure_model (as in SFTModule)
         with torch.device("cpu") if empty else nullcontext():
             self.tokenizer = load_backbone_tokenizer(backbone)
             adapters = {"default": backbone.lora} if backbone.lora is not None else None
@@ -283,14 +281,11 @@ class DPOModule(L.LightningModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``) on the policy and the reference copy;
-        for a module built on the meta device each rank then reads its shards of the base's weights into both
-        (``fill_from_checkpoint``). Last, when fitting, the reference weights are fingerprinted for the
-        reference cache: filled now, and Lightning restores a ``ckpt_path`` into them only after this hook."""
+        """FSDP2 (``ModelParallelStrategy``) on the policy and the reference copy; built on the meta device, each
+        rank then reads its shards of the base into both (``fill_from_checkpoint``). Last, when fitting, the
+        reference cache's fingerprint: of the filled weights, before Lightning restores a ``ckpt_path``."""
         mesh = data_parallel_mesh(self.device_mesh)
-        for lm in (self.lm, self.reference_lm):
-            if lm is None:
-                continue
+        for lm in [m for m in (self.lm, self.reference_lm) if m is not None]:
             if mesh is not None:
                 shard_lm(lm, mesh)
             if self._checkpoint_files is not None:
