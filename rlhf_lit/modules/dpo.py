@@ -303,9 +303,10 @@ class DPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         log_data_report(self)
+        own = self.reference_lm is None and self.backbone_cfg.lora is None  # full FT: the reference is the start
         self.reference.prepare(
             getattr(self.trainer, "datamodule", None),
-            resumed=self.global_step > 0,
+            reference_restored=own and self.trainer.ckpt_path is not None,  # (global_step: restored later)
             numerics={"precision": str(self.trainer.precision), "trim_padding": self._trims()},
             context=self.trainer.precision_plugin.train_step_context,
         )
