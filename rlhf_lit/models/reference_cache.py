@@ -126,10 +126,16 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def tensor_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """BLAKE2b digest of named tensors (names, dtypes, shapes and raw bytes, in name order): equal digests
-    mean bit-identical weights. Any dtype, 4-bit packed weights included."""
+    mean bit-identical weights. Any dtype, 4-bit packed weights included.
+
+    FSDP2 shards (DTensors) are gathered one at a time, so the digest is that of the whole tensors and a rank
+    holds at most one whole tensor besides its shards; then it is a collective (every rank calls it with
+    the same names).
+    """
     h = hashlib.blake2b(digest_size=20)
     for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
-        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        full = getattr(tensor, "full_tensor", None)  # a DTensor's (torch.distributed.tensor)
+        t = (full() if full is not None else tensor).detach().to("cpu").contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

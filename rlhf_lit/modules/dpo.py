@@ -23,6 +23,7 @@ backbone config; with neither the module refuses to start.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Literal
 
 import lightning as L
@@ -43,8 +44,9 @@ from rlhf_lit.functional.preference import (
     reward_accuracy,
 )
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
+from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
 from rlhf_lit.modules.common import (
     AccumulatedMean,
     FiniteSteps,
@@ -166,12 +168,15 @@ class DPOModule(L.LightningModule):
         self.loss_type, self.beta = loss_type, float(beta)
         self.export_dir, self.export_mode = export_dir, export_mode
         self.trim_padding = bool(trim_padding)
-        self.tokenizer = load_backbone_tokenizer(backbone)
-        adapters = {"default": backbone.lora} if backbone.lora is not None else None
-        self.lm = AdaptedLM(load_backbone(backbone, self.tokenizer), adapters)
-        reference_lm = None
-        if reference_copy and loss_type not in REFERENCE_FREE_LOSS_TYPES:
-            reference_lm = AdaptedLM(load_backbone(backbone, self.tokenizer)).requires_grad_(False)
+        empty = weights_deferred()  # FSDP2: the bases stay on meta until configure_model (as in SFTModule)
+        with torch.device("cpu") if empty else nullcontext():
+            self.tokenizer = load_backbone_tokenizer(backbone)
+            adapters = {"default": backbone.lora} if backbone.lora is not None else None
+            self.lm, self._checkpoint_files = build_lm(backbone, self.tokenizer, adapters, empty)
+            reference_lm = None
+            if reference_copy and loss_type not in REFERENCE_FREE_LOSS_TYPES:
+                # the same backbone config: deferred exactly when the policy is, from the same files
+                reference_lm = build_lm(backbone, self.tokenizer, None, empty)[0].requires_grad_(False)
         self.reference_lm = reference_lm  # a submodule (moved with the module); None on the one base
         self.reference = ReferenceSource(
             run=self.run_reference,
@@ -276,26 +281,32 @@ class DPOModule(L.LightningModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``rlhf_lit.parallel``); nothing otherwise."""
+        """FSDP2 (``ModelParallelStrategy``) on the policy and the reference copy; built on the meta device, each
+        rank then reads its shards of the base into both (``fill_from_checkpoint``). Last, when fitting, the
+        reference cache's fingerprint: of the filled weights, before Lightning restores a ``ckpt_path``."""
         mesh = data_parallel_mesh(self.device_mesh)
-        if mesh is not None:
-            shard_lm(self.lm, mesh)
-            if self.reference_lm is not None:
-                shard_lm(self.reference_lm, mesh)
+        for lm in [m for m in (self.lm, self.reference_lm) if m is not None]:
+            if mesh is not None:
+                shard_lm(lm, mesh)
+            if self._checkpoint_files is not None:
+                fill_from_checkpoint(lm, self._checkpoint_files)
+        self._checkpoint_files = None
+        trainer = attached_trainer(self)
+        if trainer is not None and trainer.state.fn == "fit":
+            self.reference.fingerprint_start()
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(attached_trainer(self), "datamodule", None)
         unpaired = getattr(datamodule, "unpaired", None)
         if unpaired is not None:
             check_data_kind(self.loss_type, unpaired)
-        if stage == "fit":
-            self.reference.fingerprint_start()  # before any checkpoint is restored into the weights
 
     def on_fit_start(self) -> None:
         log_data_report(self)
+        own = self.reference_lm is None and self.backbone_cfg.lora is None  # full FT: the reference is the start
         self.reference.prepare(
             getattr(self.trainer, "datamodule", None),
-            resumed=self.global_step > 0,
+            reference_restored=own and self.trainer.ckpt_path is not None,  # (global_step: restored later)
             numerics={"precision": str(self.trainer.precision), "trim_padding": self._trims()},
             context=self.trainer.precision_plugin.train_step_context,
         )

@@ -64,7 +64,7 @@ class ReferenceSource:
     def prepare(
         self,
         datamodule: Any,
-        resumed: bool,
+        reference_restored: bool,
         numerics: dict[str, Any] | None = None,
         context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
@@ -72,7 +72,8 @@ class ReferenceSource:
 
         Args:
             datamodule: the fit's data module (its train and val loaders are read).
-            resumed: the run restarts from a checkpoint.
+            reference_restored: the weights the reference reads were restored from a trained checkpoint (a
+                resumed full fine-tuning without ``reference_copy``): they are no longer the reference.
             numerics: the settings besides the weights that change the numbers (the trainer's precision,
                 ``trim_padding``), hashed into the key: a cache written under ``32-true`` is not read under
                 ``bf16-mixed``.
@@ -100,7 +101,7 @@ class ReferenceSource:
             log.info("reference log-probs: %d sequences from %s", len(cache), cache.path)
             self.cache = cache
             return
-        if resumed:
+        if reference_restored:
             raise ConfigError(
                 f"the reference cache {cache.path} is missing, and this resumed run's weights are no longer the "
                 "reference; start the run again, or restore the cache folder"

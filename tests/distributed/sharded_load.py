@@ -1,7 +1,9 @@
-"""The sharded-loading scenario (``worker.py fsdp2 <out> sharded_sft``): one optimizer step under FSDP2 on a
-saved tiny Llama, three times: SFT with the base loaded whole on every rank, then sharded (``load_backbone``
-in ``__init__``), SFT built on the meta device (``trainer.init_module(empty_init=True)``: each rank reads only
-its rows of every weight; ``rlhf_lit.models.sharded_load``), and a reward model built on the meta device.
+"""The sharded-loading scenarios (``worker.py fsdp2 <out> sharded_sft`` / ``sharded_dpo``): one optimizer step
+under FSDP2 on a saved tiny Llama. ``sharded_sft``, three times: SFT with the base loaded whole on every rank,
+then sharded (``load_backbone`` in ``__init__``), SFT built on the meta device
+(``trainer.init_module(empty_init=True)``: each rank reads only its rows of every weight;
+``rlhf_lit.models.sharded_load``), and a reward model built on the meta device. ``sharded_dpo``: the
+preference stage built on the meta device (``DPO_KINDS``).
 
 What is measured on each rank, ``peak_param_bytes``: the largest of
 
@@ -18,8 +20,9 @@ What is measured on each rank, ``peak_param_bytes``: the largest of
   the gathered, unsharded parameters registered at that moment (the block's, the ``lm`` unit's, and any
   block FSDP2 prefetched). The backward pass gathers the same units one at a time again.
 
-Parameters are all the module's: the LM's and, for the reward model, its head's. Not counted: gradients,
-optimizer state and activations (they are not parameters).
+Parameters are all the module's: the LM's and, for the reward model, its head's (the preference stage's
+reference copy, its blocks hooked too). Not counted: gradients, optimizer state and activations (they are not
+parameters).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def param_bytes(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def probed(cls):
-    """``cls`` (SFTModule or RewardModule) sampling ``param_bytes`` of all its parameters (module docstring)
-    and recording its first training loss (SFT) or pair scores (reward) on this rank."""
+    """``cls`` (SFTModule, RewardModule or DPOModule) sampling ``param_bytes`` of all its parameters (module
+    docstring) and recording its first training loss (SFT, DPO) or pair scores (reward) on this rank, and
+    (DPO) the reference fingerprint its reference cache was keyed with."""
     from rlhf_lit.parallel import transformer_blocks
 
     class Probed(cls):
@@ -101,7 +105,9 @@ def probed(cls):
             self.first_loss = None
 
         def configure_model(self) -> None:
-            blocks = transformer_blocks(self.lm.model)  # found by class name: before FSDP2 renames them
+            lms = [self.lm, getattr(self, "reference_lm", None)]  # DPOModule's reference copy
+            # found by class name: before FSDP2 renames them
+            blocks = [b for lm in lms if lm is not None for b in transformer_blocks(lm.model)]
             with TensorMemoryTracker(ignore=[*self.parameters(), *self.buffers()]) as tracker:
                 super().configure_model()
             self.samples["configure_model_tensors"] = tracker.peak
@@ -114,11 +120,17 @@ def probed(cls):
         def _sample(self, name: str) -> None:
             self.samples[name] = max(self.samples.get(name, 0), self.shard_bytes + param_bytes(self)[1])
 
-        def _loss(self, batch):  # SFTModule's
-            loss, num_tokens = super()._loss(batch)
+        def _loss(self, batch, *split):  # SFTModule's (batch), DPOModule's (batch, split)
+            loss, units = super()._loss(batch, *split)
             if self.first_loss is None and self.training:
-                self.first_loss = {"loss": float(loss), "input_ids": batch["input_ids"].tolist()}
-            return loss, num_tokens
+                ids = batch["chosen_input_ids" if "chosen_input_ids" in batch else "input_ids"]
+                self.first_loss = {"loss": float(loss), "input_ids": ids.tolist()}
+            return loss, units
+
+        def on_fit_start(self) -> None:
+            super().on_fit_start()
+            cache = getattr(getattr(self, "reference", None), "cache", None)  # DPOModule's reference cache
+            self.reference_key = None if cache is None else cache.key_parts["reference"]
 
         def _score_pairs(self, batch, need_hidden=False):  # RewardModule's
             chosen, rejected, hidden = super()._score_pairs(batch, need_hidden)
@@ -152,16 +164,100 @@ def reward_rows() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
+PROMPT = 4  # prompt tokens of every row of sft_rows (label -100)
+# LoRA on the tiny Llama's attention: per block q_proj (A 4 x 128, B 128 x 4) and v_proj (A 4 x 128, B 64 x 4,
+# 2 key-value heads of 32), float32: (512 + 512 + 512 + 256) * 6 blocks * 4 bytes = 43,008 bytes.
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+LORA_BYTES = 43_008
+# The preference stage's kinds: (LoRA?, DPOModule settings). Every loss adds the chosen (KTO: desirable)
+# responses' NLL (nll_coef 1): at the first step the policy IS the reference, so the preference term alone is
+# ln 2 (DPO) or 0.5 (KTO) whatever the weights are, and would check nothing.
+DPO_KINDS = {
+    "dpo": (True, {"loss_type": "sigmoid", "nll_coef": 1.0}),  # + a reference cache (dpo_settings)
+    "kto": (True, {"loss_type": "kto", "nll_coef": 1.0}),  # the reference: the adapter switched off
+    "dpo_copy": (False, {"loss_type": "sigmoid", "nll_coef": 1.0, "reference_copy": True}),  # full FT
+}
+
+
+def dpo_settings(base: Path, kind: str, out: Path | None = None) -> dict:
+    """DPOModule's arguments for ``kind`` (``DPO_KINDS``) on the saved base. With ``out`` (the 2-rank runs):
+    the ``dpo`` kind keeps its reference log-probs in the cache ``<out>/ref_cache``, the ``kto`` kind exports
+    to ``<out>/kto_export`` at the end of fit; without, the reference runs every step and nothing is
+    exported."""
+    from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
+
+    lora, settings = DPO_KINDS[kind]
+    cfg = BackboneConfig(
+        name_or_path=str(base), tokenizer="byte", lora=LoraSettings(**LORA) if lora else None
+    )
+    if out is not None and kind == "dpo":
+        settings = {**settings, "reference_cache": str(out / "ref_cache")}
+    if out is not None and kind == "kto":
+        settings = {**settings, "export_dir": str(out / "kto_export")}
+    return {"backbone": cfg, **settings}
+
+
+def pair_rows() -> list[dict[str, torch.Tensor]]:
+    """4 DPO pairs: ``sft_rows``' rows as chosen; rejected: the same prompt, the chosen response reversed."""
+    rows = []
+    for row in sft_rows():
+        mask = row["attention_mask"]
+        n = int(mask.sum())
+        rejected = row["input_ids"].clone()
+        rejected[PROMPT:n] = rejected[PROMPT:n].flip(0)
+        rows.append(
+            {
+                "chosen_input_ids": row["input_ids"],
+                "chosen_attention_mask": mask,
+                "rejected_input_ids": rejected,
+                "rejected_attention_mask": mask,
+                "prompt_len": torch.tensor(PROMPT),
+                "chosen_response_len": torch.tensor(n - PROMPT),
+                "rejected_response_len": torch.tensor(n - PROMPT),
+            }
+        )
+    return rows
+
+
+def kto_rows() -> list[dict[str, torch.Tensor]]:
+    """``sft_rows`` as 4 KTO completions, labelled desirable, desirable, undesirable, undesirable (each rank's
+    2 rows, 0 and 2 or 1 and 3, hold one of each)."""
+    return [
+        {**row, "prompt_len": torch.tensor(PROMPT), "label": torch.tensor(i < 2)}
+        for i, row in enumerate(sft_rows())
+    ]
+
+
+def preference_rows(kind: str) -> list[dict[str, torch.Tensor]]:
+    return kto_rows() if kind == "kto" else pair_rows()
+
+
+def rows_data(rows: list[dict]):
+    """A data module of ``rows`` (2 per batch; no validation): the reference cache reads its loaders."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class Rows(L.LightningDataModule):
+        def train_dataloader(self):
+            return DataLoader(rows, batch_size=PER_RANK)
+
+        def val_dataloader(self):
+            return []
+
+    return Rows()
+
+
 def module_class(kind: str):
+    from rlhf_lit.modules.dpo import DPOModule
     from rlhf_lit.modules.reward import RewardModule
     from rlhf_lit.modules.sft import SFTModule
 
-    return {"sft": SFTModule, "reward": RewardModule}[kind]
+    return {"sft": SFTModule, "reward": RewardModule, **dict.fromkeys(DPO_KINDS, DPOModule)}[kind]
 
 
 def run(out: Path, empty_init: bool, kind: str = "sft") -> dict:
-    """One optimizer step of SFT (or reward) on 2 ranks x 2 rows (pairs) under FSDP2; returns this rank's
-    samples and loss (scores) and the gathered parameters after the step."""
+    """One optimizer step of SFT (reward, a ``DPO_KINDS`` kind) on 2 ranks x 2 rows (pairs) under FSDP2;
+    returns this rank's samples and loss (scores) and the gathered parameters after the step."""
     from torch.utils.data import DataLoader
 
     from rlhf_lit.modules.common import OptimizerConfig
@@ -172,17 +268,25 @@ def run(out: Path, empty_init: bool, kind: str = "sft") -> dict:
     # Adam with eps = 1: a first step ~ lr * g, linear in the gradient (see scenarios.EQUALITY_OPTIMIZER)
     optimizer = OptimizerConfig(lr=1e-2, eps=1.0, scheduler="constant")
     cls = probed(module_class(kind))
-    torch.manual_seed(0)  # the reward head's initialisation: the same on both ranks and in both runs
+    if kind in DPO_KINDS:
+        kwargs = dpo_settings(out / "base", kind, out)
+    else:
+        kwargs = {"backbone": backbone(out / "base")}
+    torch.manual_seed(0)  # the reward head's / LoRA's initialisation: the same on both ranks and in both runs
     with trainer.init_module(empty_init=True) if empty_init else torch.device("cpu"):
-        module = cls(backbone(out / "base"), optimizer=optimizer)
-    rows = sft_rows() if kind == "sft" else reward_rows()
-    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=PER_RANK))
+        module = cls(optimizer=optimizer, **kwargs)
+    if kind in DPO_KINDS:
+        trainer.fit(module, datamodule=rows_data(preference_rows(kind)))
+    else:
+        rows = sft_rows() if kind == "sft" else reward_rows()
+        trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=PER_RANK))
     samples = dict(module.samples)
     return {
         "samples": samples,
         "peak_param_bytes": max(samples.values()),
         "shard_bytes": module.shard_bytes,
         "first_loss": module.first_loss,
+        "reference_key": module.reference_key,
         "after": S.trainable_state(module),  # gathered: every rank calls
         "world_size": trainer.world_size,
     }
@@ -197,6 +301,34 @@ def sharded_sft(out: Path, strategy: str) -> None:
         "reward_empty": run(out, empty_init=True, kind="reward"),
     }
     torch.save(results, out / f"sharded_sft_rank{S.rank()}.pt")
+
+
+def sharded_dpo(out: Path, strategy: str) -> None:
+    """The preference stage built on meta, one step per ``DPO_KINDS`` kind (worker scenario)."""
+    assert strategy == "fsdp2", strategy
+    results = {kind: run(out, empty_init=True, kind=kind) for kind in DPO_KINDS}
+    torch.save(results, out / f"sharded_dpo_rank{S.rank()}.pt")
+
+
+def whole_dpo(base: Path, kind: str, **extra):
+    """The DPOModule of ``kind`` loaded whole (no FSDP, this process; the reference runs every step)."""
+    from rlhf_lit.modules.dpo import DPOModule
+
+    torch.manual_seed(0)
+    return DPOModule(**dpo_settings(base, kind), **extra)
+
+
+def dpo_reference_loss(base: Path, kind: str, rows: list[list[int]]) -> float:
+    """The first loss of the whole, unsharded DPOModule of ``kind`` on the rows of ``preference_rows(kind)``
+    whose (chosen) ids are ``rows``, as one padded forward (as under FSDP2: no ``trim_padding``)."""
+    module = whole_dpo(base, kind, trim_padding=False)
+    key = "input_ids" if kind == "kto" else "chosen_input_ids"
+    picked = [r for r in preference_rows(kind) if r[key].tolist() in rows]
+    assert len(picked) == len(rows) == PER_RANK
+    batch = {k: torch.stack([r[k] for r in picked]) for k in picked[0]}
+    with torch.no_grad():
+        loss, _ = module._loss(batch, "train")
+    return float(loss)
 
 
 def reference_loss(base: Path, rows: list[list[int]]) -> float:

@@ -18,6 +18,8 @@ Scenarios:
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
     sharded_sft  FSDP2 only: one SFT step with the base loaded whole on every rank, then built on meta and
                  loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
+    sharded_dpo  FSDP2 only: one DPO / KTO / full fine-tuning DPO (reference copy) step each, built on meta and
+                 loaded shard by shard (``sharded_load.DPO_KINDS``); ``<out_dir>/base`` must hold the saved base.
     sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
 """
 
@@ -37,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from tests.distributed import scenarios as S  # noqa: E402
-from tests.distributed.sharded_load import sharded_sft  # noqa: E402
+from tests.distributed.sharded_load import sharded_dpo, sharded_sft  # noqa: E402
 
 
 def _cli_fit(config: str, root: Path, strategy: str, *extra: str) -> object:
@@ -212,6 +214,7 @@ SCENARIOS = {
     "equality_grpo": equality_grpo,
     "resume": resume,
     "sharded_sft": sharded_sft,
+    "sharded_dpo": sharded_dpo,
     "sft_cli_sharded": sft_cli_sharded,
 }
 

@@ -98,6 +98,29 @@ def test_training_moves_only_the_adapter_and_leaves_the_reference_unchanged(tmp_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_load_from_checkpoint_rebuilds_the_trained_policy_and_its_reference(tmp_path):
+    """The checkpoint holds the adapter only; ``load_from_checkpoint`` rebuilds the base from ``backbone`` (no
+    trainer: loaded whole) and gives the trained policy's and the reference's log-probs, bit for bit."""
+    from rlhf_lit.modules import DPOModule
+
+    torch.manual_seed(0)
+    module = make_module(optimizer={"lr": 1e-2})
+    data, batch = _first_batch(module, tmp_path)
+    ids, mask, prompt_len, response_len = sequences(batch)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(module, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "dpo.ckpt")
+
+    loaded = DPOModule.load_from_checkpoint(tmp_path / "dpo.ckpt")
+    want = module.policy_logps(ids, mask, prompt_len, response_len).detach()
+    assert not torch.equal(want, module.run_reference(ids, mask, prompt_len, response_len))  # it trained
+    assert torch.equal(loaded.policy_logps(ids, mask, prompt_len, response_len).detach(), want)
+    assert torch.equal(
+        loaded.run_reference(ids, mask, prompt_len, response_len),
+        module.run_reference(ids, mask, prompt_len, response_len),
+    )
+
+
 def test_kto_trains_on_odd_batches_and_a_batch_of_one(tmp_path):
     module = make_module(loss_type="kto", desirable_weight=1.0, undesirable_weight=1.3)
     data = make_data(module, write_unpaired(tmp_path / "kto.jsonl", n=10), batch_size=3, val_size=0)

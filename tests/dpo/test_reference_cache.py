@@ -12,11 +12,17 @@ import json
 import os
 
 import lightning as L
+import pytest
 import torch
 
+from rlhf_lit.errors import ConfigError
+from rlhf_lit.models import BackboneConfig
 from rlhf_lit.models.reference_cache import data_fingerprint, tensor_fingerprint, tokenizer_fingerprint
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from tests.conftest import TINY_GPT2
 from tests.dpo.helpers import make_data, make_module, make_trainer, write_pairs
+
+FULL = BackboneConfig(tiny=TINY_GPT2, tokenizer="byte")  # full fine-tuning: the reference is the start
 
 
 class Record(L.Callback):
@@ -135,11 +141,52 @@ def test_the_key_parts_see_data_bytes_tokenizer_and_weights(tmp_path):
     assert tensor_fingerprint(module._reference_weights()) != fingerprint
 
 
+def _fit_from(tmp_path, name, epochs, backbone=None, ckpt_path=None):
+    """A ``max_epochs`` run with the cache ``<tmp_path>/cache``, resumed from ``ckpt_path`` when given."""
+    torch.manual_seed(0)
+    module = make_module(backbone, optimizer={"lr": 1e-2}, reference_cache=str(tmp_path / "cache"))
+    trainer = make_trainer(tmp_path / name, max_epochs=epochs, limit_val_batches=0)
+    data = make_data(module, write_pairs(tmp_path / "pairs.jsonl", n=12), shuffle=False)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+    return module, trainer
+
+
+def test_a_resumed_full_finetuning_run_keys_its_cache_with_the_weights_at_the_start(tmp_path):
+    """Full fine-tuning: the reference is the weights at the start, so the key is taken in ``configure_model``,
+    before Lightning restores ``ckpt_path`` into them; the resumed run reads the first run's cache (keyed with
+    the restored, trained weights it would compute a cache of the wrong reference). Without the cache it is
+    refused: the reference is gone."""
+    first, trainer = _fit_from(tmp_path, "first", 1, FULL)
+    key = first.reference.cache.key_parts["reference"]
+    assert tensor_fingerprint(first._reference_weights()) != key  # the weights moved
+    resumed, trainer = _fit_from(tmp_path, "resumed", 2, FULL, str(tmp_path / "first.ckpt"))
+    assert trainer.global_step == 2 * first.trainer.global_step > 0
+    assert resumed.reference.cache.key_parts["reference"] == key
+    assert resumed.reference.forwards == 0  # read from the first run's file, the only one
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(first.reference.cache.path)]
+    os.remove(first.reference.cache.path)
+    with pytest.raises(ConfigError, match="reference cache .* is missing"):
+        _fit_from(tmp_path, "no_cache", 2, FULL, str(tmp_path / "first.ckpt"))
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_a_resumed_lora_run_computes_a_lost_cache_again(tmp_path):
+    """With LoRA the reference is the base with the adapter off, which no checkpoint holds: a resumed run whose
+    cache is gone computes the same numbers again."""
+    first, _ = _fit_from(tmp_path, "first", 1)
+    path = first.reference.cache.path
+    saved = torch.load(path, weights_only=True)
+    os.remove(path)
+    resumed, trainer = _fit_from(tmp_path, "resumed", 2, ckpt_path=str(tmp_path / "first.ckpt"))
+    assert trainer.global_step == 2 * first.trainer.global_step > 0 and resumed.reference.forwards > 0
+    assert resumed.reference.cache.path == path
+    assert torch.equal(torch.load(path, weights_only=True)["logps"], saved["logps"])
+
+
 def test_a_cache_that_cannot_be_written_names_the_cache_folder(tmp_path):
     """A file in the way of the cache folder (it appeared after the checks, which refuse it before any model
     loads) is one OutputError naming the cache path, not a FileExistsError, nor a failure of the export."""
-    import pytest
-
     from rlhf_lit.models.reference_cache import ReferenceLogpCache
     from rlhf_lit.outputs import OutputError
 
