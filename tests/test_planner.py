@@ -560,3 +560,21 @@ def test_plan_of_100000_layers_answers_in_seconds_in_closed_form():
         weights[layers] = rows["base weights"]
     assert weights[100_000] == 4 * (SFT_TINY_REST + 100_000 * SFT_TINY_LAYER)  # fp32: 4 bytes a parameter
     assert weights[200_000] - weights[100_000] == 4 * 100_000 * SFT_TINY_LAYER
+
+
+CHECKPOINTING_FROM = 0.5 * GiB  # planned activations (without checkpointing) from which a shipped config turns it on
+
+
+@pytest.mark.parametrize("config", [c for c in ALL_CONFIGS if "trainer" not in c.parts], ids=str)
+def test_a_config_whose_activations_reach_half_a_gib_recomputes_them(config):
+    """The shipped configs turn gradient checkpointing on where the plan's activations without it reach 0.5 GiB
+    (the real-model ones; never the tiny and demo ones, where it would only cost time)."""
+    skip_without_model_packages(*_texts_with_producers(_stack(config)))
+    with in_repo_root():
+        off = ["--model.init_args.backbone.gradient_checkpointing=false"]
+        estimate = planner.plan([str(c) for c in _stack(config)], cli_overrides=off)
+    activations = max(nbytes for name, nbytes, _ in estimate.rows if name.startswith("activations"))
+    on = (yaml.safe_load((REPO_ROOT / config).read_text())["model"]["init_args"]["backbone"] or {}).get(
+        "gradient_checkpointing", False
+    )
+    assert on == (activations >= CHECKPOINTING_FROM), (config, activations / GiB)
