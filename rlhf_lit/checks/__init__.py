@@ -133,15 +133,12 @@ def check_ppo_settings(init: dict, data: dict, trainer: dict) -> None:
 
 
 def check_reward_settings(init: dict, data: dict, trainer: dict) -> None:
-    """The reward stage's consistency checks (the stage table's ``checks`` entry for ``reward``): ``packing``
-    with ``length_groups > 1``, or on an encoder backbone (read from its config, no weights)."""
-    import inspect
-
+    """The reward stage's consistency checks (the stage table's ``checks`` entry for ``reward``): ``packing:
+    true`` with ``length_groups > 1``, or on an encoder backbone (read from its config, no weights)."""
     from rlhf_lit.models.trunk import is_encoder_config
-    from rlhf_lit.modules.reward import PACKING_ON_ENCODER, PACKING_WITH_LENGTH_GROUPS, RewardModule
+    from rlhf_lit.modules.reward import PACKING_ON_ENCODER, PACKING_WITH_LENGTH_GROUPS
 
-    default = inspect.signature(RewardModule.__init__).parameters["packing"].default
-    if not init.get("packing", default):
+    if init.get("packing") is not True:  # None: packed where it can be (RewardModule)
         return
     if (init.get("length_groups") or 1) > 1:
         raise ConfigError(f"model.init_args: {PACKING_WITH_LENGTH_GROUPS}")

@@ -68,8 +68,8 @@ from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
 
 log = logging.getLogger("rlhf_lit")
 
-PACKING_ON_ENCODER = "packing needs a causal-LM backbone; an encoder has no packed path: set packing: false"
-PACKING_WITH_LENGTH_GROUPS = "packing and length_groups > 1 both cut padding; choose one (length_groups: 1)"
+PACKING_ON_ENCODER = "packing: true needs a causal-LM backbone; an encoder has no packed path (leave packing unset)"
+PACKING_WITH_LENGTH_GROUPS = "packing: true and length_groups > 1 both cut padding; choose one"
 
 
 class RewardModule(L.LightningModule):
@@ -105,11 +105,12 @@ class RewardModule(L.LightningModule):
         packing: score the 2B sequences of a training or validation step padding-free: laid end to end in
             bins no longer than the longest, position ids restarting per sequence and attention confined to
             each (``rlhf_lit.functional.packing``; docs/scale.md); the same scores within float rounding.
-            Causal-LM backbones only; not with ``length_groups > 1`` (both cut padding; choose one).
+            ``None`` (default): packed for a causal LM with ``length_groups: 1``, padded otherwise (an encoder
+            has no packed path); ``True``: packed, refused on an encoder or with ``length_groups > 1``.
 
     Raises:
-        ValueError: a setting out of range, an unknown pooling, ``beta_rm > 0`` or ``packing`` on an encoder
-            (it has no language-model head to imitate with, nor a packed path), or ``packing`` with
+        ValueError: a setting out of range, an unknown pooling, ``beta_rm > 0`` or ``packing=True`` on an
+            encoder (it has no language-model head to imitate with, nor a packed path), or ``packing=True`` with
             ``length_groups > 1``.
     """
 
@@ -129,7 +130,7 @@ class RewardModule(L.LightningModule):
         pooling: Literal["auto", "last", "mean", "first"] = "auto",
         freeze_layers: int = 0,
         length_control: LengthControl | None = None,
-        packing: bool = False,
+        packing: bool | None = None,
     ) -> None:
         super().__init__()
         if length_groups < 1:
@@ -182,6 +183,7 @@ class RewardModule(L.LightningModule):
                 )
             if self.is_encoder and packing:
                 raise ValueError(PACKING_ON_ENCODER)
+            self.packing = packing if packing is not None else not self.is_encoder and length_groups == 1
             self.pooling = pooling if pooling != "auto" else "mean" if self.is_encoder else "last"
             self.num_frozen = freeze_lower_layers(self.lm.model, freeze_layers)
             self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
@@ -216,7 +218,7 @@ class RewardModule(L.LightningModule):
         n = batch["chosen_input_ids"].shape[0]
         ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
         mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
-        if self.hparams.get("packing", False):
+        if self.packing:
             layout = pack_layout(mask)
             hidden = unpack(self.lm.hidden_states(pack(ids, layout), None, layout.position_ids), layout)
             scores = score_pooled(self.head, hidden, mask, self.pooling)

@@ -51,7 +51,8 @@ class SFTModule(L.LightningModule):
         packing: run each training and validation batch padding-free: its rows laid end to end in bins no
             longer than its longest row, position ids restarting per row and attention confined to each row
             (``rlhf_lit.functional.packing``; docs/scale.md). The same loss as the padded batch (within float
-            rounding) for less compute where the lengths are ragged.
+            rounding) for less compute where the lengths are ragged; on by default (measured faster,
+            bench/RESULTS.md "Packing").
     """
 
     def __init__(
@@ -60,7 +61,7 @@ class SFTModule(L.LightningModule):
         optimizer: OptimizerConfig | None = None,
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
-        packing: bool = False,
+        packing: bool = True,
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)

@@ -277,7 +277,7 @@ def test_max_steps_of_whole_iterations_is_accepted():
         (
             "reward",
             {"model.init_args.packing": True, "model.init_args.length_groups": 2},
-            "packing and length_groups > 1 both cut padding",
+            "packing: true and length_groups > 1 both cut padding",
         ),
         (
             "reward",
@@ -285,7 +285,7 @@ def test_max_steps_of_whole_iterations_is_accepted():
                 "model.init_args.packing": True,
                 "model.init_args.backbone.tiny": {"model_type": "bert", "num_hidden_layers": 1},
             },
-            r"model.init_args.packing: packing needs a causal-LM backbone.*\(bert backbone\)",
+            r"model.init_args.packing: packing: true needs a causal-LM backbone.*\(bert backbone\)",
         ),
     ],
 )

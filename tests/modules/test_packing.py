@@ -19,6 +19,7 @@ from tests.conftest import TINY_GPT2, TINY_LLAMA
 from tests.tiny_runs import one_thread
 
 MODELS = {"gpt2": TINY_GPT2, "llama": TINY_LLAMA}
+TINY_BERT = {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2}
 LENGTHS = [9, 3, 14, 6, 11, 16, 1, 5]  # the longest (16) is the bin capacity; the others share bins
 
 
@@ -116,6 +117,22 @@ def test_reward_packed_scores_loss_and_gradients_equal_the_padded_ones(model, si
     _assert_same_grads(results["packed"][3], results["padded"][3])
 
 
-def test_reward_packing_is_refused_with_length_groups():
+def test_reward_packing_is_refused_with_length_groups_or_an_encoder():
     with pytest.raises(ValueError, match="choose one"):
         RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"), packing=True, length_groups=2)
+    with pytest.raises(ValueError, match="an encoder has no packed path"):
+        RewardModule(BackboneConfig(tiny=TINY_BERT, tokenizer="byte"), packing=True)
+
+
+@pytest.mark.parametrize(
+    "tiny, length_groups, expected",
+    [(TINY_GPT2, 1, True), (TINY_LLAMA, 1, True), (TINY_GPT2, 4, False), (TINY_BERT, 1, False)],
+    ids=["gpt2", "llama", "gpt2-length_groups", "bert"],
+)
+def test_reward_packing_by_default_where_the_model_has_a_packed_path(tiny, length_groups, expected):
+    module = RewardModule(BackboneConfig(tiny=tiny, tokenizer="byte"), length_groups=length_groups)
+    assert module.packing is expected
+
+
+def test_sft_packs_by_default():
+    assert SFTModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte")).packing is True
