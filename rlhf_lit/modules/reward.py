@@ -72,6 +72,28 @@ PACKING_ON_ENCODER = "packing: true needs a causal-LM backbone; an encoder has n
 PACKING_WITH_LENGTH_GROUPS = "packing: true and length_groups > 1 both cut padding; choose one"
 
 
+def _check_arguments(
+    backbone: BackboneConfig,
+    label_smoothing: float,
+    length_groups: int,
+    pooling: str,
+    freeze_layers: int,
+    packing: bool | None,
+) -> None:
+    """What ``RewardModule`` refuses before it loads the model (ValueError, see its docstring)."""
+    if length_groups < 1:
+        raise ValueError(f"length_groups must be >= 1, got {length_groups}")
+    if packing and length_groups > 1:
+        raise ValueError(PACKING_WITH_LENGTH_GROUPS)
+    if pooling != "auto" and pooling not in POOLINGS:
+        raise ValueError(f"pooling must be 'auto' or one of {POOLINGS}, got {pooling!r}")
+    if freeze_layers < 0:
+        raise ValueError(f"freeze_layers must be >= 0, got {freeze_layers}")
+    if freeze_layers and backbone.lora is not None:
+        raise ValueError("freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already")
+    check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
+
+
 class RewardModule(L.LightningModule):
     """A scalar reward model on a causal-LM or encoder trunk, trained with the Bradley–Terry pairwise loss.
 
@@ -133,20 +155,8 @@ class RewardModule(L.LightningModule):
         packing: bool | None = None,
     ) -> None:
         super().__init__()
-        if length_groups < 1:
-            raise ValueError(f"length_groups must be >= 1, got {length_groups}")
-        if packing and length_groups > 1:
-            raise ValueError(PACKING_WITH_LENGTH_GROUPS)
-        if pooling != "auto" and pooling not in POOLINGS:
-            raise ValueError(f"pooling must be 'auto' or one of {POOLINGS}, got {pooling!r}")
-        if freeze_layers < 0:
-            raise ValueError(f"freeze_layers must be >= 0, got {freeze_layers}")
-        if freeze_layers and as_config(BackboneConfig, backbone).lora is not None:
-            raise ValueError(
-                "freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already"
-            )
-        check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
         backbone = as_config(BackboneConfig, backbone)
+        _check_arguments(backbone, label_smoothing, length_groups, pooling, freeze_layers, packing)
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
             plain_hparams(
