@@ -2,7 +2,7 @@
 
 Silenced: Lightning's "Tip" lines advertising other products (litlogger, litmodels), its GPU/TPU/HPU
 availability lines, its "Seed set to" line, its warning that an epoch has fewer batches than ``log_every_n_steps``, the bitsandbytes
-hint about an optional CPU kernel package, progress bars of the Hugging Face libraries, their log lines below
+hint about an optional CPU kernel package, transformers' missing-attention-mask warning on packed rows, progress bars of the Hugging Face libraries, their log lines below
 WARNING, and a few warnings known to be harmless here (each is named below with why). Nothing is imported:
 the filters attach to loggers and the warnings registry by name, so this costs nothing at start-up.
 
@@ -39,6 +39,10 @@ _LIGHTNING_LOGGERS = (
     "lightning.fabric.utilities.rank_zero",
     "lightning.fabric.utilities.seed",
 )
+# GPT-2's forward warns once when ids without an attention mask hold the pad id at either end; packed rows
+# (``packing``) pass no mask on purpose, their position ids restart per row (rlhf_lit.functional.packing)
+_TRANSFORMERS_NOISE = ("We strongly recommend passing in an `attention_mask`",)
+_NOISY_LOGGERS = (*_LIGHTNING_LOGGERS, "transformers.modeling_utils")
 
 _HARMLESS_WARNINGS = (
     ".*does not have many workers.*",  # the data is tokenised in memory; worker processes would not help
@@ -62,10 +66,11 @@ _HARMLESS_WARNINGS = (
 
 
 class _DropNoise(logging.Filter):
-    """Drops Lightning's advert and device-availability lines unless the command is verbose."""
+    """Drops Lightning's advert and device-availability lines, and transformers' missing-mask warning for
+    packed rows, unless the command is verbose."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _VERBOSE["on"] or not str(record.getMessage()).startswith(_LIGHTNING_NOISE)
+        return _VERBOSE["on"] or not str(record.getMessage()).startswith(_LIGHTNING_NOISE + _TRANSFORMERS_NOISE)
 
 
 _FILTER = _DropNoise()
@@ -160,7 +165,7 @@ def quiet_third_party(verbose: bool | None = None) -> None:
     # Lightning prints its records through its own handler on the "lightning" logger (added on import,
     # whatever the root has); passed on to the root's handler too, every Lightning line showed twice
     logging.getLogger("lightning").propagate = False
-    for name in _LIGHTNING_LOGGERS:
+    for name in _NOISY_LOGGERS:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)

@@ -123,6 +123,7 @@ register_stage(
         data="rlhf_lit.data.preference.PreferenceDataModule",
         planner_phase="reward",
         export_kind="reward_model",
+        checks=("rlhf_lit.checks.check_reward_settings",),
         trains_on_pairs=True,
     )
 )

@@ -23,7 +23,7 @@ The first problem found is raised, naming the config key as the user writes it
 from __future__ import annotations
 
 from rlhf_lit.checks.checkpoint import check_ckpt_path
-from rlhf_lit.checks.lengths import check_data_fits_model, check_lengths, model_positions
+from rlhf_lit.checks.lengths import check_data_fits_model, check_lengths, model_config, model_positions
 from rlhf_lit.checks.paths import check_inputs, check_outputs, config_roots
 from rlhf_lit.checks.rules import (
     DATA_RULES,
@@ -49,6 +49,7 @@ __all__ = [
     "check_settings",
     "check_data_fits_model",
     "check_ppo_settings",
+    "check_reward_settings",
     "model_positions",
     "model_ranges",
 ]
@@ -129,6 +130,22 @@ def _check_something_to_validate(data: dict, trainer: dict) -> None:
 def check_ppo_settings(init: dict, data: dict, trainer: dict) -> None:
     """The PPO stage's consistency checks (the stage table's ``checks`` entry for ``ppo``)."""
     _check_ppo(init, data, trainer)
+
+
+def check_reward_settings(init: dict, data: dict, trainer: dict) -> None:
+    """The reward stage's consistency checks (the stage table's ``checks`` entry for ``reward``): ``packing:
+    true`` with ``length_groups > 1``, or on an encoder backbone (read from its config, no weights)."""
+    from rlhf_lit.models.trunk import is_encoder_config
+    from rlhf_lit.modules.reward import PACKING_ON_ENCODER, PACKING_WITH_LENGTH_GROUPS
+
+    if init.get("packing") is not True:  # None: packed where it can be (RewardModule)
+        return
+    if (init.get("length_groups") or 1) > 1:
+        raise ConfigError(f"model.init_args: {PACKING_WITH_LENGTH_GROUPS}")
+    backbone = init.get("backbone")
+    config = model_config(backbone) if isinstance(backbone, dict) else None
+    if config is not None and is_encoder_config(config):
+        raise ConfigError(f"model.init_args.packing: {PACKING_ON_ENCODER} ({config.model_type} backbone)")
 
 
 def _check_backbone(key: str, backbone: dict) -> None:

@@ -7,12 +7,12 @@ from typing import Any
 from rlhf_lit.checks.rules import get
 from rlhf_lit.errors import ConfigError
 
-__all__ = ["check_data_fits_model", "check_lengths", "model_positions"]
+__all__ = ["check_data_fits_model", "check_lengths", "model_config", "model_positions"]
 
 
-def model_positions(backbone: dict | Any) -> int | None:
-    """The most positions (tokens) a backbone's model takes, read from its config (no weights); None if
-    unknown (a hub id not cached offline, a GGUF file, or a config without a position limit)."""
+def model_config(backbone: dict | Any) -> Any | None:
+    """A backbone's transformers config, read without weights; None if unknown (a hub id not cached offline,
+    a GGUF file, a folder that does not exist yet)."""
     from dataclasses import asdict, is_dataclass
 
     from rlhf_lit.models.architecture import read_architecture
@@ -24,6 +24,15 @@ def model_positions(backbone: dict | Any) -> int | None:
     try:
         config, _ = read_architecture(BackboneConfig(**{**spec, "lora": None}), None)
     except Exception:  # noqa: BLE001 - unknown here; the model load will say what is wrong
+        return None
+    return config
+
+
+def model_positions(backbone: dict | Any) -> int | None:
+    """The most positions (tokens) a backbone's model takes, read from its config (no weights); None if
+    unknown (:func:`model_config`, or a config without a position limit)."""
+    config = model_config(backbone)
+    if config is None:
         return None
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         value = getattr(config, name, None)

@@ -324,13 +324,19 @@ class AdaptedLM(nn.Module):
             self._activate(self.base_adapters + ([self._active] if self._active else []))
             self._restore_trainable()
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Last-layer hidden states ``(B, T, H)`` from the trunk, without vocabulary logits.
 
         Position ids come from the attention mask, so left padding does not shift positions (pitfall: left padding); an
-        encoder's rows must be right padded (``rlhf_lit.models.trunk.trunk_hidden_states``).
+        encoder's rows must be right padded. Packed rows: no mask and ``position_ids`` restarting per row
+        (``rlhf_lit.models.trunk.trunk_hidden_states``).
         """
-        return trunk_hidden_states(self.model, input_ids, attention_mask)
+        return trunk_hidden_states(self.model, input_ids, attention_mask, position_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``(..., V)`` for hidden states ``(..., H)``."""

@@ -95,16 +95,29 @@ def trunk(model: nn.Module) -> nn.Module:
 
 
 def trunk_hidden_states(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Last-layer hidden states ``(B, T, H)`` of a model's trunk (no vocabulary logits).
 
     A causal LM gets position ids from the attention mask, so left padding does not shift positions (pitfall: left padding).
     An encoder gets none (module docstring): its rows must be right padded.
 
+    Packed rows (``rlhf_lit.functional.packing``): ``attention_mask=None`` and ``position_ids`` ``(NB, L)`` that
+    restart at 0 on each row. transformers (5.x, ``masking_utils.find_packed_sequence_indices``, checked with
+    5.24 for GPT-2 and Llama under sdpa and eager) then builds a causal mask confined to each row.
+
     Raises:
-        ValueError: an encoder given a row with padding before a real token.
+        ValueError: an encoder given a row with padding before a real token, or packed rows (it has no
+            packed path); neither a mask nor position ids.
     """
+    if attention_mask is None:
+        if position_ids is None or model_is_encoder(model):
+            raise ValueError("packed rows need position ids and a causal LM (an encoder has no packed path)")
+        out = trunk(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
     if model_is_encoder(model):
         mask = attention_mask.bool()
         if (mask[:, 1:] & ~mask[:, :-1]).any():

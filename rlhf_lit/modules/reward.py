@@ -38,6 +38,7 @@ from torchmetrics import CatMetric
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.losses import bt_pairwise_loss, sft_nll
+from rlhf_lit.functional.packing import pack, pack_layout, unpack
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
 from rlhf_lit.models.heads import POOLINGS, ScalarHead, score_pooled
@@ -66,6 +67,31 @@ from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_hea
 from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
 
 log = logging.getLogger("rlhf_lit")
+
+PACKING_ON_ENCODER = "packing: true needs a causal-LM backbone; an encoder has no packed path (leave packing unset)"
+PACKING_WITH_LENGTH_GROUPS = "packing: true and length_groups > 1 both cut padding; choose one"
+
+
+def _check_arguments(
+    backbone: BackboneConfig,
+    label_smoothing: float,
+    length_groups: int,
+    pooling: str,
+    freeze_layers: int,
+    packing: bool | None,
+) -> None:
+    """What ``RewardModule`` refuses before it loads the model (ValueError, see its docstring)."""
+    if length_groups < 1:
+        raise ValueError(f"length_groups must be >= 1, got {length_groups}")
+    if packing and length_groups > 1:
+        raise ValueError(PACKING_WITH_LENGTH_GROUPS)
+    if pooling != "auto" and pooling not in POOLINGS:
+        raise ValueError(f"pooling must be 'auto' or one of {POOLINGS}, got {pooling!r}")
+    if freeze_layers < 0:
+        raise ValueError(f"freeze_layers must be >= 0, got {freeze_layers}")
+    if freeze_layers and backbone.lora is not None:
+        raise ValueError("freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already")
+    check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
 
 
 class RewardModule(L.LightningModule):
@@ -98,10 +124,16 @@ class RewardModule(L.LightningModule):
         freeze_layers: freeze the embeddings and the lowest this many transformer layers (full fine-tuning
             only: less backward compute, and fewer weights to fit on few pairs); 0 trains everything.
         length_control: length-controlled training (``rlhf_lit.modules.reward_length``); off by default.
+        packing: score the 2B sequences of a training or validation step padding-free: laid end to end in
+            bins no longer than the longest, position ids restarting per sequence and attention confined to
+            each (``rlhf_lit.functional.packing``; docs/scale.md); the same scores within float rounding.
+            ``None`` (default): packed for a causal LM with ``length_groups: 1``, padded otherwise (an encoder
+            has no packed path); ``True``: packed, refused on an encoder or with ``length_groups > 1``.
 
     Raises:
-        ValueError: a setting out of range, an unknown pooling, or ``beta_rm > 0`` on an encoder (it has no
-            language-model head to imitate with).
+        ValueError: a setting out of range, an unknown pooling, ``beta_rm > 0`` or ``packing=True`` on an
+            encoder (it has no language-model head to imitate with, nor a packed path), or ``packing=True`` with
+            ``length_groups > 1``.
     """
 
     def __init__(
@@ -120,20 +152,11 @@ class RewardModule(L.LightningModule):
         pooling: Literal["auto", "last", "mean", "first"] = "auto",
         freeze_layers: int = 0,
         length_control: LengthControl | None = None,
+        packing: bool | None = None,
     ) -> None:
         super().__init__()
-        if length_groups < 1:
-            raise ValueError(f"length_groups must be >= 1, got {length_groups}")
-        if pooling != "auto" and pooling not in POOLINGS:
-            raise ValueError(f"pooling must be 'auto' or one of {POOLINGS}, got {pooling!r}")
-        if freeze_layers < 0:
-            raise ValueError(f"freeze_layers must be >= 0, got {freeze_layers}")
-        if freeze_layers and as_config(BackboneConfig, backbone).lora is not None:
-            raise ValueError(
-                "freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already"
-            )
-        check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
         backbone = as_config(BackboneConfig, backbone)
+        _check_arguments(backbone, label_smoothing, length_groups, pooling, freeze_layers, packing)
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
             plain_hparams(
@@ -152,6 +175,7 @@ class RewardModule(L.LightningModule):
                 pooling=pooling,
                 freeze_layers=freeze_layers,
                 length_control=as_config(LengthControl, length_control),
+                packing=packing,
             )
         )
         self.backbone_cfg = backbone
@@ -167,6 +191,9 @@ class RewardModule(L.LightningModule):
                 raise ValueError(
                     "beta_rm > 0 needs a causal LM head to imitate with; the backbone is an encoder"
                 )
+            if self.is_encoder and packing:
+                raise ValueError(PACKING_ON_ENCODER)
+            self.packing = packing if packing is not None else not self.is_encoder and length_groups == 1
             self.pooling = pooling if pooling != "auto" else "mean" if self.is_encoder else "last"
             self.num_frozen = freeze_lower_layers(self.lm.model, freeze_layers)
             self.head = ScalarHead(hidden_size(model), init_std=head_init_std)
@@ -201,6 +228,11 @@ class RewardModule(L.LightningModule):
         n = batch["chosen_input_ids"].shape[0]
         ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
         mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+        if self.packing:
+            layout = pack_layout(mask)
+            hidden = unpack(self.lm.hidden_states(pack(ids, layout), None, layout.position_ids), layout)
+            scores = score_pooled(self.head, hidden, mask, self.pooling)
+            return scores[:n], scores[n:], hidden if need_hidden else None
         groups = self.hparams.get("length_groups", 1)
         if need_hidden or groups <= 1 or self.device_mesh is not None or ids.shape[0] < 2 * groups:
             hidden = self.lm.hidden_states(ids, mask)

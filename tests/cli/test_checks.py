@@ -274,6 +274,19 @@ def test_max_steps_of_whole_iterations_is_accepted():
             {"data.class_path": "rlhf_lit.data.SFTDataModule"},
             "RewardModule trains on PreferenceDataModule",
         ),
+        (
+            "reward",
+            {"model.init_args.packing": True, "model.init_args.length_groups": 2},
+            "packing: true and length_groups > 1 both cut padding",
+        ),
+        (
+            "reward",
+            {
+                "model.init_args.packing": True,
+                "model.init_args.backbone.tiny": {"model_type": "bert", "num_hidden_layers": 1},
+            },
+            r"model.init_args.packing: packing: true needs a causal-LM backbone.*\(bert backbone\)",
+        ),
     ],
 )
 def test_sft_and_reward_checks(stage, changes, expected):

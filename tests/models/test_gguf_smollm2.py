@@ -47,3 +47,28 @@ def test_gguf_backbone_loads_trains_and_exports_to_plain_transformers(tmp_path):
         generated = reloaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     assert generated.shape[1] == ids.shape[1] + 4
+
+
+def test_packed_rows_give_smollm2_the_hidden_states_of_the_padded_batch():
+    """transformers' packed-sequence mask (no attention mask, position ids restarting per row) applies to the
+    real SmolLM2 (Llama, sdpa): 4 ragged rows in 2 bins give the padded batch's hidden states."""
+    from rlhf_lit.functional.packing import pack, pack_layout, unpack
+
+    backbone = BackboneConfig(**SMOLLM2)
+    tokenizer = load_backbone_tokenizer(backbone)
+    lm = AdaptedLM(load_backbone(backbone, tokenizer)).eval()
+    texts = [
+        "Hello, how are you today?",
+        "A longer sentence about packing rows into bins, no padding.",
+        "Hi",
+        "Medium text.",
+    ]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    layout = pack_layout(mask)
+    assert layout.source.shape[0] < len(texts)  # rows share bins
+    with torch.no_grad():
+        padded = lm.hidden_states(ids, mask)[mask.bool()]
+        packed = unpack(lm.hidden_states(pack(ids, layout), None, layout.position_ids), layout)[mask.bool()]
+    assert padded.abs().max() > 1.0
+    torch.testing.assert_close(packed, padded, atol=1e-4, rtol=1e-4)

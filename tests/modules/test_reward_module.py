@@ -390,8 +390,9 @@ def _pair_batch() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def rm() -> RewardModule:
     torch.manual_seed(0)
-    # a wide head makes the rewards differ by O(1), so every term is far from its value at d = 0
-    return RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"), head_init_std=1.0)
+    # a wide head makes the rewards differ by O(1), so every term is far from its value at d = 0; padded, so
+    # the length_groups tests run length groups (packing's equality: tests/modules/test_packing.py)
+    return RewardModule(BackboneConfig(tiny=TINY_GPT2, tokenizer="byte"), head_init_std=1.0, packing=False)
 
 
 def _expected_loss(rm: RewardModule, batch: dict, eps: float, beta: float, center: float) -> torch.Tensor:

