@@ -87,7 +87,7 @@ class RecomputeUnderForwardAdapters:
     runs the actor and the critic adapters (and DPO the policy and, between forward and backward, the reference
     with adapters off) through one base and backpropagates once, so at backward time the model is switched to
     whichever adapter the last context left on: the recomputed activations, and so the gradients, would be the
-    wrong adapter's (checked: gradients off by up to 1.9 on a tiny GPT-2 actor-critic without this). Through
+    wrong adapter's (pitfall: checkpointing with several adapters). Through
     torch's ``context_fn``, each checkpointed forward records the LoRA layers' adapter state, and its recompute
     runs under that state (switched back afterwards; skipped when it already holds). A no-op for a model
     without gradient checkpointing or without LoRA layers.
