@@ -4,9 +4,10 @@
 0.32.0 wants ``transformers>=5.16.1,<5.20``; this project pins 5.24), so the engine runs in a separate
 virtual environment, behind this small HTTP/JSON server, and the trainer talks to it with the standard library
 (``rlhf_lit.rl.vllm_client``). This module imports only the standard library at module level (and of this
-project ``rlhf_lit.ranges``, standard library only, for its options' ranges), and vLLM through
-``rlhf_lit.vllm_engine.VLLMEngine`` once the options are checked,
-so it runs in the vLLM environment with nothing else of this project::
+project ``rlhf_lit.ranges``, standard library only, for its options' ranges, and ``rlhf_lit.vllm_start``,
+standard library only, which names an engine start failure), and vLLM through
+``rlhf_lit.vllm_engine.VLLMEngine`` once the options are checked, so it runs in the vLLM environment with
+nothing else of this project::
 
     PYTHONPATH=<this repository> ../vllm-venv/bin/python -m rlhf_lit.vllm_server --model <folder> --port 8011
     rlhf-lit vllm-serve --python ../vllm-venv/bin/python --model <folder> --port 8011   # the same
@@ -45,6 +46,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from rlhf_lit.ranges import non_finite, parse_range  # standard library only: the options' ranges
+from rlhf_lit.vllm_start import EngineStartError, start_engine  # standard library only
 
 __all__ = [
     "INITIAL_WEIGHTS",
@@ -271,14 +273,22 @@ def _ranged(kind: type, allowed: str):
     return convert
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, engine_factory=None) -> None:
     """``python -m rlhf_lit.vllm_server --model <folder> [--port 8011] [--dtype float32] ...``: serve until
     interrupted. Prints ``rlhf-lit vllm-serve: ready on http://127.0.0.1:<port>`` once the engine is up.
+
+    Args:
+        argv: the options (None: ``sys.argv[1:]``).
+        engine_factory: builds the engine as ``factory(model, dtype, max_model_len,
+            gpu_memory_utilization, max_lora_rank=...)`` (None: ``rlhf_lit.vllm_engine.VLLMEngine``, after
+            checking that vLLM imports).
 
     Raises:
         SystemExit: 2 with one line for an option outside its range (``--port`` 0-65535, 0 picking a free one;
             ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank`` >= 1), a folder
-            without ``config.json``, or vLLM not importable.
+            without ``config.json``, vLLM not importable, or an engine that did not start
+            (``the vLLM engine did not start: <its own reason> (vLLM's log is above)``, see
+            ``rlhf_lit.vllm_start``).
     """
     parser = _Parser(prog="rlhf-lit vllm-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", help="the vLLM environment's python (read by rlhf-lit vllm-serve; default "
@@ -299,15 +309,19 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
               "architecture, e.g. the SFT export)")
+    if engine_factory is None:
+        try:
+            import vllm  # noqa: F401 -- used by rlhf_lit.vllm_engine
+        except ImportError as err:
+            fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
+                 f"{INSTALL_HINT}")
+        from rlhf_lit.vllm_engine import VLLMEngine as engine_factory
     try:
-        import vllm  # noqa: F401 -- used by rlhf_lit.vllm_engine
-    except ImportError as err:
-        fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
-             f"{INSTALL_HINT}")
-    from rlhf_lit.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.gpu_memory_utilization,
-                        max_lora_rank=args.max_lora_rank if args.enable_lora else None)
+        lora_rank = args.max_lora_rank if args.enable_lora else None
+        engine = start_engine(engine_factory, args.model, args.dtype, args.max_model_len,
+                              args.gpu_memory_utilization, max_lora_rank=lora_rank)
+    except EngineStartError as err:
+        fail(f"the vLLM engine did not start: {err} (vLLM's log is above)")
     server = make_server(engine, port=args.port)
     print(f"rlhf-lit vllm-serve: ready on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:

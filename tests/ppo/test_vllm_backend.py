@@ -591,8 +591,9 @@ def test_an_interpreter_from_the_environment_is_named_as_such(tmp_path):
     assert result.returncode == 2 and f"rlhf-lit: error: --python {missing}2: no such interpreter" in result.stderr
 
 
-def test_the_server_module_imports_nothing_of_the_project_but_its_ranges():
-    """It runs in vLLM's own environment: the standard library, and of this project the range notation only."""
+def test_the_server_module_imports_nothing_of_the_project_but_its_ranges_and_start():
+    """It runs in vLLM's own environment: the standard library, and of this project the range notation and the
+    engine's start (both standard library only)."""
     import subprocess
 
     from tests.tiny_runs import REPO_ROOT
@@ -601,4 +602,6 @@ def test_the_server_module_imports_nothing_of_the_project_but_its_ranges():
     code = code.format(("rlhf_lit", "torch"))
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     out = run.stdout
-    assert out.strip() == "['rlhf_lit', 'rlhf_lit.errors', 'rlhf_lit.ranges', 'rlhf_lit.vllm_server']"
+    assert out.strip() == (
+        "['rlhf_lit', 'rlhf_lit.errors', 'rlhf_lit.ranges', 'rlhf_lit.vllm_server', 'rlhf_lit.vllm_start']"
+    )

@@ -6,7 +6,8 @@ CPU) serves the merged-weights tests of this module: the engine draws from the p
 the trainer's float32 recomputation), an update it missed fires the rollout-policy guard, and a tiny PPO and a tiny
 GRPO run go through ``rlhf-lit fit`` end to end. A second one, ``--enable-lora`` on a tiny Llama (vLLM serves no
 LoRA on GPT-2), serves ``sampling.vllm.weight_sync: lora``: the same two checks with the actor adapter as a LoRA
-request.
+request. An engine that does not start (GPT-2 with ``--enable-lora``) ends ``vllm-serve`` with its own reason in
+one line, exit 2.
 """
 
 from __future__ import annotations
@@ -160,3 +161,20 @@ def test_a_tiny_fit_samples_with_vllm_end_to_end(engine_url, tmp_path, config):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "last.ckpt").exists() or any(tmp_path.rglob("*.ckpt"))
 
+
+
+def test_an_engine_that_does_not_start_ends_the_server_with_its_own_reason(tmp_path):
+    # vLLM serves no LoRA on GPT-2: its worker process refuses, and only the children's log says why
+    load_backbone(BackboneConfig(tiny=ARCH, tokenizer="byte")).save_pretrained(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", VLLM_PYTHON, "--model", str(tmp_path),
+         "--port", "0", "--enable-lora"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    err = result.stderr.splitlines()
+    assert err[-1] == ("rlhf-lit: error: the vLLM engine did not start: GPT2LMHeadModel does not support LoRA yet. "
+                       "(vLLM's log is above)")
+    assert [line for line in err if "rlhf-lit: error:" in line] == [err[-1]]
+    assert "Engine core initialization failed" not in result.stderr  # the parent's wrapper and its traceback
+    assert "ValueError: GPT2LMHeadModel does not support LoRA yet." in result.stdout  # vLLM's own log, kept
