@@ -36,16 +36,23 @@ def _rss_mb() -> float:
 
 
 class StepRSS(L.Callback):
-    """Appends ``{"step", "rss_mb", "peak_mb", "t"}`` to the file named by ``$RLHF_LIT_BENCH_RSS_TRACE`` after
-    every training batch (``peak_mb`` is ``ru_maxrss``, the process's peak so far, in MiB)."""
+    """Appends ``{"step", "rss_mb", "peak_mb", "t"}`` to the file named by ``$RLHF_LIT_BENCH_RSS_TRACE`` when
+    training starts (step 0) and after every training batch (``peak_mb`` is ``ru_maxrss``, the process's peak so
+    far, in MiB)."""
 
     def __init__(self) -> None:
         self.path = Path(os.environ[TRACE_ENV])
         self.t0 = time.perf_counter()
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._write(0)  # step 0: after loading, before the first step (a load-time peak shows here)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._write(int(trainer.global_step) if pl_module.automatic_optimization else batch_idx + 1)
+
+    def _write(self, step: int) -> None:
         line = {
-            "step": int(trainer.global_step) if pl_module.automatic_optimization else batch_idx + 1,
+            "step": step,
             "rss_mb": round(_rss_mb(), 1),
             "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
             "t": round(time.perf_counter() - self.t0, 2),
@@ -124,13 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     if rc != 0:
         raise SystemExit(f"fit failed (rc={rc}); see {work / 'fit.log'}")
     rows = [json.loads(ln) for ln in trace.read_text().splitlines()]
+    loaded_peak = rows[0]["peak_mb"]  # step 0: the peak of loading
+    rows = rows[1:]
     flat, growth = flat_after_warmup([r["peak_mb"] for r in rows], args.flat_tolerance)
     plan_mb = estimate["peak_bytes"] / 2**20
     line = {
         "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
         "threads": args.threads, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "plan_mb": round(plan_mb, 1), "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),
-        "peak_minus_floor_mb": round(peak_mb - floor_mb, 1),
+        "peak_minus_floor_mb": round(peak_mb - floor_mb, 1), "peak_after_loading_mb": loaded_peak,
         "plan_error": round((peak_mb - floor_mb) / plan_mb - 1.0, 3),
         "flat": flat, "growth_second_half": round(growth, 4), "wall_s": round(wall, 1),
         "rss_between_steps_mb": [r["rss_mb"] for r in rows], "peak_by_step_mb": [r["peak_mb"] for r in rows],
