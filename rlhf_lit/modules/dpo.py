@@ -2,8 +2,8 @@
 
 Each training step (the losses are pure functions in ``rlhf_lit.functional.preference``):
 
-1. stack chosen and rejected (or the KTO completions) into one batch and run the policy on it (with
-   ``trim_padding``, once per group of rows of similar length, each group cut to its longest row);
+1. stack chosen and rejected (or the KTO completions) into one batch and run the policy on it (``packing``:
+   the rows end to end without padding; else with ``trim_padding`` once per group of rows of similar length);
 2. sum the log-probs of each response's tokens (``response_logps_from_hidden``: token ``x[i]`` scored at ``i - 1``,
    logits made for response positions only);
 3. the same sums under the reference: from the on-disk cache (``reference_cache``; then no reference forward
@@ -31,7 +31,6 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import HFExport, unless_configured
-from rlhf_lit.data.collate import IGNORE_INDEX
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.functional.preference import (
     LOSS_TYPES,
@@ -39,11 +38,8 @@ from rlhf_lit.functional.preference import (
     chosen_nll,
     dpo_loss,
     kto_loss,
-    response_logps_from_hidden,
-    response_logps_in_length_groups,
     reward_accuracy,
 )
-from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.sharded_load import build_lm, fill_from_checkpoint, weights_deferred
@@ -57,37 +53,18 @@ from rlhf_lit.modules.common import (
     log_data_report,
     plain_hparams,
 )
-from rlhf_lit.modules.dpo_reference import ReferenceSource
+from rlhf_lit.modules.dpo_reference import (
+    ReferenceSource,
+    RowLayout,
+    lm_response_logps,
+    reference_numerics,
+    sequences,
+)
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
 
 log = logging.getLogger("rlhf_lit")
 
 LossTypeArg = Literal["sigmoid", "ipo", "robust", "label_smoothing", "hinge", "simpo", "kto"]
-
-
-def sequences(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask, prompt_len, response_len)`` of a batch, right padded: a pair batch
-    gives its B chosen rows then its B rejected rows (2B rows), an unpaired (KTO) batch its B rows."""
-    if "chosen_input_ids" in batch:
-        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
-        mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
-        prompt_len = batch["prompt_len"].repeat(2)
-        response_len = torch.cat([batch["chosen_response_len"], batch["rejected_response_len"]])
-        return ids, mask, prompt_len, response_len
-    response_len = (batch["labels"] != IGNORE_INDEX).sum(-1)
-    return batch["input_ids"], batch["attention_mask"], batch["prompt_len"], response_len
-
-
-def lm_response_logps(lm: AdaptedLM, ids, mask, prompt_len, response_len, trim_padding: bool) -> torch.Tensor:
-    """``(N,)`` summed response log-probs of ``lm`` (its current adapter setting); only the response
-    positions' hidden states reach the LM head (``response_logps_from_hidden``), and with ``trim_padding``
-    the trunk runs on groups of rows of similar length, each cut to its longest row
-    (``response_logps_in_length_groups``)."""
-    if trim_padding:
-        return response_logps_in_length_groups(
-            lm.hidden_states, lm.logits, ids, mask, prompt_len, response_len
-        )
-    return response_logps_from_hidden(lm.hidden_states(ids, mask), lm.logits, ids, prompt_len, response_len)
 
 
 class DPOModule(L.LightningModule):
@@ -105,21 +82,23 @@ class DPOModule(L.LightningModule):
         nll_coef: weight of the chosen responses' NLL per token (0: none; KTO: the desirable ones).
         desirable_weight: KTO's lambda_D.
         undesirable_weight: KTO's lambda_U.
-        reference_cache: a folder for reference log-probs computed once before training and reused by
-            every run with the same data, tokenizer, reference weights, lengths, trainer precision and
-            ``trim_padding``; computed in the training step's precision context (under ``bf16-mixed``, its
-            autocast), so a cached run's losses are an uncached run's: bit for bit when the cache saw the
-            training batches (``shuffle: false``), else up to the rounding of other batch shapes (under
-            ``bf16-mixed`` on the tiny config: first loss 0.693132 cached, ln 2 = 0.693147 uncached). With it
-            the reference never runs during training.
+        reference_cache: a folder for reference log-probs computed once before training and reused by every
+            run with the same data, tokenizer, reference weights, lengths, precision and row layout (``packing``,
+            ``trim_padding``), in the training step's precision context (``bf16-mixed``: its autocast), so a cached
+            run's losses are an uncached run's: bit for bit when the cache saw the training batches (``shuffle:
+            false``), else up to the rounding of other batch shapes (bf16 tiny config: first loss 0.693132 cached,
+            ln 2 uncached). With it the reference never runs during training.
         reference_copy: full fine-tuning only: keep a second, frozen copy of the model as the reference
             (twice the weight memory) instead of a ``reference_cache``.
-        trim_padding: run each batch's rows through the model in groups of similar length, each cut to its
-            longest row (``response_logps_in_length_groups``): a batch of pairs is often half padding, so this
-            cuts a step's activation memory and time (DPO benchmark: peak live tensors 304 -> 162 MB); the
-            values equal one padded forward's up to float summation order. False: one padded forward per
-            batch (fewer, larger calls). Not used under FSDP2 (``ModelParallelStrategy``): every forward there
-            gathers weights with the other ranks, which must run as many forwards.
+        trim_padding: without ``packing``, run a batch's rows in groups of similar length, each cut to its
+            longest row (``response_logps_in_length_groups``; DPO benchmark: peak live tensors 304 -> 162 MB);
+            False: one padded forward. Not under FSDP2 (``ModelParallelStrategy``): every forward there gathers
+            weights with the other ranks, which must run as many forwards.
+        packing: run each batch's rows padding-free, one forward (``response_logps_packed``; docs/scale.md):
+            end to end in bins no longer than the longest row, position ids restarting per row, attention
+            confined to each row; replaces ``trim_padding``, under FSDP2 too. On by default (bench/RESULTS.md,
+            "DPO: packed vs trim_padding": ~0.6x the padded time, as trimming). Every layout gives the padded
+            forward's values up to float summation order.
         export_dir: at the end of fit, the trained policy is written here in Hugging Face format.
         export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
     """
@@ -138,13 +117,14 @@ class DPOModule(L.LightningModule):
         reference_cache: str | None = None,
         reference_copy: bool = False,
         trim_padding: bool = True,
+        packing: bool = True,
         export_dir: str | None = None,
         export_mode: Literal["auto", "merged", "adapter"] = "auto",
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
-        _check_settings(backbone, loss_type, beta, label_smoothing, reference_cache, reference_copy)
+        _check_settings(backbone, loss_type, beta, label_smoothing, reference_cache, reference_copy, packing)
         self.save_hyperparameters(
             plain_hparams(
                 type(self),
@@ -160,6 +140,7 @@ class DPOModule(L.LightningModule):
                 reference_cache=reference_cache,
                 reference_copy=reference_copy,
                 trim_padding=trim_padding,
+                packing=packing,
                 export_dir=export_dir,
                 export_mode=export_mode,
             )
@@ -167,7 +148,7 @@ class DPOModule(L.LightningModule):
         self.backbone_cfg, self.optim_cfg = backbone, optimizer
         self.loss_type, self.beta = loss_type, float(beta)
         self.export_dir, self.export_mode = export_dir, export_mode
-        self.trim_padding = bool(trim_padding)
+        self.trim_padding, self.packing = bool(trim_padding), packing
         empty = weights_deferred()  # FSDP2: the bases stay on meta until configure_model (as in SFTModule)
         with torch.device("cpu") if empty else nullcontext():
             self.tokenizer = load_backbone_tokenizer(backbone)
@@ -192,23 +173,26 @@ class DPOModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold the trained parameters only (on_save_checkpoint)
 
     # -- the two forwards ------------------------------------------------------------------------------
-    def _trims(self) -> bool:
-        """``trim_padding``, except under FSDP2: there every forward gathers weights with the other ranks, which
-        must run as many forwards (their batches would group differently and the run would hang)."""
-        return self.trim_padding and self.device_mesh is None
+    def _layout(self) -> RowLayout:
+        """``packed`` with ``packing`` (one forward per batch), else ``trimmed`` with ``trim_padding`` except under
+        FSDP2: there every forward gathers weights with the other ranks, which must run as many forwards (their
+        batches would group differently and the run would hang)."""
+        if self.packing:
+            return "packed"
+        return "trimmed" if self.trim_padding and self.device_mesh is None else "padded"
 
     def policy_logps(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
         """``(N,)`` summed response log-probs under the policy (with gradient)."""
-        return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self._trims())
+        return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self._layout())
 
     @torch.no_grad()
     def run_reference(self, ids, mask, prompt_len, response_len) -> torch.Tensor:
         """``(N,)`` summed response log-probs under the reference, one forward (``self.reference`` counts
         them)."""
         if self.reference_lm is not None:
-            return lm_response_logps(self.reference_lm, ids, mask, prompt_len, response_len, self._trims())
+            return lm_response_logps(self.reference_lm, ids, mask, prompt_len, response_len, self._layout())
         with self.lm.reference():
-            return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self._trims())
+            return lm_response_logps(self.lm, ids, mask, prompt_len, response_len, self._layout())
 
     def _reference_weights(self):
         """The tensors the reference reads: the copy's, or the base's and its frozen base adapters' (every
@@ -307,7 +291,7 @@ class DPOModule(L.LightningModule):
         self.reference.prepare(
             getattr(self.trainer, "datamodule", None),
             reference_restored=own and self.trainer.ckpt_path is not None,  # (global_step: restored later)
-            numerics={"precision": str(self.trainer.precision), "trim_padding": self._trims()},
+            numerics=reference_numerics(str(self.trainer.precision), self._layout()),
             context=self.trainer.precision_plugin.train_step_context,
         )
 
@@ -370,7 +354,11 @@ def check_data_kind(loss_type: str, unpaired: bool) -> None:
         )
 
 
-def _check_settings(backbone, loss_type, beta, label_smoothing, reference_cache, reference_copy) -> None:
+def _check_settings(
+    backbone, loss_type, beta, label_smoothing, reference_cache, reference_copy, packing
+) -> None:
+    if not isinstance(packing, bool):
+        raise ConfigError(f"model.init_args.packing must be true or false, got {packing!r}")
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"model.init_args.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if not (isinstance(beta, (int, float)) and beta > 0):

@@ -1,17 +1,22 @@
-"""Where a preference stage's reference log-probs come from: nowhere (reference-free losses), the on-disk
-cache (``rlhf_lit.models.reference_cache``), or a no-grad forward of the reference per batch."""
+"""How a preference stage's rows reach a model (``sequences``; ``lm_response_logps``: packed, trimmed or padded),
+and where its reference log-probs come from: nowhere (reference-free losses), the on-disk cache
+(``rlhf_lit.models.reference_cache``), or a no-grad forward of the reference per batch."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
 
+from rlhf_lit.data.collate import IGNORE_INDEX
 from rlhf_lit.errors import ConfigError
+from rlhf_lit.functional.packing import response_logps_packed
+from rlhf_lit.functional.preference import response_logps_from_hidden, response_logps_in_length_groups
+from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.reference_cache import (
     ReferenceLogpCache,
     data_fingerprint,
@@ -21,7 +26,41 @@ from rlhf_lit.models.reference_cache import (
 
 log = logging.getLogger("rlhf_lit")
 
+RowLayout = Literal["packed", "trimmed", "padded"]
 RunReference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sequences(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, prompt_len, response_len)`` of a batch, right padded: a pair batch
+    gives its B chosen rows then its B rejected rows (2B rows), an unpaired (KTO) batch its B rows."""
+    if "chosen_input_ids" in batch:
+        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+        mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
+        prompt_len = batch["prompt_len"].repeat(2)
+        response_len = torch.cat([batch["chosen_response_len"], batch["rejected_response_len"]])
+        return ids, mask, prompt_len, response_len
+    response_len = (batch["labels"] != IGNORE_INDEX).sum(-1)
+    return batch["input_ids"], batch["attention_mask"], batch["prompt_len"], response_len
+
+
+def lm_response_logps(lm: AdaptedLM, ids, mask, prompt_len, response_len, layout: RowLayout) -> torch.Tensor:
+    """``(N,)`` summed response log-probs of ``lm`` (its current adapter setting), the LM head on response
+    positions only; the trunk runs the rows ``packed`` (``response_logps_packed``), ``trimmed`` (length
+    groups, ``response_logps_in_length_groups``) or ``padded`` (one forward)."""
+    if layout == "packed":
+        trunk = lambda packed_ids, position_ids: lm.hidden_states(packed_ids, None, position_ids)  # noqa: E731
+        return response_logps_packed(trunk, lm.logits, ids, mask, prompt_len, response_len)
+    if layout == "trimmed":
+        return response_logps_in_length_groups(lm.hidden_states, lm.logits, ids, mask, prompt_len, response_len)
+    return response_logps_from_hidden(lm.hidden_states(ids, mask), lm.logits, ids, prompt_len, response_len)
+
+
+def reference_numerics(precision: str, layout: RowLayout) -> dict[str, Any]:
+    """What besides the weights changes a reference log-prob's rounding, for the cache key: the trainer's
+    precision and the row layout. ``trim_padding`` keeps its meaning (True: length groups ran); ``packing: True``
+    joins only for packed rows, so an unpacked run keeps the key it had before packing (its cache stays valid)."""
+    numerics = {"precision": precision, "trim_padding": layout == "trimmed"}
+    return {**numerics, "packing": True} if layout == "packed" else numerics
 
 
 class ReferenceSource:

@@ -57,9 +57,9 @@ Formulae (bytes; every figure per device):
   ``rows * T * (2H + 2I) * s_a + rows * T * H * 4 + rows * R * V * s_a``; with ``reference_cache`` it runs only
   while the cache is first written (before training), a reference-free loss (``simpo``) has none.
   ``reference_copy`` (full fine-tuning) holds a second frozen copy of the weights: ``+ N * s_w``.
-  The plan is of the worst batch, every row ``T`` long: ``trim_padding`` (rows grouped by length, each group cut
-  to its longest row) then saves nothing; on batches whose rows vary it runs below the plan (the DPO benchmark's
-  live tensors: 304 -> 162 MB).
+  The plan is of the worst batch, every row ``T`` long: ``packing`` (rows end to end, no padding) and
+  ``trim_padding`` (rows grouped by length, each group cut to its longest row) then save nothing; on batches
+  whose rows vary it runs below the plan (the DPO benchmark's live tensors with trimming: 304 -> 162 MB).
 
 Peak = weights + adapters + heads + reward model + reference copy + optimizer + the largest phase: SFT /
 reward / DPO step (activations + weight copies + logits + gradients); DPO reference forward; PPO rollout (KV

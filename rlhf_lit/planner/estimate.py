@@ -88,10 +88,10 @@ def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape 
     else:
         if settings.stage == "dpo" and settings.reference:
             _reference_forward(est, z)
-        if settings.stage == "dpo" and settings.trim_padding:
+        if settings.stage == "dpo" and (settings.trim_padding or settings.packing):
             est.notes.append(
-                "trim_padding is on: this is the worst batch (every row as long as the longest); batches whose "
-                "rows differ in length peak lower"
+                f"{'packing' if settings.packing else 'trim_padding'} is on: this is the worst batch (every row as "
+                "long as the longest); batches whose rows differ in length peak lower"
             )
         _training_step(est, z, grads, grad_bytes_per)
     return est

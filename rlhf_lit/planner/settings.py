@@ -62,6 +62,7 @@ class RunSettings:
     reference: str | None = None
     reference_copy: bool = False
     trim_padding: bool = False  # DPO: rows run in length groups (the plan stays the worst batch's)
+    packing: bool = False  # DPO: rows run padding-free (the plan stays the worst batch's)
 
 
 def read_settings(configs: list[str], cli_overrides: list[str] | None = None) -> RunSettings:
@@ -175,13 +176,15 @@ def _dpo_settings(settings: RunSettings, init: dict) -> None:
     from rlhf_lit.modules.dpo import _check_settings
 
     loss_type, cache, copy = init["loss_type"], init["reference_cache"], init["reference_copy"]
-    _check_settings(settings.backbone, loss_type, init["beta"], init["label_smoothing"], cache, copy)
+    packing = init["packing"]
+    _check_settings(settings.backbone, loss_type, init["beta"], init["label_smoothing"], cache, copy, packing)
     settings.rows_per_example = 2 if loss_type in PAIRED_LOSS_TYPES else 1
     settings.response_len = None  # the data decides: the estimate bounds it by T - 1
     free = loss_type in REFERENCE_FREE_LOSS_TYPES
     settings.reference = None if free else "cache" if cache else "step"
     settings.reference_copy = bool(copy) and not free
-    settings.trim_padding = bool(init.get("trim_padding", True))
+    settings.trim_padding = bool(init.get("trim_padding", True)) and not packing
+    settings.packing = bool(packing)
 
 
 def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:

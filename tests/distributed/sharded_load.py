@@ -320,7 +320,8 @@ def whole_dpo(base: Path, kind: str, **extra):
 
 def dpo_reference_loss(base: Path, kind: str, rows: list[list[int]]) -> float:
     """The first loss of the whole, unsharded DPOModule of ``kind`` on the rows of ``preference_rows(kind)``
-    whose (chosen) ids are ``rows``, as one padded forward (as under FSDP2: no ``trim_padding``)."""
+    whose (chosen) ids are ``rows``, in one forward as under FSDP2 (packed by default; ``trim_padding`` never
+    runs there)."""
     module = whole_dpo(base, kind, trim_padding=False)
     key = "input_ids" if kind == "kto" else "chosen_input_ids"
     picked = [r for r in preference_rows(kind) if r[key].tolist() in rows]

@@ -165,9 +165,9 @@ def test_tiny_reward_config_runs_on_two_processes(run):
 
 
 def test_tiny_dpo_config_runs_on_two_processes(run):
-    """trim_padding is on by default: under DDP each rank groups its own rows (forwards need no other rank);
-    under FSDP2 every forward gathers with the other rank, so the module runs one padded forward there (ranks
-    grouping differently would wait for each other forever)."""
+    """packing is on by default: each rank packs its own rows into one forward per batch, under DDP and under
+    FSDP2, where every forward gathers with the other rank (``trim_padding``, a forward per length group, falls
+    back to one padded forward there: ranks grouping differently would wait for each other forever)."""
     strategy, out = run
     result = _read(out / "dpo_tiny.json")
     assert result["finished"] and result["world_size"] == 2 and result["global_step"] == 2

@@ -10,7 +10,7 @@ reuse the process group. Each rank runs the scenarios in the same order; results
 
 Scenarios:
     reward_tiny  ``configs/reward/tiny.yaml`` through the CLI, 2 steps, outputs in ``<out_dir>``.
-    dpo_tiny     ``configs/dpo/tiny.yaml`` through the CLI, 2 steps (``trim_padding`` on).
+    dpo_tiny     ``configs/dpo/tiny.yaml`` through the CLI, 2 steps (``packing`` on).
     ppo_tiny     ``configs/ppo/tiny.yaml`` through the CLI, 2 iterations, with rank 0 forced to emit its
                  stop token first (docs/pitfalls.md: FSDP generation: it must keep stepping until rank 1 finishes).
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
@@ -68,8 +68,8 @@ def reward_tiny(out: Path, strategy: str) -> None:
 
 
 def dpo_tiny(out: Path, strategy: str) -> None:
-    """``configs/dpo/tiny.yaml`` through the CLI, 2 steps, ``trim_padding`` on (the default): each rank's pairs
-    differ in length, so the ranks group their rows differently."""
+    """``configs/dpo/tiny.yaml`` through the CLI, 2 steps, ``packing`` on (the default): each rank's pairs
+    differ in length, so the ranks pack their rows into different bins, one forward each."""
     cli = _cli_fit("configs/dpo/tiny.yaml", out / "dpo_tiny", strategy)
     if S.rank() == 0:
         S.write_json(

@@ -4,7 +4,7 @@ losses as a run without the cache, bit for bit on CPU when the cache saw the sam
 (``shuffle: false``; with shuffled batches a sequence's reference log-prob can differ in the last bit, since
 CPU kernels sum in an order that depends on the batch's shape), also under bf16 autocast (the cache is computed in
 the training step's precision context). Any change of the key's parts (data bytes, length limits, tokenizer,
-reference weights, the trainer's precision, ``trim_padding``) gives another file."""
+reference weights, the trainer's precision, the row layout: ``packing``, ``trim_padding``) gives another file."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from rlhf_lit.errors import ConfigError
 from rlhf_lit.models import BackboneConfig
 from rlhf_lit.models.reference_cache import data_fingerprint, tensor_fingerprint, tokenizer_fingerprint
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
+from rlhf_lit.modules.dpo import sequences
 from tests.conftest import TINY_GPT2
 from tests.dpo.helpers import make_data, make_module, make_trainer, write_pairs
 
@@ -42,9 +43,9 @@ class Record(L.Callback):
         self.forwards["end"] = pl_module.reference.forwards
 
 
-def _fit(tmp_path, data_path, cache=None, precision="32-true", **data_kw):
+def _fit(tmp_path, data_path, cache=None, precision="32-true", module_kw=None, **data_kw):
     torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
-    module = make_module(optimizer={"lr": 1e-2}, reference_cache=cache)
+    module = make_module(optimizer={"lr": 1e-2}, reference_cache=cache, **(module_kw or {}))
     record = Record()
     data = make_data(module, data_path, **data_kw)
     trainer = make_trainer(tmp_path, callbacks=[record], max_epochs=2, limit_val_batches=2, precision=precision)
@@ -111,6 +112,27 @@ def test_changing_a_part_of_the_key_recomputes(tmp_path):
         f.write(json.dumps({"prompt": "Qx: hi", "chosen": " hi!", "rejected": " no"}) + "\n")
     _, record = _fit(tmp_path / "c", data_path, cache)
     assert record.forwards["start"] > 0 and len(os.listdir(cache)) == 3
+
+
+def test_packing_writes_its_own_file_holding_the_padded_forward_values(tmp_path):
+    """Packing changes a reference log-prob's rounding only: its own file (an unpacked run's key is unchanged),
+    whose numbers equal the padded forward's within 1e-5 nats."""
+    data_path = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    cache = str(tmp_path / "cache")
+    packed, record = _fit(tmp_path / "packed", data_path, cache, module_kw={"packing": True}, shuffle=False)
+    assert record.forwards["start"] == 3 and len(os.listdir(cache)) == 1
+    padded, record = _fit(
+        tmp_path / "padded", data_path, cache, module_kw={"packing": False, "trim_padding": False}, shuffle=False
+    )
+    assert record.forwards["start"] == 3 and len(os.listdir(cache)) == 2
+    data = make_data(padded, data_path, shuffle=False)
+    data.setup("fit")
+    for batch in data.train_dataloader():
+        ids, mask, prompt_len, response_len = sequences(batch)
+        expected = padded.reference.cache.lookup(ids, prompt_len, response_len)
+        assert bool((expected < -1.0).all())  # real sums of several tokens' log-probs
+        cached = packed.reference.cache.lookup(ids, prompt_len, response_len)
+        torch.testing.assert_close(cached, expected, atol=1e-5, rtol=0)
 
 
 def test_the_key_parts_see_data_bytes_tokenizer_and_weights(tmp_path):

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.testing import assert_close
 
-from rlhf_lit.functional.packing import first_fit_decreasing, pack, pack_layout, packed_labels, unpack
+from rlhf_lit.functional.packing import (
+    first_fit_decreasing,
+    pack,
+    pack_layout,
+    packed_labels,
+    response_logps_packed,
+    unpack,
+)
+from rlhf_lit.functional.preference import response_logps_from_hidden
 from rlhf_lit.functional.sequence import position_ids_from_mask
 
 
@@ -85,3 +94,57 @@ def test_a_batch_without_real_tokens_gives_one_filler_slot():
     assert layout.shape == (2, 3)
     assert layout.valid.tolist() == [[False]]
     assert torch.equal(unpack(torch.ones(1, 1, 5), layout), torch.zeros(2, 3, 5))
+
+
+def test_packed_logps_equal_one_padded_forward_and_each_row_sees_only_itself():
+    """A causal toy trunk (a running mean of embeddings, as in test_preference_losses' length-groups test),
+    packed: the mean restarts where the position ids restart (a segment per row). Rows 0 and 3 (3 tokens each) share a bin of width 7 after rows 1 and 2 (7 each) take
+    one bin apiece; the packed values and gradients equal the padded forward's, in row order. A trunk whose
+    mean runs across the bin (attention leaking between rows) changes row 3, placed after row 0."""
+    gen = torch.Generator().manual_seed(1)
+    V, H = 13, 5
+    emb = torch.randn(V, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    prompt_len, response_len = torch.tensor([2, 1, 3, 2]), torch.tensor([1, 6, 4, 1])  # lengths 3, 7, 7, 3
+    T = 9
+    ids = torch.randint(1, V, (4, T), generator=gen)
+    mask = (torch.arange(T)[None] < (prompt_len + response_len)[:, None]).long()
+    ids = ids * mask
+    calls = []
+
+    def padded_trunk(input_ids, attention_mask):
+        x = emb[input_ids] * attention_mask[..., None]
+        return x.cumsum(1) / torch.arange(1, input_ids.shape[1] + 1, dtype=x.dtype)[None, :, None]
+
+    def packed_trunk(input_ids, position_ids, leak=False):
+        calls.append((input_ids.tolist(), position_ids.tolist()))
+        x = emb[input_ids]
+        rows = []
+        for b in range(input_ids.shape[0]):
+            out = []
+            for t in range(input_ids.shape[1]):
+                start = 0 if leak else t - int(position_ids[b, t])  # the row's first token
+                out.append(x[b, start : t + 1].mean(0))
+            rows.append(torch.stack(out))
+        return torch.stack(rows)
+
+    def head(h):
+        return h @ weight.T
+
+    packed = response_logps_packed(packed_trunk, head, ids, mask, prompt_len, response_len)
+    (bins, positions), = calls
+    assert bins == [ids[1, :7].tolist(), ids[2, :7].tolist(), ids[0, :3].tolist() + ids[3, :3].tolist() + [0]]
+    assert positions[2] == [0, 1, 2, 0, 1, 2, 0]  # restarting per row; the filler slot counts from 0
+    padded = response_logps_from_hidden(padded_trunk(ids, mask), head, ids, prompt_len, response_len)
+    assert_close(packed, padded, atol=1e-12, rtol=1e-12)
+    for a, b in zip(
+        torch.autograd.grad(packed.sum(), (emb, weight)), torch.autograd.grad(padded.sum(), (emb, weight))
+    ):
+        assert_close(a, b, atol=1e-12, rtol=1e-12)
+    leaky = response_logps_packed(
+        lambda i, p: packed_trunk(i, p, leak=True), head, ids, mask, prompt_len, response_len
+    ).detach()
+    assert_close(leaky[:3], padded.detach()[:3], atol=1e-12, rtol=1e-12)  # rows that open a bin
+    assert abs(float(leaky[3] - padded[3])) > 1e-3
+    with pytest.raises(ValueError, match="within the T columns"):
+        response_logps_packed(packed_trunk, head, ids, mask, prompt_len, response_len + 3)
