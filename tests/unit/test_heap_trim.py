@@ -59,3 +59,14 @@ def test_the_callback_trims_every_n_batches_and_after_validation_on_a_cpu_only()
 def test_every_n_steps_below_one_is_refused():
     with pytest.raises(ValueError, match="every_n_steps must be >= 1, got 0"):
         HeapTrim(every_n_steps=0)
+
+
+@pytest.mark.parametrize("config", ["configs/dpo/smollm2_lora.yaml", "configs/ppo/smollm2_lora.yaml"])
+def test_the_measured_smollm2_configs_trim_the_heap(config):
+    """docs/scale.md measured these two with HeapTrim on; the configs must keep it."""
+    import yaml
+
+    from tests.tiny_runs import REPO_ROOT
+
+    callbacks = yaml.safe_load((REPO_ROOT / config).read_text())["trainer"]["callbacks"]
+    assert {"class_path": "rlhf_lit.callbacks.HeapTrim"} in callbacks
