@@ -90,9 +90,15 @@ def read_architecture(backbone: BackboneConfig, model_config: str | None = None)
             config, source = read_architecture(BackboneConfig(**base), None)
             return config, f"{source} (base of the export {name})"
         kwargs = {"gguf_file": backbone.gguf_file} if backbone.gguf_file else {}
-        return AutoConfig.from_pretrained(
-            path, **kwargs
-        ), f"{'GGUF metadata' if kwargs else 'config.json'} in {path}"
+        try:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        except (ValueError, OSError) as err:  # no config.json, an unknown model_type, a GGUF file not named
+            from rlhf_lit.errors import ConfigError
+
+            hint = "" if kwargs else " (a folder of GGUF files needs backbone.gguf_file)"
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"backbone.name_or_path={name!r}: no model config in {path}: {reason}{hint}") from err
+        return config, f"{'GGUF metadata' if kwargs else 'config.json'} in {path}"
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True), f"cached hub config {name}"
     except Exception:  # noqa: BLE001 - offline and not cached: fall through to the table

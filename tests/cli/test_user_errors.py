@@ -189,6 +189,11 @@ CATALOGUE = [
         ["give a subcommand: fit, validate, test, predict, demo, plan, evaluate"],
     ),
     (
+        "plan_model_folder_without_config",
+        lambda f: ["plan", "--config", "configs/dpo/smollm2_lora.yaml", f"--model.init_args.backbone.name_or_path={f['root']}"],
+        ["no model config in", "a folder of GGUF files needs backbone.gguf_file"],
+    ),
+    (
         "plan_missing_config",
         lambda f: ["plan", "--config", "configs/ppo/nope.yaml"],
         ["plan: --config configs/ppo/nope.yaml: no such config file"],
