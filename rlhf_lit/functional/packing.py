@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lit.functional.preference import response_scoring_mask
-from rlhf_lit.functional.sequence import gather_logprobs
+from rlhf_lit.functional.preference import response_scoring_mask, summed_token_logps
 
 __all__ = [
     "PackedLayout",
@@ -198,9 +197,7 @@ def response_logps_packed(
     packed_ids = pack(input_ids, layout)
     packed_scoring = pack(F.pad(scoring, (0, 1)), layout, fill=False)[:, :-1]  # (NB, L - 1)
     hidden = trunk(packed_ids, layout.position_ids)
-    logits = head(hidden[:, :-1][packed_scoring])  # (N, V)
-    token_logps = gather_logprobs(logits[None], packed_ids[:, 1:][packed_scoring][None])[0]  # (N,)
     rows = layout.source[:, :-1][packed_scoring] // width
-    return torch.zeros(input_ids.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
-        0, rows, token_logps
+    return summed_token_logps(
+        hidden[:, :-1][packed_scoring], head, packed_ids[:, 1:][packed_scoring], rows, input_ids.shape[0]
     )

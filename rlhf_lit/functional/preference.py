@@ -123,12 +123,17 @@ def response_logps_from_hidden(
     if hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be input_ids {tuple(input_ids.shape)} + (H,)")
     mask = response_scoring_mask(prompt_len, response_len, input_ids.shape[1])
-    logits = head(hidden[:, :-1][mask])  # (N, V)
-    token_logps = gather_logprobs(logits[None], input_ids[:, 1:][mask][None])[0]  # (N,)
-    rows = mask.nonzero()[:, 0]
-    return torch.zeros(mask.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
-        0, rows, token_logps
-    )
+    return summed_token_logps(hidden[:, :-1][mask], head, input_ids[:, 1:][mask], mask.nonzero()[:, 0], mask.shape[0])
+
+
+def summed_token_logps(
+    scoring_hidden: Tensor, head: Callable[[Tensor], Tensor], targets: Tensor, rows: Tensor, num_rows: int
+) -> Tensor:
+    """``(num_rows,)`` per-row sums of ``log softmax(head(h))[target]`` over ``N`` scoring positions: ``scoring_hidden``
+    ``(N, H)``, ``targets`` ``(N,)`` the tokens they score, ``rows`` ``(N,)`` the row each belongs to. Shared by the
+    padded (``response_logps_from_hidden``) and packed (``functional.packing.response_logps_packed``) paths."""
+    token_logps = gather_logprobs(head(scoring_hidden)[None], targets[None])[0]  # (N,)
+    return torch.zeros(num_rows, dtype=token_logps.dtype, device=token_logps.device).index_add(0, rows, token_logps)
 
 
 def response_logps_in_length_groups(
