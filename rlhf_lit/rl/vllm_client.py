@@ -134,10 +134,7 @@ class VLLMClient:
         Raises:
             SamplerEngineError: as :meth:`_call`.
         """
-        out = self._call("POST", "/load_weights", {"path": path})
-        if not isinstance(out.get("weights"), str):
-            raise SamplerEngineError(f"the server at {self.url} answered /load_weights with no weights digest")
-        return out
+        return self._load("/load_weights", path, "weights", "weights digest")
 
     def load_lora(self, path: str) -> dict:
         """``POST /load_lora``: ``{"lora": digest, "load_s": seconds}``.
@@ -145,7 +142,10 @@ class VLLMClient:
         Raises:
             SamplerEngineError: as :meth:`_call`.
         """
-        out = self._call("POST", "/load_lora", {"path": path})
-        if not isinstance(out.get("lora"), str):
-            raise SamplerEngineError(f"the server at {self.url} answered /load_lora with no adapter digest")
+        return self._load("/load_lora", path, "lora", "adapter digest")
+
+    def _load(self, endpoint: str, path: str, key: str, what: str) -> dict:
+        out = self._call("POST", endpoint, {"path": path})
+        if not isinstance(out.get(key), str):
+            raise SamplerEngineError(f"the server at {self.url} answered {endpoint} with no {what}")
         return out
