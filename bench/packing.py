@@ -13,8 +13,16 @@ Reward also runs ``length_groups: 4`` and DPO ``trim_padding`` (the padding cuts
 step is its reference forward (no ``reference_cache``) plus the policy's forward and backward. No optimizer
 step: packing changes the forwards and backward only. Results: bench/RESULTS.md ("Packing").
 
+``--stage ppo``: the rows PPO's experience pass and update see with ``configs/ppo/smollm2_lora.yaml``'s data
+settings (HH-RLHF first-turn prompts, chat template, ``max_prompt_length`` 128, 8 prompts, left padded) and
+responses of ``max_new_tokens`` 48, right padded. The response lengths are a stand-in for a policy's samples:
+each prompt's human ``chosen`` response cut at 48 tokens. A step is the experience pass's no-grad reference,
+actor and critic forwards plus one update forward and backward (log-probs and values on real response tokens),
+on an ``ActorCritic`` with actor and critic LoRA adapters r 16 on every linear layer (B randomised).
+
     OMP_NUM_THREADS=1 python bench/packing.py --stage both --model llama --batches 12
     OMP_NUM_THREADS=1 python bench/packing.py --stage dpo --model llama --batches 8
+    OMP_NUM_THREADS=1 python bench/packing.py --stage ppo --model llama --batches 12
 """
 
 from __future__ import annotations
@@ -54,6 +62,26 @@ def _tokenizer_folder() -> str:
     return str(folder)
 
 
+PPO_PROMPT_LEN, PPO_RESPONSE_LEN = 128, 48  # configs/ppo/smollm2_lora.yaml: max_prompt_length, max_new_tokens
+
+
+def _ppo_rows(batch: dict, pad_id: int) -> dict:
+    """A preference batch's chosen rows (right padded) as PPO lays rollouts out: the prompt left padded to
+    width P (its longest), the response cut at ``PPO_RESPONSE_LEN`` and right padded to width R."""
+    import torch
+
+    ids, lengths = batch["chosen_input_ids"], batch["prompt_len"].tolist()
+    responses = [min(int(r), PPO_RESPONSE_LEN) for r in batch["chosen_response_len"]]
+    width_p, width_r = max(lengths), max(responses)
+    out = torch.full((len(lengths), width_p + width_r), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(out)
+    for row, (p, r) in enumerate(zip(lengths, responses)):
+        out[row, width_p - p : width_p] = ids[row, :p]
+        out[row, width_p : width_p + r] = ids[row, p : p + r]
+        mask[row, width_p - p : width_p + r] = 1
+    return {"input_ids": out, "attention_mask": mask, "prompt_len": width_p, "real": mask[:, width_p:].bool()}
+
+
 def _batches(stage: str, tokenizer, count: int) -> list[dict]:
     from rlhf_lit.data import PreferenceDataModule, SFTDataModule
 
@@ -71,6 +99,8 @@ def _batches(stage: str, tokenizer, count: int) -> list[dict]:
     else:
         files = ("hh-rlhf_harmless-base_test.jsonl.gz", "hh-rlhf_helpful-base_test.jsonl.gz")
         lengths = {"max_length": 512, "max_prompt_length": 384} if stage == "dpo" else {"max_length": 320}
+        if stage == "ppo":
+            lengths = {"max_length": PPO_PROMPT_LEN + 256, "max_prompt_length": PPO_PROMPT_LEN}
         data = PreferenceDataModule(
             train_files=[str(DATA / "preference" / f) for f in files],
             format="hh",
@@ -82,7 +112,36 @@ def _batches(stage: str, tokenizer, count: int) -> list[dict]:
             **lengths,
         )
     data.setup("fit")
-    return [b for _, b in zip(range(count), data.train_dataloader())]
+    batches = [b for _, b in zip(range(count), data.train_dataloader())]
+    if stage == "ppo":
+        return [_ppo_rows(b, tokenizer.pad_token_id) for b in batches]
+    return batches
+
+
+def _ppo_variants(tiny: dict, tokenizer: str) -> dict:
+    import torch
+
+    from rlhf_lit.models import BackboneConfig, LoraSettings
+    from rlhf_lit.models.backbone import load_backbone, load_backbone_tokenizer
+    from rlhf_lit.models.policy import ActorCritic
+
+    out = {}
+    for name, packing in (("padded", False), ("packed", True)):
+        lora = LoraSettings(r=16, alpha=32, target_modules="all-linear", dropout=0.0)
+        cfg = BackboneConfig(tiny=tiny, tokenizer=tokenizer, lora=lora)
+        torch.manual_seed(0)
+        base = load_backbone(cfg, load_backbone_tokenizer(cfg))
+        out[name] = ActorCritic(base, lora, LoraSettings(r=16, alpha=32, target_modules="all-linear", dropout=0.0),
+                                packing=packing)
+        out[name].tokenizer = load_backbone_tokenizer(cfg)
+    generator = torch.Generator().manual_seed(0)
+    first = out["padded"]
+    with torch.no_grad():
+        for name, p in first.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02, generator=generator)
+    out["packed"].load_state_dict(first.state_dict())
+    return out
 
 
 def _variants(stage: str, tiny: dict, tokenizer: str) -> dict:
@@ -91,6 +150,8 @@ def _variants(stage: str, tiny: dict, tokenizer: str) -> dict:
     from rlhf_lit.models import BackboneConfig, LoraSettings
     from rlhf_lit.modules import DPOModule, RewardModule, SFTModule
 
+    if stage == "ppo":
+        return _ppo_variants(tiny, tokenizer)
     cls = {"sft": SFTModule, "reward": RewardModule, "dpo": DPOModule}[stage]
     options = {"padded": {"packing": False}, "packed": {"packing": True}}
     lora = None
@@ -119,9 +180,18 @@ def _variants(stage: str, tiny: dict, tokenizer: str) -> dict:
 
 def _step(stage: str, module, batch: dict) -> float:
     """One forward + backward; returns the loss."""
+    import torch
+
     from rlhf_lit.functional.losses import bt_pairwise_loss
 
-    if stage == "sft":
+    if stage == "ppo":
+        ids, mask, width_p, real = batch["input_ids"], batch["attention_mask"], batch["prompt_len"], batch["real"]
+        with torch.no_grad():  # the experience pass
+            module.reference_logprobs(ids, mask, width_p, temperature=0.7)
+            module(ids, mask, width_p, temperature=0.7)
+        out = module(ids, mask, width_p, temperature=0.7)
+        loss = -((out.logprobs * real).sum() + (out.values * real).sum()) / real.sum()
+    elif stage == "sft":
         loss, _ = module._loss(batch)
     elif stage == "dpo":
         loss, _ = module._loss(batch, "train")
@@ -141,7 +211,7 @@ def _token_counts(stage: str, batch: dict) -> tuple[int, int, int, int]:
     from rlhf_lit.functional.packing import pack_layout
     from rlhf_lit.functional.sequence import length_groups
 
-    if stage == "sft":
+    if stage in ("sft", "ppo"):
         mask = batch["attention_mask"]
     else:
         mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])
@@ -198,7 +268,7 @@ def run(stage: str, model: str, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["sft", "reward", "dpo", "both"], default="both", help="both: sft, reward")
+    parser.add_argument("--stage", choices=["sft", "reward", "dpo", "ppo", "both"], default="both", help="both: sft, reward")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama")
     parser.add_argument("--batches", type=int, default=12, help="timed batches per variant")
     args = parser.parse_args(argv)

@@ -9,6 +9,12 @@ Alignment (docs/layout.md): for a sequence ``x`` of length T = P + R whose respo
 response token ``x[P + j]`` comes from the logits at position ``P + j - 1``, and the critic's value for that
 action from the hidden state at the same position. So both read hidden positions ``P - 1 .. P + R - 2``.
 Only those R positions go through the LM head (no (B, T, V) logits).
+
+With ``packing`` the trunk runs each batch padding-free (``rlhf_lit.functional.packing``: rows end to end in bins
+no longer than the longest row, position ids restarting per row, attention confined to each row) and its hidden
+states are put back in the padded layout, zero at padding; at every real token the outputs equal the padded
+forward's up to float summation order. Padding positions (after a response's end) read a zero hidden state
+there instead of a padded forward's; every loss and statistic masks them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from torch import nn
 
 from rlhf_lit.functional.losses import entropy_from_logits
+from rlhf_lit.functional.packing import PackedLayout, pack, pack_layout, unpack
 from rlhf_lit.functional.sequence import gather_logprobs, response_positions
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import LoraSettings
@@ -45,6 +52,7 @@ class ActorCritic(nn.Module):
             trunk (one forward gives logits and values; the value loss then also trains the actor adapter).
         with_critic: False for a critic-free estimator (GRPO, RLOO, REINFORCE++): no critic adapter and no
             value head are built (``critic_lora`` is ignored) and ``values`` are never returned.
+        packing: run every forward (actor, critic, reference) padding-free (module docstring).
     """
 
     def __init__(
@@ -53,8 +61,10 @@ class ActorCritic(nn.Module):
         actor_lora: LoraSettings,
         critic_lora: LoraSettings | None,
         with_critic: bool = True,
+        packing: bool = False,
     ) -> None:
         super().__init__()
+        self.packing = packing
         adapters = {"actor": actor_lora}
         if critic_lora is not None and with_critic:
             adapters["critic"] = critic_lora
@@ -91,8 +101,17 @@ class ActorCritic(nn.Module):
         if adapter is not None and not self.shared_critic:
             self.lm.copy_adapter(adapter, "critic")
 
-    def _response_hidden(self, input_ids, attention_mask, prompt_len: int) -> torch.Tensor:
-        return response_positions(self.lm.hidden_states(input_ids, attention_mask), prompt_len)
+    def _layout(self, attention_mask: torch.Tensor) -> PackedLayout | None:
+        return pack_layout(attention_mask) if self.packing else None
+
+    def _response_hidden(
+        self, input_ids, attention_mask, prompt_len: int, layout: PackedLayout | None
+    ) -> torch.Tensor:
+        if layout is None:
+            hidden = self.lm.hidden_states(input_ids, attention_mask)
+        else:
+            hidden = unpack(self.lm.hidden_states(pack(input_ids, layout), None, layout.position_ids), layout)
+        return response_positions(hidden, prompt_len)
 
     def _logprob_outputs(
         self, hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad=True
@@ -133,11 +152,12 @@ class ActorCritic(nn.Module):
             ``PolicyOutput`` with ``(B, R)`` tensors, R = T - P.
         """
         response_ids = input_ids[:, prompt_len:]
+        layout = self._layout(attention_mask)  # one layout for the actor's and the critic's forward
         out = PolicyOutput()
         want_values = want_values and self.has_critic
         if self.shared_critic or not want_values:
             with self.lm.adapter("actor"):
-                hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
+                hidden = self._response_hidden(input_ids, attention_mask, prompt_len, layout)
             if want_logprobs:
                 out.logprobs, out.entropy = self._logprob_outputs(
                     hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad
@@ -147,12 +167,12 @@ class ActorCritic(nn.Module):
             return out
         if want_logprobs:
             with self.lm.adapter("actor"):
-                hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
+                hidden = self._response_hidden(input_ids, attention_mask, prompt_len, layout)
             out.logprobs, out.entropy = self._logprob_outputs(
                 hidden, response_ids, temperature, want_entropy, chunk_size, entropy_grad
             )
         with self.lm.adapter("critic"):
-            out.values = self.value_head(self._response_hidden(input_ids, attention_mask, prompt_len))
+            out.values = self.value_head(self._response_hidden(input_ids, attention_mask, prompt_len, layout))
         return out
 
     @torch.no_grad()
@@ -161,7 +181,7 @@ class ActorCritic(nn.Module):
     ) -> torch.Tensor:
         """``(B, R)`` log-probs of the response under the reference (all adapters off), at ``temperature``."""
         with self.lm.reference():
-            hidden = self._response_hidden(input_ids, attention_mask, prompt_len)
+            hidden = self._response_hidden(input_ids, attention_mask, prompt_len, self._layout(attention_mask))
             logits = self.lm.logits(hidden)
         return gather_logprobs(
             logits, input_ids[:, prompt_len:], temperature=temperature, chunk_size=chunk_size

@@ -99,6 +99,7 @@ class PPOModule(L.LightningModule):
             default ``build_sampler`` (``HFSampler``; ``CopySampler`` / ``VLLMSampler`` per ``sampling``).
         schedule: the minibatch schedule (``rlhf_lit.rl.update.epoch_schedule`` or one with its signature).
         refill_prompts: ``ppo.dynamic_sampling_max_rounds``' prompts; default ``ppo_build.training_prompts``.
+        packing: the policy's forwards (actor, critic, reference) padding-free (``ActorCritic``; docs/scale.md).
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class PPOModule(L.LightningModule):
         sampler: Callable[..., Sampler] | None = None,
         schedule: Callable | None = None,
         refill_prompts: Callable[[int, int, int], dict] | None = None,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
@@ -144,6 +146,7 @@ class PPOModule(L.LightningModule):
                 log_samples_every=log_samples_every,
                 export_dir=export_dir,
                 export_mode=export_mode,
+                packing=packing,
             )
         )
         self.automatic_optimization = False
@@ -154,7 +157,7 @@ class PPOModule(L.LightningModule):
         check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         backbone.lora.dropout = 0.0  # log-probs must be exact (pitfall: dropout)
         self.tokenizer, self.stop_ids, self.policy, self.reward_source = build_models(
-            backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo
+            backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo, packing
         )
         build_components(self, sampler or build_sampler, schedule or epoch_schedule, refill_prompts)
         self.iteration = 0
@@ -188,9 +191,8 @@ class PPOModule(L.LightningModule):
         return configure_optimizer(self)  # actor and critic parameter groups, a per-step schedule
 
     def configure_callbacks(self):
-        """The outputs the settings ask for: the periodic checkpoint (``ppo.checkpoint_every``), the reward-hacking
-        monitor (``monitor.enabled``), the sample table (``log_samples_every``), the Hugging Face export and the
-        score / KL curves (``export_dir``). One of the same class in ``trainer.callbacks`` is kept instead."""
+        """What the settings ask for: ``ppo.checkpoint_every``, ``monitor.enabled``, the ``log_samples_every`` table,
+        the export and score / KL curves (``export_dir``); one of a class in ``trainer.callbacks`` wins."""
         settings = {k: v for k, v in asdict(self.monitor_cfg).items() if k != "enabled"}
         callbacks = periodic_checkpoint(self.ppo.checkpoint_every, attached_trainer(self))
         callbacks += [RewardHackingMonitor(**settings)] if self.monitor_cfg.enabled else []
@@ -244,9 +246,8 @@ class PPOModule(L.LightningModule):
 
     @torch.no_grad()
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        """``val/score_mean``, ``val/kl_ref`` (k1, nats per response), ``val/response_len`` of sampled
-        responses to validation prompts (``RolloutCollector.validate``: a forked RNG seeded with ``ppo.seed``
-        and the batch index, so validation is repeatable and leaves training untouched)."""
+        """``val/score_mean``, ``val/kl_ref`` (k1, nats per response), ``val/response_len`` of responses to validation
+        prompts (``RolloutCollector.validate``: an RNG forked from ``ppo.seed`` and the batch: repeatable)."""
         scores, kl, lengths = self.collector.validate(batch, batch_idx)
         n = scores.shape[0]
         self.log(M.VAL_SCORE_MEAN, scores.mean(), batch_size=n, sync_dist=True)
@@ -294,7 +295,6 @@ class PPOModule(L.LightningModule):
         self.updater.load_state_dict(state)
 
     def export(self, path: str) -> None:
-        """Write the policy (the actor adapter, merged or alone per ``export_mode``) in Hugging Face format to
-        ``path`` (``rlhf_lit.models.export``); every rank calls it (a collective under FSDP2), rank 0 writes.
-        ``HFExport`` calls it at the end of fit when ``export_dir`` is set."""
+        """The policy (actor adapter merged or alone per ``export_mode``) in HF format to ``path`` (``models.export``;
+        every rank calls it, a collective under FSDP2; rank 0 writes); ``HFExport`` calls it after fit."""
         export_policy(self, path)

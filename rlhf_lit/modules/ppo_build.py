@@ -49,11 +49,12 @@ def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
     return as_config(RewardModelConfig, value)
 
 
-def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic_cfg, ppo):
+def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic_cfg, ppo, packing=False):
     """``(tokenizer, stop_ids, policy, reward_source)``: the policy is an ``ActorCritic`` on the loaded base,
     with a critic adapter and value head only when the algorithm declares ``needs_critic`` (the registry), no
     critic adapter under ``critic.shared_trunk``; the reward source is a ``RewardSource`` or, for a list, a
-    ``MixedReward``. ``critic.init_from_reward`` (PPO-Max) starts the critic from the reward model.
+    ``MixedReward``. ``critic.init_from_reward`` (PPO-Max) starts the critic from the reward model. ``packing``:
+    the policy's forwards run padding-free (``ActorCritic``).
 
     Raises:
         ValueError: a missing-EOS penalty or ``ppo.mask_truncated_completions`` without a stop token, an
@@ -70,7 +71,7 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
     critic_lora = None if critic_cfg.shared_trunk or not with_critic else critic_cfg.lora
     if critic_lora is not None:
         critic_lora.dropout = 0.0  # log-probs and values must be exact (pitfall: dropout)
-    policy = ActorCritic(base, backbone.lora, critic_lora, with_critic)
+    policy = ActorCritic(base, backbone.lora, critic_lora, with_critic, packing)
     if isinstance(reward_cfg, list):
         reward_source = MixedReward(
             reward_cfg,
