@@ -44,6 +44,7 @@ _SUBCOMMAND_OPTION = re.compile(
     r"^Subcommand '(?P<subcommand>[^']+)' does not accept option '(?P<key>[^']+)'$"
 )
 _UNRECOGNIZED = re.compile(r"^unrecognized arguments: (?P<args>.+)$")
+_REQUIRED = re.compile(r"^the following arguments are required: (?P<keys>.+)$")
 _EXPECTED = re.compile(r"^Expected an? (?P<type>.+?)\. Got value: (?P<value>.*)$")
 _NO_ATTRIBUTE = re.compile(r"^module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'$")
 _NUMBER_EXPECTED = re.compile(r"^Expected an? <class '(int|float)'>$")  # a Union's first subtype error
@@ -234,6 +235,12 @@ def condense(message: str, options: list[str] | None = None) -> str:
         The condensed line; the message's first line if its layout is not recognised.
     """
     options = options or []
+    if required := _REQUIRED.match(message.strip().splitlines()[0] if message.strip() else ""):
+        keys = [k.strip().split(".", 1)[-1] for k in required["keys"].split(",")]
+        return (
+            f"no {' and no '.join(keys)} given: name them in a config, e.g. "
+            f"rlhf-lit fit --config configs/sft/tiny.yaml (configs/<stage>/ holds one per stage)"
+        )
     found = _leaf(message)
     if found is None:
         return message.strip().splitlines()[0] if message.strip() else "invalid arguments"

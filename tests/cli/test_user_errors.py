@@ -189,6 +189,11 @@ CATALOGUE = [
         ["give a subcommand: fit, validate, test, predict, demo, plan, evaluate"],
     ),
     (
+        "fit_without_a_config",
+        lambda f: ["fit"],
+        ["no data and no model given: name them in a config, e.g. rlhf-lit fit --config configs/sft/tiny.yaml"],
+    ),
+    (
         "plan_model_folder_without_config",
         lambda f: ["plan", "--config", "configs/dpo/smollm2_lora.yaml", f"--model.init_args.backbone.name_or_path={f['root']}"],
         ["no model config in", "a folder of GGUF files needs backbone.gguf_file"],
