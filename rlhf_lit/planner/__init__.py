@@ -68,7 +68,8 @@ intermediates + the response logits); PPO update (micro-batch activations of one
 processes of two, because there the actor's backward cannot run before the critic's forward + weight copies
 + response logits + gradients). FSDP adds the largest gathered unit.
 
-Not modelled: the CUDA context and allocator fragmentation (the "fits" line adds 10 % + 1 GiB for them),
+Not modelled: the CUDA context and allocator fragmentation (the "fits" line adds 10 % + 1 GiB for them; on a
+CPU, 10 % + 0.6 GiB for the host process: interpreter, libraries, tokenizer, data — ``HOST_PROCESS_BYTES``),
 the optimizer's temporary buffers during ``step`` (foreach AdamW: about one more copy of the trainable
 parameters), dataloader tensors, the prompt/response buffers (KBs), and activation memory of attention
 implementations that do store the T x T matrix (``attn_implementation: eager``).

@@ -10,7 +10,9 @@ if TYPE_CHECKING:  # annotations only: the formulae import nothing heavy (rlhf-l
 
 __all__ = [
     "DTYPE_BYTES",
+    "CUDA_CONTEXT_BYTES",
     "GiB",
+    "HOST_PROCESS_BYTES",
     "MiB",
     "NF4_BYTES_PER_PARAM",
     "activation_bytes",
@@ -23,6 +25,14 @@ GiB = 1024**3
 MiB = 1024**2
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 1 / 4096
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: what a GPU run needs beyond its tensors on the device: the CUDA context and the kernels' workspaces
+CUDA_CONTEXT_BYTES = GiB
+#: what a CPU run needs in host memory beside its tensors: the interpreter, torch, transformers, Lightning and
+#: peft loaded, the tokenizer and the data module. Measured on the CPU (``bench/config_memory.py``): 520 MiB
+#: peak RSS of a process that only imports them; 585 MiB once ``rlhf-lit fit`` has built the SmolLM2 PPO module
+#: and its prompt data, before its weights were read (``docs/scale.md``, "What the shipped real-model configs
+#: do, measured"). The allocator's heap beyond the live tensors is not in it (the 10 % slack covers part).
+HOST_PROCESS_BYTES = 0.6 * GiB
 
 
 def weights_bytes(

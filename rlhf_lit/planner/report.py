@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlhf_lit.planner.estimate import Estimate
 
-from rlhf_lit.planner.formulas import GiB, MiB
+from rlhf_lit.planner.formulas import CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES, GiB, MiB
 
 # the command's --help and its argument errors import nothing heavy: the estimate's modules (which read model
 # configs through transformers) are imported when a plan is made
@@ -55,15 +55,23 @@ def report(est: Estimate, device_memory_gb: float | None = None) -> str:
         need, fits = fit_verdict(est, device_memory_gb)
         lines.append(
             f"  {'fits' if fits else 'does NOT fit'} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB "
-            "with 10 % allocator slack" + ("" if est.settings.accelerator == "cpu" else " + 1 GiB CUDA context")
+            "with 10 % allocator slack"
+            + (
+                f" + {HOST_PROCESS_BYTES / GiB:g} GiB host process (interpreter, libraries, tokenizer, data)"
+                if est.settings.accelerator == "cpu"
+                else f" + {CUDA_CONTEXT_BYTES / GiB:g} GiB CUDA context"
+            )
         )
     return "\n".join(lines)
 
 
 def fit_verdict(est: Estimate, device_memory_gb: float) -> tuple[float, bool]:
-    """``(needed bytes, fits)``: the estimated peak plus 10 % allocator slack, plus 1 GiB of CUDA context unless
-    the config's ``trainer.accelerator`` is the CPU (host memory), against ``device_memory_gb`` GiB."""
-    need = est.peak * 1.10 + (0 if est.settings.accelerator == "cpu" else GiB)
+    """``(needed bytes, fits)``: the estimated peak plus 10 % allocator slack, plus the CUDA context
+    (``CUDA_CONTEXT_BYTES``) on a GPU, or the host process (``HOST_PROCESS_BYTES``) when the config's
+    ``trainer.accelerator`` is the CPU (tensors in host memory beside the interpreter), against
+    ``device_memory_gb`` GiB."""
+    cpu = est.settings.accelerator == "cpu"
+    need = est.peak * 1.10 + (HOST_PROCESS_BYTES if cpu else CUDA_CONTEXT_BYTES)
     return need, need <= device_memory_gb * GiB
 
 

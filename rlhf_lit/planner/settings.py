@@ -34,7 +34,7 @@ class RunSettings:
     backbone: BackboneConfig
     precision: str = "32-true"
     world_size: int = 1
-    accelerator: str = "auto"  # trainer.accelerator: "cpu" has no CUDA context to add
+    accelerator: str = "auto"  # trainer.accelerator: "cpu" adds the host process, not a CUDA context
     sharded: bool = False
     optimizer: str = "adamw"
     # sequences per micro-batch (SFT), pairs per batch (reward, paired DPO), completions per batch (KTO),
