@@ -61,11 +61,13 @@ from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh
 log = logging.getLogger("rlhf_lit")
 
 __all__ = [
+    "build_base",
     "build_lm",
     "checkpoint_files",
     "deferred_weights",
     "empty_backbone",
     "fill_from_checkpoint",
+    "init_meta_adapters",
     "weights_deferred",
 ]
 
@@ -145,7 +147,7 @@ def empty_backbone(cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase) -> P
     return ready_for_training(model, cfg, tokenizer)
 
 
-def _init_meta_adapters(lm: AdaptedLM) -> None:
+def init_meta_adapters(lm: AdaptedLM) -> None:
     """Allocate and initialise LoRA matrices that peft put on meta beside a meta base (A Kaiming, B zero)."""
     for module in lm.model.modules():
         lora_a = getattr(module, "lora_A", None)
@@ -172,18 +174,27 @@ def build_lm(
     parameters on meta and the checkpoint files to fill them from (``fill_from_checkpoint``, after FSDP2 is
     applied). Without ``empty``: exactly ``load_backbone``. Returns ``(lm, files)``; ``files`` is None when
     the weights are loaded already."""
-    files = checkpoint_files(cfg) if empty else None
     with torch.device("cpu") if empty else nullcontext():
-        model = empty_backbone(cfg, tokenizer) if files is not None else None
-        if model is None:
-            if files is not None:
-                log.info("backbone %s: buffers need the weights; loading it whole", cfg.name_or_path)
-            files = None
-            model = load_backbone(cfg, tokenizer)
+        model, files = build_base(cfg, tokenizer, empty)
         lm = AdaptedLM(model, adapters)
         if files is not None:
-            _init_meta_adapters(lm)
+            init_meta_adapters(lm)
     return lm, files
+
+
+def build_base(
+    cfg: BackboneConfig, tokenizer: PreTrainedTokenizerBase, empty: bool
+) -> tuple[PreTrainedModel, list[str] | None]:
+    """The bare base of ``build_lm``, before any adapter: ``(model, files)``, its parameters on meta and the
+    checkpoint files to fill them from when ``empty`` and the backbone can be loaded shard by shard, else
+    ``(load_backbone(cfg, tokenizer), None)``. Adapters added to a meta base need ``init_meta_adapters``."""
+    files = checkpoint_files(cfg) if empty else None
+    model = empty_backbone(cfg, tokenizer) if files is not None else None
+    if model is None:
+        if files is not None:
+            log.info("backbone %s: buffers need the weights; loading it whole", cfg.name_or_path)
+        return load_backbone(cfg, tokenizer), None
+    return model, files
 
 
 def _checkpoint_key(name: str, prefix: str) -> str:

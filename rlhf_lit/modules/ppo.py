@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Literal
 
@@ -26,6 +27,7 @@ from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.backbone import BackboneConfig
 from rlhf_lit.models.reward_source import RewardModelConfig
+from rlhf_lit.models.sharded_load import fill_from_checkpoint, weights_deferred
 from rlhf_lit.modules.common import (
     OptimizerConfig,
     as_config,
@@ -74,25 +76,19 @@ class PPOModule(L.LightningModule):
     A critic-free ``ppo.advantage_estimator`` (one that declares no critic) runs the same iteration without it.
 
     Args:
-        backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora`` is the
-            actor adapter's LoRA settings (required: the reference is the base with adapters off). An SFT
-            export that holds only an adapter (a QLoRA SFT) is loaded as its base plus that adapter, frozen
-            and kept on beneath actor and critic and in the reference, so the reference is the SFT policy.
+        backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora``: the actor
+            adapter (required: the reference is the base with adapters off). An adapter-only SFT export (QLoRA)
+            loads as its base plus that adapter, frozen beneath actor and critic and on in the reference.
         reward_model: the frozen reward model (a separate model or an adapter on this base), or a list of
             weighted reward sources (reward models and ``module:function`` reward functions, e.g.
             ``rlhf_lit.rewards:instruction_constraints``), each logged as ``rollout/score/<name>``.
-        sampling: how responses are sampled.
-        ppo: the PPO update, the advantage estimator, the loss aggregation and the KL placement.
-        kl: the KL penalty and its controller.
-        reward: score normalisation, clipping and the missing-EOS penalty.
-        critic: the critic adapter and value head.
-        optimizer: optimizer and schedule (``lr`` is the actor's; ``critic.lr`` the critic's).
-        ptx: the optional pretraining-mix term.
-        monitor: the reward-hacking monitors (on by default).
+        sampling, ppo: how responses are sampled; the update, advantage estimator, loss aggregation, KL placement.
+        kl, reward: the KL penalty and its controller; score normalisation, clipping, the missing-EOS penalty.
+        critic, optimizer: the critic adapter and value head; optimizer and schedule (``lr`` the actor's).
+        ptx, monitor: the optional pretraining-mix term; the reward-hacking monitors (on by default).
         log_samples_every: write a table of sampled prompts, responses and scores to TensorBoard text
             every this many iterations (0 disables; ``rlhf_lit.callbacks.RolloutSamples``).
-        export_dir: the final policy in Hugging Face format, with ``ppo_curves.png``; null writes neither.
-        export_mode: ``auto`` | ``merged`` | ``adapter``.
+        export_dir, export_mode: the final policy in HF format with ``ppo_curves.png`` (null: neither); how.
         rollout_batch_size: prompts per rollout per rank; linked by the CLI from ``data.init_args.batch_size``
             (not set in YAML); sizes the learning-rate schedule. Default: the trainer's data module's.
         sampler: a factory ``(sampling, stop_ids, pad_token_id) -> Sampler`` (``rlhf_lit.rl.sampler``);
@@ -156,10 +152,12 @@ class PPOModule(L.LightningModule):
         refuse_impossible_settings(self.backbone_cfg, self.sampling)
         check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         backbone.lora.dropout = 0.0  # log-probs must be exact (pitfall: dropout)
-        self.tokenizer, self.stop_ids, self.policy, self.reward_source = build_models(
-            backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo, packing
-        )
-        build_components(self, sampler or build_sampler, schedule or epoch_schedule, refill_prompts)
+        with torch.device("cpu") if (deferred := weights_deferred()) else nullcontext():  # FSDP2: base on meta
+            self.tokenizer, self.stop_ids, self.policy, self.reward_source, self._checkpoint_files = build_models(
+                backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo, packing,
+                deferred,
+            )
+            build_components(self, sampler or build_sampler, schedule or epoch_schedule, refill_prompts)
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.last_rollout: dict[str, list] = {}
@@ -173,15 +171,17 @@ class PPOModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model
-        (``rlhf_lit.parallel``); nothing under other strategies (DDP wraps the whole module itself)."""
-        if (mesh := data_parallel_mesh(self.device_mesh)) is None:
-            return
-        refuse_sharded_settings(self.sampling)
-        shard_lm(self.policy.lm, mesh)
-        if self.policy.value_head is not None:
-            shard_head(self.policy.value_head, mesh)
-        if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
-            shard_lm(self.reward_source.scorer.lm, mesh)
+        (``rlhf_lit.parallel``; DDP wraps the whole module itself); then a policy built on meta reads its shards."""
+        if (mesh := data_parallel_mesh(self.device_mesh)) is not None:
+            refuse_sharded_settings(self.sampling)
+            shard_lm(self.policy.lm, mesh)
+            if self.policy.value_head is not None:
+                shard_head(self.policy.value_head, mesh)
+            if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
+                shard_lm(self.reward_source.scorer.lm, mesh)
+        if self._checkpoint_files is not None:
+            fill_from_checkpoint(self.policy.lm, self._checkpoint_files)
+            self._checkpoint_files = None
 
     def optimizer_steps_per_iteration(self) -> int:
         """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""

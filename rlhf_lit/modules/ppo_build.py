@@ -10,10 +10,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.generation import compute_dtype, resolve_stop_ids
-from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
+from rlhf_lit.models.sharded_load import build_base, init_meta_adapters
 from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
 from rlhf_lit.modules.ppo_config import check_batch_sizes, check_overlong, check_stop_tokens
 from rlhf_lit.parallel import gathered_parameters
@@ -49,12 +50,17 @@ def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
     return as_config(RewardModelConfig, value)
 
 
-def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic_cfg, ppo, packing=False):
-    """``(tokenizer, stop_ids, policy, reward_source)``: the policy is an ``ActorCritic`` on the loaded base,
+def build_models(
+    backbone: BackboneConfig, reward_cfg, sampling, shaping, critic_cfg, ppo, packing=False, deferred=False
+):
+    """``(tokenizer, stop_ids, policy, reward_source, files)``: the policy is an ``ActorCritic`` on the loaded base,
     with a critic adapter and value head only when the algorithm declares ``needs_critic`` (the registry), no
     critic adapter under ``critic.shared_trunk``; the reward source is a ``RewardSource`` or, for a list, a
     ``MixedReward``. ``critic.init_from_reward`` (PPO-Max) starts the critic from the reward model. ``packing``:
-    the policy's forwards run padding-free (``ActorCritic``).
+    the policy's forwards run padding-free (``ActorCritic``). ``deferred`` (FSDP2: the module's
+    ``weights_deferred()``): a base that can be read shard by shard is built on meta and ``files`` are its
+    checkpoint files for ``fill_from_checkpoint`` after sharding, else None (loaded whole; also with a reward
+    adapter on this base).
 
     Raises:
         ValueError: a missing-EOS penalty or ``ppo.mask_truncated_completions`` without a stop token, an
@@ -66,12 +72,17 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
     tokenizer = load_backbone_tokenizer(backbone)
     stop_ids = resolve_stop_ids(sampling, tokenizer)
     check_stop_tokens(shaping.missing_eos_penalty, ppo.mask_truncated_completions, bool(stop_ids))
-    base = load_backbone(backbone, tokenizer)
+    # the base on meta, each rank fills its shards in configure_model; not under a reward adapter, which peft
+    # would load onto the meta base's device
+    empty = deferred and not any(getattr(c, "mode", None) == "adapter" for c in _reward_entries(reward_cfg))
+    base, files = build_base(backbone, tokenizer, empty)
     with_critic = ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
     critic_lora = None if critic_cfg.shared_trunk or not with_critic else critic_cfg.lora
     if critic_lora is not None:
         critic_lora.dropout = 0.0  # log-probs and values must be exact (pitfall: dropout)
     policy = ActorCritic(base, backbone.lora, critic_lora, with_critic, packing)
+    if files is not None:
+        init_meta_adapters(policy.lm)
     if isinstance(reward_cfg, list):
         reward_source = MixedReward(
             reward_cfg,
@@ -86,7 +97,11 @@ def build_models(backbone: BackboneConfig, reward_cfg, sampling, shaping, critic
         in_base = reward_source.scorer is None
         head = reward_source.head if in_base else reward_source.scorer.head
         policy.start_critic_from(head, "reward" if in_base else None)
-    return tokenizer, stop_ids, policy, reward_source
+    return tokenizer, stop_ids, policy, reward_source, files
+
+
+def _reward_entries(reward_cfg) -> list:
+    return list(reward_cfg) if isinstance(reward_cfg, list) else [reward_cfg]
 
 
 def check_sampling_engine(sampling, lora=None) -> None:

@@ -356,3 +356,76 @@ def reference_scores(base: Path, rows: list[list[int]]) -> tuple[list[float], li
     with torch.no_grad():
         chosen, rejected, _ = module._score_pairs(batch)
     return chosen.tolist(), rejected.tolist()
+
+
+# ------------------------------------------------------------------ PPO built on meta (``sharded_ppo``)
+def response_length(prompts, responses, fields):
+    """The PPO scenario's reward function (no reward model: the policy is the only base): response length."""
+    return [float(len(r)) for r in responses]
+
+
+def ppo_module(base: Path, empty_init: bool, trainer):
+    """A PPOModule (GAE, actor and critic LoRA adapters) on the saved base whose policy samples ``param_bytes``
+    after ``__init__``, after ``configure_model`` and around each transformer block's forwards."""
+    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.models import BackboneConfig, LoraSettings
+    from rlhf_lit.modules import PPOModule
+    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig
+    from rlhf_lit.parallel import transformer_blocks
+    from rlhf_lit.rewards import RewardSourceConfig
+
+    class Probed(PPOModule):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.samples = {"init": sum(param_bytes(self.policy))}
+            self.shard_bytes = 0
+
+        def configure_model(self) -> None:
+            blocks = transformer_blocks(self.policy.lm.model)  # found by class name: before FSDP2 renames them
+            super().configure_model()
+            self.shard_bytes, plain = param_bytes(self.policy)
+            self.samples["configure_model"] = self.shard_bytes + plain
+            for i, block in enumerate(blocks):
+                block.register_forward_pre_hook(lambda *_, i=i: self._sample(f"block{i}_pre"))
+                block.register_forward_hook(lambda *_, i=i: self._sample(f"block{i}_post"))
+
+        def _sample(self, name: str) -> None:
+            self.samples[name] = max(self.samples.get(name, 0), self.shard_bytes + param_bytes(self.policy)[1])
+
+    torch.manual_seed(0)  # LoRA and value head: the same on both ranks
+    with trainer.init_module(empty_init=True) if empty_init else torch.device("cpu"):
+        return Probed(
+            backbone=BackboneConfig(name_or_path=str(base), tokenizer="byte", lora=LoraSettings(**LORA)),
+            reward_model=[RewardSourceConfig(name="len", function=f"{__name__}:response_length")],
+            sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
+            ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=1),
+            critic=CriticConfig(lora=LoraSettings(**LORA)),
+            log_samples_every=0,
+        )
+
+
+def run_ppo(out: Path, empty_init: bool) -> dict:
+    """One PPO iteration on 2 ranks x 2 prompts under FSDP2, the policy's base loaded whole or built on meta."""
+    from tests.ppo.helpers import make_data, make_trainer
+
+    name = f"ppo_{'empty' if empty_init else 'whole'}"
+    trainer = make_trainer(out / name, devices=2, strategy=S.strategy_for("fsdp2"))
+    module = ppo_module(out / "base", empty_init, trainer)
+    data = make_data(module, batch_size=2, n=8)
+    torch.manual_seed(1)  # the sampling draws: the same in both runs (building consumed the RNG differently)
+    trainer.fit(module, datamodule=data)
+    samples = dict(module.samples)
+    return {
+        "samples": samples,
+        "peak_param_bytes": max(samples.values()),
+        "shard_bytes": module.shard_bytes,
+        "history": module.history,
+        "world_size": trainer.world_size,
+    }
+
+
+def sharded_ppo(out: Path, strategy: str) -> None:
+    """PPO with the policy's base loaded whole, then built on meta (worker scenario)."""
+    assert strategy == "fsdp2", strategy
+    results = {"whole": run_ppo(out, empty_init=False), "empty": run_ppo(out, empty_init=True)}
+    torch.save(results, out / f"sharded_ppo_rank{S.rank()}.pt")

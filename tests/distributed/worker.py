@@ -20,6 +20,8 @@ Scenarios:
                  loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
     sharded_dpo  FSDP2 only: one DPO / KTO / full fine-tuning DPO (reference copy) step each, built on meta and
                  loaded shard by shard (``sharded_load.DPO_KINDS``); ``<out_dir>/base`` must hold the saved base.
+    sharded_ppo  FSDP2 only: one PPO iteration with the policy's base loaded whole, then built on meta and loaded
+                 shard by shard (``sharded_load.run_ppo``); ``<out_dir>/base`` must hold the saved base.
     sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
 """
 
@@ -39,7 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from tests.distributed import scenarios as S  # noqa: E402
-from tests.distributed.sharded_load import sharded_dpo, sharded_sft  # noqa: E402
+from tests.distributed.sharded_load import sharded_dpo, sharded_ppo, sharded_sft  # noqa: E402
 
 
 def _cli_fit(config: str, root: Path, strategy: str, *extra: str) -> object:
@@ -215,6 +217,7 @@ SCENARIOS = {
     "resume": resume,
     "sharded_sft": sharded_sft,
     "sharded_dpo": sharded_dpo,
+    "sharded_ppo": sharded_ppo,
     "sft_cli_sharded": sft_cli_sharded,
 }
 

@@ -1,0 +1,57 @@
+"""PPO under FSDP2 without any rank holding the policy's whole base: 2 CPU processes (gloo), the saved ~6 MB
+tiny Llama of ``test_sharded_load.py``, a reward function (no reward model).
+
+One worker launch (``worker.py fsdp2 <out> sharded_ppo``) runs one PPO iteration (GAE, actor and critic LoRA
+adapters, 2 prompts per rank, sampling with synchronised ranks) twice: the module built with the base loaded
+whole on every rank, then built under ``trainer.init_module(empty_init=True)``. Checked:
+
+* built on meta, nothing of the base is real after ``__init__`` (the adapters and the value head only), and the
+  rank's peak parameter bytes through sampling, the experience pass and the update stay below the whole base;
+* the iteration logs what the whole-loaded run logs (reference perplexity, entropy, value loss, scores, ...: all
+  computed before its one optimizer step): the same weights, read shard by shard (the LoRA A matrices are drawn
+  on another path, B is zero: the same function until the first update).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import sharded_load as SL
+from tests.distributed.test_two_processes import _launch
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sharded_ppo")
+    full_bytes = SL.save_base(out / "base")
+    _launch("fsdp2", out, ["sharded_ppo"])
+    ranks = [torch.load(out / f"sharded_ppo_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return {"full_bytes": full_bytes, "ranks": ranks}
+
+
+def test_no_rank_holds_the_policys_whole_base(result):
+    full = result["full_bytes"]
+    assert full > 5 * 2**20
+    for rank in result["ranks"]:
+        whole, empty = rank["whole"], rank["empty"]
+        assert whole["world_size"] == empty["world_size"] == 2
+        assert whole["samples"]["init"] > full  # loaded whole: the base and the adapters
+        assert empty["samples"]["init"] < 0.05 * full  # on meta: the two adapters and the value head only
+        assert 0.45 * full < empty["shard_bytes"] < 0.6 * full  # about half the base (+ adapters, head)
+        assert len(empty["samples"]) == 2 + 2 * 6  # init, configure_model, and the 6 blocks' forwards
+        assert empty["peak_param_bytes"] < full, empty["samples"]
+
+
+def test_the_first_iteration_logs_what_whole_loading_logs(result):
+    """Every statistic but the timings and the gradient norm (the gradient of B depends on A) is computed
+    before the iteration's one optimizer step: reference perplexity, entropy, value loss, scores, ..."""
+    for rank in result["ranks"]:
+        whole, empty = rank["whole"]["history"], rank["empty"]["history"]
+        assert len(whole) == len(empty) == 1
+        keys = [k for k in whole[0] if not k.startswith("perf/") and k != "ppo/grad_norm"]
+        assert {"monitor/ref_perplexity", "ppo/entropy", "ppo/value_loss", "rollout/score_mean"} <= set(keys)
+        for key in keys:
+            assert empty[0][key] == pytest.approx(whole[0][key], rel=1e-5, abs=1e-6), key
