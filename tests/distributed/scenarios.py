@@ -10,8 +10,10 @@ import json
 import os
 from pathlib import Path
 
+import lightning as L
 import torch
 
+from rlhf_lit import metrics as M
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
 from rlhf_lit.parallel import gathered_parameters
@@ -190,6 +192,85 @@ def run_equality(out: Path, strategy: str | None, world_size: int, group: bool =
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(result, out / "equality.pt")
+    return result
+
+
+# The DPO equality scenario: 16 pairs in global batches of 4, as 1 process x 4 or 2 ranks x 2 (4 optimizer
+# steps, one epoch). Equal per-rank batches, so DDP's mean of the 2 ranks' gradients (each of the mean loss
+# over the rank's pairs) is the gradient of the mean over the global batch.
+DPO_PAIRS = 16
+DPO_GLOBAL_BATCH = 4
+DPO_SEED = 0  # seed_everything's, as a config's ``seed_everything: 0``
+
+
+def dpo_global_order(n: int, seed: int) -> list[int]:
+    """The order in which ranks under Lightning draw ``n`` training rows in the first epoch, as one list.
+
+    Under several processes Lightning replaces a training loader's sampler by ``DistributedSampler(shuffle=True,
+    seed=<seed_everything's seed>)`` whatever the loader's own ``shuffle`` (its ``_process_dataloader``);
+    rank ``r`` of ``R`` takes rows ``r, r + R, ...`` of that sampler's one permutation, which is this list
+    (the sampler's order for one replica).
+    """
+    from torch.utils.data import DistributedSampler
+
+    return list(DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed))
+
+
+class StepRecorder(L.Callback):
+    """A Lightning callback: after each training batch, the logged ``train/loss`` (this rank's mean over its
+    pairs) and one fingerprint per pair (the sum of its chosen token ids), so a test can see which pairs
+    each rank trained on."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.pairs: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics[M.TRAIN_LOSS]))
+        ids, mask = batch["chosen_input_ids"], batch["chosen_attention_mask"].bool()
+        self.pairs.append([int(row[m].sum()) for row, m in zip(ids, mask)])
+
+
+def run_dpo_equality(out: Path, strategy: str | None, world_size: int) -> dict:
+    """A DPO fit (sigmoid loss, the reference = the base with the LoRA adapter off, ``EQUALITY_OPTIMIZER``) of
+    ``DPO_PAIRS`` pairs in global batches of ``DPO_GLOBAL_BATCH``, per rank ``DPO_GLOBAL_BATCH / world_size``;
+    ``strategy`` as in ``run_equality``. Writes ``dpo_rank<r>.json`` (that rank's logged losses and pairs per
+    step) and, on rank 0, ``dpo_equality.pt`` (the change of every trainable parameter); returns the latter.
+    """
+    from tests.dpo.helpers import make_data, make_module, make_trainer, write_pairs
+
+    out.mkdir(parents=True, exist_ok=True)
+    # one file per process (no race); one process gets no sampler injected, so it reads (unshuffled) a file
+    # written in the order the ranks draw it
+    pairs = Path(write_pairs(out / f"pairs_{os.getpid()}.jsonl", n=DPO_PAIRS))
+    if world_size == 1:
+        rows = pairs.read_text().splitlines()
+        pairs.write_text("".join(rows[i] + "\n" for i in dpo_global_order(DPO_PAIRS, DPO_SEED)))
+    L.seed_everything(DPO_SEED, verbose=False)  # the LoRA init, and the seed of Lightning's sampler
+    module = make_module(loss_type="sigmoid", optimizer=EQUALITY_OPTIMIZER)
+    before = trainable_state(module)
+    if strategy is None:
+        kwargs = {}
+    elif strategy == "ddp_nodes":
+        kwargs = {"num_nodes": world_size, "devices": 1, "strategy": "ddp"}
+    else:
+        kwargs = {"devices": world_size, "strategy": strategy_for(strategy)}
+    recorder = StepRecorder()
+    trainer = make_trainer(out / "run", callbacks=[recorder], **kwargs)
+    data = make_data(module, str(pairs), batch_size=DPO_GLOBAL_BATCH // world_size, val_size=0, shuffle=False)
+    trainer.fit(module, datamodule=data)
+    after = trainable_state(module)
+    write_json(out / f"dpo_rank{rank()}.json", {"losses": recorder.losses, "pairs": recorder.pairs})
+    result = {
+        "delta": {n: after[n] - before[n] for n in after},
+        "losses": recorder.losses,
+        "pairs": recorder.pairs,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "global_step": trainer.global_step,
+    }
+    if rank() == 0:
+        torch.save(result, out / "dpo_equality.pt")
     return result
 
 

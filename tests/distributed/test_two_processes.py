@@ -14,12 +14,15 @@ checks its scenario's results. What is checked:
   gradient norm) -- under DDP and FSDP2 on one machine, and under DDP across 2 "nodes" of one process each,
   launched like a multi-node job (``torchrun --nnodes 2`` twice on localhost, gloo; Lightning
   ``num_nodes=2``);
+* across the same 2 "nodes", a DPO fit (sigmoid loss, LoRA, 4 steps of 2 pairs per rank) logs the losses and
+  makes the updates of one process fitting the same 4-pair global batches;
 * FSDP2 checkpoints, sharded (a folder) and full (one file), resume a PPO run exactly.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -113,6 +116,7 @@ def _launch_two_nodes(out: Path) -> Path:
                 "ddp_nodes",
                 str(out),
                 "equality",
+                "dpo_equality",
             ],
             cwd=REPO_ROOT,
             env=env,
@@ -204,6 +208,45 @@ def test_two_ranks_make_the_same_update_as_one_rank(run, one_rank):
 def test_two_nodes_of_one_process_make_the_same_update_as_one_rank(two_nodes, one_rank):
     two = _check_equality(two_nodes, one_rank)
     assert two["num_nodes"] == 2 and two["world_size"] == 2
+
+
+@pytest.fixture(scope="module")
+def one_process_dpo(tmp_path_factory) -> dict:
+    """The 1-process DPO reference: 4 pairs per batch, in this process."""
+    return S.run_dpo_equality(tmp_path_factory.mktemp("one_process_dpo"), None, world_size=1)
+
+
+def test_two_nodes_of_one_process_make_the_same_dpo_fit_as_one_process(two_nodes, one_process_dpo):
+    """DDP averages the 2 ranks' gradients, each of the mean loss over the rank's 2 pairs: with equal per-rank
+    batches that is the gradient of the mean over the global batch of 4, which one process computes whole."""
+    one = one_process_dpo
+    two = torch.load(two_nodes / "dpo_equality" / "dpo_equality.pt", weights_only=False)
+    ranks = [_read(two_nodes / "dpo_equality" / f"dpo_rank{r}.json") for r in (0, 1)]
+    assert two["num_nodes"] == 2 and two["world_size"] == 2 and one["world_size"] == 1
+    steps = S.DPO_PAIRS // S.DPO_GLOBAL_BATCH
+    assert one["global_step"] == two["global_step"] == steps == 4
+    # each step, the ranks held disjoint halves of the one process's batch (Lightning's DistributedSampler), and
+    # the epoch saw every pair once
+    assert len(set(sum(ranks[0]["pairs"] + ranks[1]["pairs"], []))) == S.DPO_PAIRS
+    for k in range(steps):
+        assert len(ranks[0]["pairs"][k]) == len(ranks[1]["pairs"][k]) == S.DPO_GLOBAL_BATCH // 2
+        assert sorted(ranks[0]["pairs"][k] + ranks[1]["pairs"][k]) == sorted(one["pairs"][k]), k
+    # every loss is log 2 before the first update (lora_B starts at 0); then the mean of the ranks' losses is
+    # the one process's loss, which moved (0.693 -> 0.682) by far more than the tolerance. The two runs sum
+    # in other orders (2 pairs packed per forward vs 4): 4e-7 relative apart at most, measured; 1e-5 allowed.
+    global_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    assert one["losses"][0] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert one["losses"][0] - one["losses"][-1] > 5e-3
+    assert ranks[0]["losses"][1:] != ranks[1]["losses"][1:]  # the ranks' pairs differ, so do their losses
+    assert global_losses == pytest.approx(one["losses"], rel=1e-5)
+    assert set(two["delta"]) == set(one["delta"])
+    # the updates (after - before: lora_A's entries are ~0.1, its changes ~3e-5) agree to 1e-8 + 1e-4 relative;
+    # measured: 9.3e-10 apart at most, where lora_B moves up to 2.9e-3
+    for name, delta in one["delta"].items():
+        assert delta.abs().max() > 1e-5, name  # every LoRA matrix moved (lora_A from the second step on)
+        torch.testing.assert_close(
+            two["delta"][name], delta, rtol=1e-4, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def _check_equality(out: Path, one_rank: dict) -> dict:

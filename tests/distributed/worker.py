@@ -1,7 +1,8 @@
 """Runs the 2-process CPU scenarios of one strategy: ``python worker.py <ddp|fsdp2> <out_dir> <scenario>...``.
 
 ``ddp_nodes`` is DDP across 2 nodes of one process each: the worker is then started by ``torchrun --nnodes 2``
-once per "node" (no Lightning launcher), and ``equality`` runs with ``Trainer(num_nodes=2, devices=1)``.
+once per "node" (no Lightning launcher), and ``equality`` and ``dpo_equality`` run with
+``Trainer(num_nodes=2, devices=1)``.
 
 Started by ``test_two_processes.py`` as an ordinary script. Its first ``Trainer.fit`` makes Lightning's
 launcher start this same command again as rank 1 (``LOCAL_RANK=1``); later fits in the same processes
@@ -15,6 +16,7 @@ Scenarios:
                  stop token first (docs/pitfalls.md: FSDP generation: it must keep stepping until rank 1 finishes).
     equality     ``scenarios.run_equality`` on 2 ranks x 4 prompts (2 global minibatches per epoch, 2 epochs).
     equality_grpo  the same with GRPO and 2 responses per prompt (``run_equality(group=True)``).
+    dpo_equality  ``scenarios.run_dpo_equality``: a DPO fit on 2 ranks x 2 pairs per batch (4 steps).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
     sharded_sft  FSDP2 only: one SFT step with the base loaded whole on every rank, then built on meta and
                  loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
@@ -168,6 +170,10 @@ def equality(out: Path, strategy: str) -> None:
     S.run_equality(out / "equality", strategy, world_size=2)
 
 
+def dpo_equality(out: Path, strategy: str) -> None:
+    S.run_dpo_equality(out / "dpo_equality", strategy, world_size=2)
+
+
 def resume(out: Path, strategy: str) -> None:
     """Exact resume through sharded and full FSDP2 checkpoints (save_distributed_checkpoint True / False)."""
     from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
@@ -214,6 +220,7 @@ SCENARIOS = {
     "ppo_tiny": ppo_tiny,
     "equality": equality,
     "equality_grpo": equality_grpo,
+    "dpo_equality": dpo_equality,
     "resume": resume,
     "sharded_sft": sharded_sft,
     "sharded_dpo": sharded_dpo,
