@@ -45,7 +45,7 @@ def test_a_group_estimator_with_one_sample_is_refused_before_any_model_loads(mon
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(ppo_build, "load_backbone", no_model)
+    monkeypatch.setattr(ppo_build, "build_base", no_model)
     with pytest.raises(ValueError, match=r"num_samples_per_prompt >= 2 \(it is 1\)"):
         _module("grpo", n=1)
 

@@ -176,7 +176,7 @@ def _no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the settings were checked")
 
-    monkeypatch.setattr(ppo_build, "load_backbone", refuse)
+    monkeypatch.setattr(ppo_build, "build_base", refuse)
 
 
 @pytest.mark.parametrize(
