@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlhf_lit.data.formats import Fields, detect_format, required_fields
 from rlhf_lit.data.loading import DataFormatError, display_name, is_hub_id, load_rows, source_name
@@ -334,9 +334,19 @@ class RLHFDataModule(L.LightningDataModule):
         """Training batches, shuffled with a generator seeded from ``seed`` when ``shuffle``.
 
         Every epoch draws its order from that one generator, whose state is in :meth:`state_dict`: a run
-        resumed from an end-of-epoch checkpoint draws the orders an uninterrupted run draws.
+        resumed from an end-of-epoch checkpoint draws the orders an uninterrupted run draws. Under several
+        processes (the attached trainer's ``world_size`` > 1) each rank takes every ``world_size``-th row of one
+        order: a ``DistributedSampler`` seeded with ``seed`` (epoch ``e``: ``randperm`` seeded ``seed + e``,
+        Lightning sets the epoch) when ``shuffle``, the file order otherwise. Lightning keeps that sampler;
+        it would otherwise put in its own, shuffled whatever ``shuffle`` says and seeded by ``seed_everything``.
         """
         self._require_setup()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            sampler = DistributedSampler(
+                self.train_dataset, trainer.world_size, trainer.global_rank, shuffle=self.shuffle, seed=self.seed
+            )
+            return self._loader(self.train_dataset, self.batch_size, sampler=sampler)
         self._train_generator = torch.Generator().manual_seed(self.seed)
         if self._resume_generator is not None:
             self._train_generator.set_state(self._resume_generator)

@@ -90,3 +90,39 @@ def test_an_empty_or_older_state_changes_nothing(write_jsonl, tok):
     dm = _build("sft", write_jsonl, tok)
     dm.load_state_dict({})  # a checkpoint written before the order was saved
     assert _epoch(dm.train_dataloader(), tok) == plain
+
+
+class _Ranks:
+    """What the data module reads of an attached trainer under several processes."""
+
+    def __init__(self, world_size: int, global_rank: int) -> None:
+        self.world_size, self.global_rank = world_size, global_rank
+
+
+@pytest.mark.parametrize("kind", ["sft", "preference"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_under_two_ranks_each_takes_every_other_row_of_one_seeded_order(kind, shuffle, write_jsonl, tok):
+    """Lightning would put its own sampler in (shuffled whatever ``shuffle`` says, seeded by ``seed_everything``);
+    the data module's own keeps ``shuffle`` and ``seed``: epoch e's order is ``randperm(N)`` seeded ``seed + e``
+    (the file order without shuffling), rank r takes its rows r, r + 2, ..."""
+    single = _build(kind, write_jsonl, tok)
+    single.shuffle = False
+    file_order = _epoch(single.train_dataloader(), tok)
+    assert sorted(file_order) == list(range(N))
+    orders = {}
+    for epoch in (0, 1):
+        if shuffle:
+            perm = torch.randperm(N, generator=torch.Generator().manual_seed(single.seed + epoch)).tolist()
+            expected = [file_order[i] for i in perm]
+        else:
+            expected = file_order
+        for rank in (0, 1):
+            dm = _build(kind, write_jsonl, tok)
+            dm.shuffle = shuffle
+            dm.trainer = _Ranks(2, rank)
+            loader = dm.train_dataloader()
+            loader.sampler.set_epoch(epoch)  # what Lightning's fit loop does at each epoch start
+            orders[epoch, rank] = _epoch(loader, tok)
+            assert orders[epoch, rank] == expected[rank::2], (epoch, rank)
+        assert sorted(orders[epoch, 0] + orders[epoch, 1]) == list(range(N))
+    assert (orders[0, 0] != orders[1, 0]) == shuffle  # a new order each epoch, only when shuffling

@@ -203,19 +203,6 @@ DPO_GLOBAL_BATCH = 4
 DPO_SEED = 0  # seed_everything's, as a config's ``seed_everything: 0``
 
 
-def dpo_global_order(n: int, seed: int) -> list[int]:
-    """The order in which ranks under Lightning draw ``n`` training rows in the first epoch, as one list.
-
-    Under several processes Lightning replaces a training loader's sampler by ``DistributedSampler(shuffle=True,
-    seed=<seed_everything's seed>)`` whatever the loader's own ``shuffle`` (its ``_process_dataloader``);
-    rank ``r`` of ``R`` takes rows ``r, r + R, ...`` of that sampler's one permutation, which is this list
-    (the sampler's order for one replica).
-    """
-    from torch.utils.data import DistributedSampler
-
-    return list(DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed))
-
-
 class StepRecorder(L.Callback):
     """A Lightning callback: after each training batch, the logged ``train/loss`` (this rank's mean over its
     pairs) and one fingerprint per pair (the sum of its chosen token ids), so a test can see which pairs
@@ -240,13 +227,10 @@ def run_dpo_equality(out: Path, strategy: str | None, world_size: int) -> dict:
     from tests.dpo.helpers import make_data, make_module, make_trainer, write_pairs
 
     out.mkdir(parents=True, exist_ok=True)
-    # one file per process (no race); one process gets no sampler injected, so it reads (unshuffled) a file
-    # written in the order the ranks draw it
+    # one file per process (no race), read in file order: under 2 ranks the data module's own sampler gives
+    # rank r rows r, r + 2, ... (``BaseDataModule.train_dataloader``), so each global batch is one process's batch
     pairs = Path(write_pairs(out / f"pairs_{os.getpid()}.jsonl", n=DPO_PAIRS))
-    if world_size == 1:
-        rows = pairs.read_text().splitlines()
-        pairs.write_text("".join(rows[i] + "\n" for i in dpo_global_order(DPO_PAIRS, DPO_SEED)))
-    L.seed_everything(DPO_SEED, verbose=False)  # the LoRA init, and the seed of Lightning's sampler
+    L.seed_everything(DPO_SEED, verbose=False)  # the LoRA init
     module = make_module(loss_type="sigmoid", optimizer=EQUALITY_OPTIMIZER)
     before = trainable_state(module)
     if strategy is None:
