@@ -255,6 +255,8 @@ class RewardScorer(nn.Module):
             ``calibrated`` (the default), so that ``sigmoid(score_a - score_b)`` is a calibrated
             preference probability.
         pooling: which state ``h`` is (``rlhf_lit.models.heads``): ``last`` | ``mean`` | ``first``.
+        checkpoint_files: the safetensors files of a base built on meta, read after FSDP2 shards it
+            (``sharded_load.fill_from_checkpoint``); None when the weights are loaded.
     """
 
     def __init__(
@@ -264,8 +266,10 @@ class RewardScorer(nn.Module):
         tokenizer: PreTrainedTokenizerBase,
         temperature: float = 1.0,
         pooling: Pooling = "last",
+        checkpoint_files: list[str] | None = None,
     ) -> None:
         super().__init__()
+        self.checkpoint_files = checkpoint_files  # a base left on meta: read after sharding (load_reward_model)
         # A scorer is only ever evaluated: every dropout probability is 0 (the base's, and the LoRA dropout of
         # a reward model trained with lora.dropout > 0), so identical calls give identical scores in train
         # mode too (PPO keeps its modules in train mode; docs/pitfalls.md: dropout).
@@ -290,13 +294,18 @@ class RewardScorer(nn.Module):
         return scores / self.temperature if calibrated else scores
 
 
-def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | None = None) -> RewardScorer:
+def load_reward_model(
+    path: str, dtype: str | None = None, load_in_4bit: bool | None = None, deferred: bool = False
+) -> RewardScorer:
     """Load a reward model exported by ``RewardModule`` (merged weights, or base + adapter).
 
     Args:
         path: the export folder.
         dtype: override the backbone dtype (e.g. ``bfloat16`` on a GPU).
         load_in_4bit: override 4-bit loading of the backbone.
+        deferred: FSDP2 (``sharded_load.weights_deferred``): a merged causal-LM export in full precision is
+            built on meta and its files are left in the scorer's ``checkpoint_files`` for
+            ``sharded_load.fill_from_checkpoint`` after sharding; anything else loads whole (``None``).
 
     Raises:
         ValueError: if ``path`` is not an rlhf_lit export; ``ExportKindError`` (a ``ValueError``) if it is one of
@@ -312,9 +321,19 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
         base_cfg.dtype = dtype
     if load_in_4bit is not None:
         base_cfg.load_in_4bit = load_in_4bit
+    files = None
     if meta["weights"] == "merged" and not base_cfg.load_in_4bit:
-        auto_class = AutoModel if meta.get("architecture") == "encoder" else AutoModelForCausalLM
-        model = auto_class.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
+        if deferred and meta.get("architecture") != "encoder":
+            from rlhf_lit.models.sharded_load import checkpoint_files, empty_backbone
+
+            # what from_pretrained builds below: the export's own config and dtype, activations as written
+            held = BackboneConfig(name_or_path=path, dtype=base_cfg.dtype, fused_activations=False)
+            files = checkpoint_files(held)
+            model = empty_backbone(held, tokenizer) if files is not None else None
+            files = files if model is not None else None
+        if files is None:
+            auto_class = AutoModel if meta.get("architecture") == "encoder" else AutoModelForCausalLM
+            model = auto_class.from_pretrained(path, dtype=getattr(torch, base_cfg.dtype))
         disable_dropout(model)
         lm = AdaptedLM(model)
     else:  # the adapter on its base (which may itself be an adapter-only export: the adapters stack)
@@ -328,6 +347,7 @@ def load_reward_model(path: str, dtype: str | None = None, load_in_4bit: bool | 
         tokenizer,
         temperature=float(meta.get("temperature", 1.0)),
         pooling=meta.get("pooling", "last"),
+        checkpoint_files=files,
     )
     scorer.eval()
     return scorer

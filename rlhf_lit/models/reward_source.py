@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from rlhf_lit.models.adapters import AdaptedLM
-from rlhf_lit.models.backbone import BackboneConfig, load_backbone, load_backbone_tokenizer
+from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import (
     HEAD_FILE,
     META_FILE,
@@ -60,6 +60,7 @@ from rlhf_lit.models.export import (
 )
 from rlhf_lit.models.heads import ScalarHead, score_pooled
 from rlhf_lit.models.reward_input import RewardInputBuilder, RewardInputFormat, same_encoding
+from rlhf_lit.models.sharded_load import build_base
 from rlhf_lit.models.tokenizer import load_tokenizer
 from rlhf_lit.models.trunk import disable_dropout, fuse_gelu_tanh, hidden_size, model_is_encoder
 
@@ -118,10 +119,11 @@ def load_sequence_classifier(path: str) -> RewardScorer:
     return RewardScorer(AdaptedLM(model), head, load_tokenizer(path)).eval()
 
 
-def untrained_scorer(backbone: BackboneConfig) -> RewardScorer:
-    """A reward model with a random head on a backbone (seeded by ``backbone.seed``): for smoke tests."""
+def untrained_scorer(backbone: BackboneConfig, deferred: bool = False) -> RewardScorer:
+    """A reward model with a random head on a backbone (seeded by ``backbone.seed``): for smoke tests.
+    ``deferred``: as ``load_reward_model``'s (``sharded_load.build_base``)."""
     tokenizer = load_backbone_tokenizer(backbone)
-    model = load_backbone(backbone, tokenizer)
+    model, files = build_base(backbone, tokenizer, deferred)
     state = torch.random.get_rng_state()
     torch.manual_seed(backbone.seed)
     try:
@@ -129,7 +131,7 @@ def untrained_scorer(backbone: BackboneConfig) -> RewardScorer:
     finally:
         torch.random.set_rng_state(state)
     pooling = "mean" if model_is_encoder(model) else "last"
-    return RewardScorer(AdaptedLM(model), head, tokenizer, pooling=pooling).eval()
+    return RewardScorer(AdaptedLM(model), head, tokenizer, pooling=pooling, checkpoint_files=files).eval()
 
 
 class RewardSource(torch.nn.Module):
@@ -140,6 +142,8 @@ class RewardSource(torch.nn.Module):
         policy_tokenizer: the policy's tokenizer.
         policy_lm: the policy's ``AdaptedLM`` (``adapter`` mode loads the reward adapter onto it).
         policy_base: the policy's backbone config (``adapter`` mode checks the reward model's base).
+        deferred: FSDP2: a separate reward model that can be read shard by shard is built on meta, its files in
+            ``scorer.checkpoint_files`` (``load_reward_model``, ``untrained_scorer``).
 
     Attributes:
         same_tokenizer: the reward model encodes text as the policy does (``same_encoding``), so the policy's
@@ -156,6 +160,7 @@ class RewardSource(torch.nn.Module):
         policy_tokenizer: PreTrainedTokenizerBase,
         policy_lm: AdaptedLM | None = None,
         policy_base: BackboneConfig | None = None,
+        deferred: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -178,9 +183,9 @@ class RewardSource(torch.nn.Module):
             self.tokenizer = policy_tokenizer
         else:
             if cfg.backbone is not None:
-                self.scorer = untrained_scorer(cfg.backbone)
+                self.scorer = untrained_scorer(cfg.backbone, deferred)
             elif meta is not None:
-                self.scorer = load_reward_model(cfg.path, dtype=cfg.dtype, load_in_4bit=cfg.load_in_4bit)
+                self.scorer = load_reward_model(cfg.path, cfg.dtype, cfg.load_in_4bit, deferred)
             else:
                 self.scorer = load_sequence_classifier(cfg.path)
             self.tokenizer = self.scorer.tokenizer

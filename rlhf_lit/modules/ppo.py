@@ -153,7 +153,7 @@ class PPOModule(L.LightningModule):
         check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
         backbone.lora.dropout = 0.0  # log-probs must be exact (pitfall: dropout)
         with torch.device("cpu") if (deferred := weights_deferred()) else nullcontext():  # FSDP2: base on meta
-            self.tokenizer, self.stop_ids, self.policy, self.reward_source, self._checkpoint_files = build_models(
+            self.tokenizer, self.stop_ids, self.policy, self.reward_source, self._deferred_loads = build_models(
                 backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo, packing,
                 deferred,
             )
@@ -171,7 +171,7 @@ class PPOModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """FSDP2 under ``ModelParallelStrategy``: shard the policy, its value head and a separate reward model
-        (``rlhf_lit.parallel``; DDP wraps the whole module itself); then a policy built on meta reads its shards."""
+        (``rlhf_lit.parallel``; DDP wraps the whole module itself); then the models built on meta read their shards."""
         if (mesh := data_parallel_mesh(self.device_mesh)) is not None:
             refuse_sharded_settings(self.sampling)
             shard_lm(self.policy.lm, mesh)
@@ -179,9 +179,9 @@ class PPOModule(L.LightningModule):
                 shard_head(self.policy.value_head, mesh)
             if self.reward_source.scorer is not None:  # frozen: sharded to save memory; its head stays whole
                 shard_lm(self.reward_source.scorer.lm, mesh)
-        if self._checkpoint_files is not None:
-            fill_from_checkpoint(self.policy.lm, self._checkpoint_files)
-            self._checkpoint_files = None
+        for lm, files in self._deferred_loads:  # built on meta (FSDP2): each rank reads its shards
+            fill_from_checkpoint(lm, files)
+        self._deferred_loads = []
 
     def optimizer_steps_per_iteration(self) -> int:
         """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""

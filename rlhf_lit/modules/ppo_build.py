@@ -53,14 +53,14 @@ def reward_config(value) -> RewardModelConfig | list[RewardSourceConfig]:
 def build_models(
     backbone: BackboneConfig, reward_cfg, sampling, shaping, critic_cfg, ppo, packing=False, deferred=False
 ):
-    """``(tokenizer, stop_ids, policy, reward_source, files)``: the policy is an ``ActorCritic`` on the loaded base,
+    """``(tokenizer, stop_ids, policy, reward_source, loads)``: the policy is an ``ActorCritic`` on the loaded base,
     with a critic adapter and value head only when the algorithm declares ``needs_critic`` (the registry), no
     critic adapter under ``critic.shared_trunk``; the reward source is a ``RewardSource`` or, for a list, a
     ``MixedReward``. ``critic.init_from_reward`` (PPO-Max) starts the critic from the reward model. ``packing``:
     the policy's forwards run padding-free (``ActorCritic``). ``deferred`` (FSDP2: the module's
-    ``weights_deferred()``): a base that can be read shard by shard is built on meta and ``files`` are its
-    checkpoint files for ``fill_from_checkpoint`` after sharding, else None (loaded whole; also with a reward
-    adapter on this base).
+    ``weights_deferred()``): the policy's base and a separate reward model that can be read shard by shard are
+    built on meta; ``loads`` lists each such ``(AdaptedLM, checkpoint files)`` for ``fill_from_checkpoint``
+    after sharding (empty when all is loaded whole, as with a reward adapter on the policy's base).
 
     Raises:
         ValueError: a missing-EOS penalty or ``ppo.mask_truncated_completions`` without a stop token, an
@@ -90,14 +90,18 @@ def build_models(
             lambda cfg: RewardSource(as_config(RewardModelConfig, cfg), tokenizer, policy.lm, backbone),
         )
     else:
-        reward_source = RewardSource(reward_cfg, tokenizer, policy.lm, backbone)
+        reward_source = RewardSource(reward_cfg, tokenizer, policy.lm, backbone, empty)
     if critic_cfg.init_from_reward:  # PPO-Max; a reward adapter on this base starts the critic adapter
         if isinstance(reward_source, MixedReward):
             raise ValueError("critic.init_from_reward needs one reward model, not a reward_model list")
         in_base = reward_source.scorer is None
         head = reward_source.head if in_base else reward_source.scorer.head
         policy.start_critic_from(head, "reward" if in_base else None)
-    return tokenizer, stop_ids, policy, reward_source, files
+    loads = [(policy.lm, files)] if files is not None else []
+    scorer = getattr(reward_source, "scorer", None)
+    if scorer is not None and scorer.checkpoint_files is not None:
+        loads.append((scorer.lm, scorer.checkpoint_files))
+    return tokenizer, stop_ids, policy, reward_source, loads
 
 
 def _reward_entries(reward_cfg) -> list:

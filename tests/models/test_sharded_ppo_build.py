@@ -94,14 +94,24 @@ def test_the_base_waits_on_meta_for_configure_model_and_then_equals_whole_loadin
         assert not torch.allclose(outs[0].logprobs, refs[0])  # the adapters act
 
 
-def test_a_separate_reward_model_does_not_stop_the_policy_waiting(base):
-    """The separate reward model still loads whole (frozen; FSDP2 shards it after), the policy waits on meta."""
-    with one_thread(), deferred_weights():
-        module = _module(base, "gae", reward="separate")
-    assert any(p.is_meta for p in module.policy.parameters())
-    assert not any(p.is_meta for p in module.reward_source.scorer.parameters())
-    module.configure_model()
-    assert not any(p.is_meta for p in module.policy.parameters())
+def test_a_separate_reward_model_waits_too_and_then_scores_as_loaded_whole(base):
+    """A separate reward model on a folder of safetensors (here an untrained head on the base) is built on meta
+    beside the policy (its head is real) and read in ``configure_model``; it then scores as loaded whole."""
+    with one_thread():
+        whole = _module(base, "gae", reward="separate")
+        with deferred_weights():
+            deferred = _module(base, "gae", reward="separate")
+        scorer = deferred.reward_source.scorer
+        assert any(p.is_meta for p in deferred.policy.parameters())
+        assert any(p.is_meta for p in scorer.lm.parameters()) and not any(
+            p.is_meta for p in scorer.head.parameters()
+        )
+        deferred.configure_model()
+        assert not any(p.is_meta for p in deferred.parameters())
+        ids, mask = _rows()
+        got, expected = scorer.score(ids, mask), whole.reward_source.scorer.score(ids, mask)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert expected.abs().max() > 0
 
 
 def test_outside_fsdp2_nothing_waits(base):
@@ -111,3 +121,33 @@ def test_outside_fsdp2_nothing_waits(base):
     state = {k: v.clone() for k, v in module.policy.state_dict().items()}
     module.configure_model()  # no mesh, nothing deferred: a no-op
     assert all(torch.equal(v, state[k]) for k, v in module.policy.state_dict().items())
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_a_merged_reward_export_loads_on_meta_then_scores_as_loaded_whole(model, tmp_path):
+    """``load_reward_model(..., deferred=True)`` on a merged causal-LM export: the backbone on meta (head real),
+    ``checkpoint_files`` named; filled, it scores what the ordinary load scores, bit for bit (GPT-2 keeps its
+    written GELU, as ``from_pretrained`` builds it)."""
+    from rlhf_lit.models.export import load_reward_model
+    from rlhf_lit.models.sharded_load import fill_from_checkpoint
+    from rlhf_lit.modules import RewardModule
+    from tests.conftest import TINY_GPT2, TINY_LLAMA
+
+    tiny = {"gpt2": TINY_GPT2, "llama": TINY_LLAMA}[model]
+    with one_thread():
+        torch.manual_seed(0)
+        module = RewardModule(BackboneConfig(tiny=tiny, tokenizer="byte"), export_mode="merged")
+        with torch.no_grad():
+            module.head.linear.weight.normal_()
+        module.export(str(tmp_path / "rm"))
+        whole = load_reward_model(str(tmp_path / "rm"))
+        deferred = load_reward_model(str(tmp_path / "rm"), deferred=True)
+        assert whole.checkpoint_files is None and deferred.checkpoint_files == [
+            str(tmp_path / "rm" / "model.safetensors")
+        ]
+        assert all(p.is_meta for p in deferred.lm.parameters()) and not any(
+            p.is_meta for p in deferred.head.parameters()
+        )
+        fill_from_checkpoint(deferred.lm, deferred.checkpoint_files)
+        ids, mask = _rows()
+        torch.testing.assert_close(deferred.score(ids, mask), whole.score(ids, mask), rtol=0, atol=0)
