@@ -17,6 +17,9 @@ from rlhf_lit.callbacks.memory import MMAP_THRESHOLD_MAX, HeapTrim, trim_heap
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc only"
 )
+dynamic_mmap_threshold = pytest.mark.skipif(
+    "MALLOC_MMAP_THRESHOLD_" in os.environ, reason="glibc's threshold is fixed by the environment"
+)
 
 
 def _rss_mb() -> float:
@@ -103,9 +106,18 @@ def _in_a_forked_child(callback: HeapTrim, device: str) -> dict:
     pid = os.fork()
     if pid == 0:  # the child: report and leave without running pytest's exit handlers
         try:
-            # a freed 30 MiB mapping raises glibc's dynamic threshold to 30 MiB; the trim empties the heap's top,
-            # so a 16 MiB block must come from a new mapping or from growing the heap
-            libc.free(libc.malloc(30 * 2**20))
+            # a freed (32 MiB - 64 KiB) mapping raises glibc's dynamic threshold above 16 MiB
+            libc.free(libc.malloc(32 * 2**20 - 2**16))
+            # take every free chunk of 16 MiB or more out of the heap (earlier tests leave hundreds of MiB free),
+            # then trim its top: a 16 MiB block must now come from a new mapping or from growing the heap
+            held = []
+            for _ in range(4096):
+                before = libc.mallinfo2()
+                held.append(libc.malloc(16 * 2**20))
+                after = libc.mallinfo2()
+                if (after.arena, after.hblks) != (before.arena, before.hblks):  # not from a free chunk
+                    libc.free(held.pop())
+                    break
             libc.malloc_trim(0)
             trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
             callback.setup(trainer, _Module("cpu"), "fit")
@@ -122,13 +134,15 @@ def _in_a_forked_child(callback: HeapTrim, device: str) -> dict:
 
 
 @glibc
+@dynamic_mmap_threshold
 def test_the_mmap_threshold_is_set_in_setup_on_a_cpu():
-    # the fixed 1 MiB threshold maps 16 MiB (the dynamic one, at 30 MiB, grew the heap instead), not 512 KiB
+    # the fixed 1 MiB threshold maps 16 MiB (the dynamic one, at 32 MiB, grew the heap instead), not 512 KiB
     seen = _in_a_forked_child(HeapTrim(mmap_threshold=2**20), "cpu")
     assert seen == {"16mib": True, "512kib": False, "set": True}
 
 
 @glibc
+@dynamic_mmap_threshold
 def test_the_mmap_threshold_is_left_alone_by_default_and_off_the_cpu():
     for callback, device in ((HeapTrim(), "cpu"), (HeapTrim(mmap_threshold=2**20), "meta")):
         seen = _in_a_forked_child(callback, device)
