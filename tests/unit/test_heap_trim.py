@@ -164,10 +164,14 @@ def test_glibc_bounds_of_the_mmap_threshold_are_accepted():
 
 @pytest.mark.parametrize("config", ["configs/dpo/smollm2_lora.yaml", "configs/ppo/smollm2_lora.yaml"])
 def test_the_measured_smollm2_configs_trim_the_heap(config):
-    """docs/scale.md measured these two with HeapTrim on; the configs must keep it."""
+    """docs/scale.md measured these two with HeapTrim on (PPO's with a 1 MiB mmap threshold); the configs must keep
+    it."""
     import yaml
 
     from tests.tiny_runs import REPO_ROOT
 
     callbacks = yaml.safe_load((REPO_ROOT / config).read_text())["trainer"]["callbacks"]
-    assert {"class_path": "rlhf_lit.callbacks.HeapTrim"} in callbacks
+    trims = [c for c in callbacks if c["class_path"] == "rlhf_lit.callbacks.HeapTrim"]
+    assert len(trims) == 1
+    threshold = 2**20 if "/ppo/" in config else None
+    assert trims[0].get("init_args", {}).get("mmap_threshold") == threshold
