@@ -7,8 +7,8 @@
   (``ppo.checkpoint_every``); :func:`periodic_checkpoint` decides whether a trainer gets one;
   :func:`run_folder_checkpoint` keeps the other stages' ``last.ckpt`` in the run's folder.
 * :class:`RewardHackingMonitor` (``monitor``): PPO's over-optimisation watch (``monitor.enabled``).
-* :class:`HeapTrim` (``memory``): gives the host heap's free pages back after each step on a CPU (the
-  shipped real-model configs add it).
+* :class:`HeapTrim` (``memory``): gives the host heap's free pages back after each step on a CPU, and optionally
+  fixes glibc's mmap threshold (the shipped real-model configs add it).
 * :class:`GoldScoreCallback` (``gold_score``): the demo's evaluation-only gold score of PPO's samples.
 
 The reward model's calibration report, reliability diagram and export are still written by

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlhf_lit.callbacks.memory import HeapTrim, trim_heap
+from rlhf_lit.callbacks.memory import MMAP_THRESHOLD_MAX, HeapTrim, trim_heap
 
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc only"
+)
+dynamic_mmap_threshold = pytest.mark.skipif(
+    "MALLOC_MMAP_THRESHOLD_" in os.environ, reason="glibc's threshold is fixed by the environment"
 )
 
 
@@ -61,12 +67,111 @@ def test_every_n_steps_below_one_is_refused():
         HeapTrim(every_n_steps=0)
 
 
+class _Mallinfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h: struct mallinfo2
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mmapped(libc, nbytes: int) -> bool:
+    """Whether glibc serves a fresh ``malloc(nbytes)`` with its own mapping (``mallinfo2().hblks`` counts them)."""
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(nbytes)
+    mapped = libc.mallinfo2().hblks == before + 1
+    libc.free(block)
+    return mapped
+
+
+def _in_a_forked_child(callback: HeapTrim, device: str) -> dict:
+    """Run ``callback.setup`` on a trainer of ``device`` in a child process (the threshold outlives the call, so
+    not in pytest's) and report whether glibc then maps a 16 MiB and a 512 KiB block on their own."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.mallinfo2.restype = _Mallinfo2
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running pytest's exit handlers
+        try:
+            # a freed (32 MiB - 64 KiB) mapping raises glibc's dynamic threshold above 16 MiB
+            libc.free(libc.malloc(32 * 2**20 - 2**16))
+            # take every free chunk of 16 MiB or more out of the heap (earlier tests leave hundreds of MiB free),
+            # then trim its top: a 16 MiB block must now come from a new mapping or from growing the heap
+            held = []
+            for _ in range(4096):
+                before = libc.mallinfo2()
+                held.append(libc.malloc(16 * 2**20))
+                after = libc.mallinfo2()
+                if (after.arena, after.hblks) != (before.arena, before.hblks):  # not from a free chunk
+                    libc.free(held.pop())
+                    break
+            libc.malloc_trim(0)
+            trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+            callback.setup(trainer, _Module("cpu"), "fit")
+            seen = {"16mib": _mmapped(libc, 16 * 2**20), "512kib": _mmapped(libc, 512 * 1024)}
+            seen["set"] = callback.mmap_threshold_set
+            os.write(write, json.dumps(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        seen = json.loads(f.read())
+    os.waitpid(pid, 0)
+    return seen
+
+
+@glibc
+@dynamic_mmap_threshold
+def test_the_mmap_threshold_is_set_in_setup_on_a_cpu():
+    # the fixed 1 MiB threshold maps 16 MiB (the dynamic one, at 32 MiB, grew the heap instead), not 512 KiB
+    seen = _in_a_forked_child(HeapTrim(mmap_threshold=2**20), "cpu")
+    assert seen == {"16mib": True, "512kib": False, "set": True}
+
+
+@glibc
+@dynamic_mmap_threshold
+def test_the_mmap_threshold_is_left_alone_by_default_and_off_the_cpu():
+    for callback, device in ((HeapTrim(), "cpu"), (HeapTrim(mmap_threshold=2**20), "meta")):
+        seen = _in_a_forked_child(callback, device)
+        assert seen == {"16mib": False, "512kib": False, "set": False}
+
+
+@pytest.mark.parametrize("value", [-1, MMAP_THRESHOLD_MAX + 1, 1.5, "1048576", True])
+def test_an_mmap_threshold_outside_glibc_range_is_refused(value):
+    with pytest.raises(
+        ValueError, match=r"mmap_threshold must be a whole number of bytes in \[0, 33554432\]"
+    ):
+        HeapTrim(mmap_threshold=value)
+
+
+def test_glibc_bounds_of_the_mmap_threshold_are_accepted():
+    assert HeapTrim(mmap_threshold=0).mmap_threshold == 0
+    assert HeapTrim(mmap_threshold=32 * 2**20).mmap_threshold == 33554432  # 4 * 1024 * 1024 * sizeof(long)
+
+
 @pytest.mark.parametrize("config", ["configs/dpo/smollm2_lora.yaml", "configs/ppo/smollm2_lora.yaml"])
 def test_the_measured_smollm2_configs_trim_the_heap(config):
-    """docs/scale.md measured these two with HeapTrim on; the configs must keep it."""
+    """docs/scale.md measured these two with HeapTrim on (PPO's with a 1 MiB mmap threshold); the configs must keep
+    it."""
     import yaml
 
     from tests.tiny_runs import REPO_ROOT
 
     callbacks = yaml.safe_load((REPO_ROOT / config).read_text())["trainer"]["callbacks"]
-    assert {"class_path": "rlhf_lit.callbacks.HeapTrim"} in callbacks
+    trims = [c for c in callbacks if c["class_path"] == "rlhf_lit.callbacks.HeapTrim"]
+    assert len(trims) == 1
+    threshold = 2**20 if "/ppo/" in config else None
+    assert trims[0].get("init_args", {}).get("mmap_threshold") == threshold
