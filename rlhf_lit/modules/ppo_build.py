@@ -37,6 +37,7 @@ __all__ = [
     "export_policy",
     "hparams_of",
     "optimizer_steps_per_iteration",
+    "reward_adapter_on_base",
     "reward_config",
     "rollout_prompts",
     "rollout_settings",
@@ -74,7 +75,7 @@ def build_models(
     check_stop_tokens(shaping.missing_eos_penalty, ppo.mask_truncated_completions, bool(stop_ids))
     # the base on meta, each rank fills its shards in configure_model; not under a reward adapter, which peft
     # would load onto the meta base's device
-    empty = deferred and not any(getattr(c, "mode", None) == "adapter" for c in _reward_entries(reward_cfg))
+    empty = deferred and not reward_adapter_on_base(reward_cfg)
     base, files = build_base(backbone, tokenizer, empty)
     with_critic = ppo.needs_critic  # critic-free estimators: no critic adapter, no value head
     critic_lora = None if critic_cfg.shared_trunk or not with_critic else critic_cfg.lora
@@ -104,8 +105,12 @@ def build_models(
     return tokenizer, stop_ids, policy, reward_source, loads
 
 
-def _reward_entries(reward_cfg) -> list:
-    return list(reward_cfg) if isinstance(reward_cfg, list) else [reward_cfg]
+def reward_adapter_on_base(reward_cfg) -> bool:
+    """Whether the reward model, or a reward model of a ``reward_model`` list, is an adapter on the policy's base."""
+    if isinstance(reward_cfg, list):
+        models = [as_config(RewardModelConfig, c.model) for c in reward_cfg if c.model is not None]
+        return any(m.mode == "adapter" for m in models)
+    return reward_cfg.mode == "adapter"
 
 
 def check_sampling_engine(sampling, lora=None) -> None:

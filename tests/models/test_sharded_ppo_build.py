@@ -151,3 +151,19 @@ def test_a_merged_reward_export_loads_on_meta_then_scores_as_loaded_whole(model,
         fill_from_checkpoint(deferred.lm, deferred.checkpoint_files)
         ids, mask = _rows()
         torch.testing.assert_close(deferred.score(ids, mask), whole.score(ids, mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_reward_adapter_on_the_base_keeps_the_policy_loaded_whole(listed):
+    """peft would load a reward adapter onto the meta base's device: with one (alone or in a ``reward_model``
+    list) the policy's base is loaded whole even under FSDP2."""
+    from rlhf_lit.modules.ppo_build import reward_adapter_on_base
+
+    adapter = RewardModelConfig(path="rm", mode="adapter")
+    separate = RewardModelConfig(path="rm")
+    if listed:
+        fn = RewardSourceConfig(function=f"{__name__}:response_length")
+        assert reward_adapter_on_base([fn, RewardSourceConfig(model={"path": "rm", "mode": "adapter"})])
+        assert not reward_adapter_on_base([fn, RewardSourceConfig(model={"path": "rm"})])
+    else:
+        assert reward_adapter_on_base(adapter) and not reward_adapter_on_base(separate)
