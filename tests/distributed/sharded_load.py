@@ -364,9 +364,10 @@ def response_length(prompts, responses, fields):
     return [float(len(r)) for r in responses]
 
 
-def ppo_module(base: Path, empty_init: bool, trainer):
-    """A PPOModule (GAE, actor and critic LoRA adapters) on the saved base whose policy samples ``param_bytes``
-    after ``__init__``, after ``configure_model`` and around each transformer block's forwards."""
+def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae"):
+    """A PPOModule (``estimator``: GAE with actor and critic LoRA adapters, or GRPO with the actor's only and 2
+    responses per prompt) on the saved base whose policy samples ``param_bytes`` after ``__init__``, after
+    ``configure_model`` and around each transformer block's forwards."""
     from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig, LoraSettings
     from rlhf_lit.modules import PPOModule
@@ -392,25 +393,29 @@ def ppo_module(base: Path, empty_init: bool, trainer):
         def _sample(self, name: str) -> None:
             self.samples[name] = max(self.samples.get(name, 0), self.shard_bytes + param_bytes(self.policy)[1])
 
+    group = 2 if estimator == "grpo" else 1
     torch.manual_seed(0)  # LoRA and value head: the same on both ranks
     with trainer.init_module(empty_init=True) if empty_init else torch.device("cpu"):
         return Probed(
             backbone=BackboneConfig(name_or_path=str(base), tokenizer="byte", lora=LoraSettings(**LORA)),
             reward_model=[RewardSourceConfig(name="len", function=f"{__name__}:response_length")],
-            sampling=SamplingConfig(max_new_tokens=4, temperature=1.0),
-            ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=1),
+            sampling=SamplingConfig(max_new_tokens=4, temperature=1.0, num_samples_per_prompt=group),
+            ppo=PPOConfig(
+                ppo_epochs=1, ppo_minibatch_size=2 * group, total_iterations=1, advantage_estimator=estimator
+            ),
             critic=CriticConfig(lora=LoraSettings(**LORA)),
             log_samples_every=0,
         )
 
 
-def run_ppo(out: Path, empty_init: bool) -> dict:
-    """One PPO iteration on 2 ranks x 2 prompts under FSDP2, the policy's base loaded whole or built on meta."""
+def run_ppo(out: Path, empty_init: bool, estimator: str = "gae") -> dict:
+    """One PPO (GRPO) iteration on 2 ranks x 2 prompts under FSDP2, the policy's base loaded whole or built on
+    meta."""
     from tests.ppo.helpers import make_data, make_trainer
 
-    name = f"ppo_{'empty' if empty_init else 'whole'}"
+    name = f"{estimator}_{'empty' if empty_init else 'whole'}"
     trainer = make_trainer(out / name, devices=2, strategy=S.strategy_for("fsdp2"))
-    module = ppo_module(out / "base", empty_init, trainer)
+    module = ppo_module(out / "base", empty_init, trainer, estimator)
     data = make_data(module, batch_size=2, n=8)
     torch.manual_seed(1)  # the sampling draws: the same in both runs (building consumed the RNG differently)
     trainer.fit(module, datamodule=data)
@@ -425,7 +430,10 @@ def run_ppo(out: Path, empty_init: bool) -> dict:
 
 
 def sharded_ppo(out: Path, strategy: str) -> None:
-    """PPO with the policy's base loaded whole, then built on meta (worker scenario)."""
+    """PPO and GRPO, each with the policy's base loaded whole, then built on meta (worker scenario)."""
     assert strategy == "fsdp2", strategy
-    results = {"whole": run_ppo(out, empty_init=False), "empty": run_ppo(out, empty_init=True)}
+    results = {
+        estimator: {"whole": run_ppo(out, False, estimator), "empty": run_ppo(out, True, estimator)}
+        for estimator in ("gae", "grpo")
+    }
     torch.save(results, out / f"sharded_ppo_rank{S.rank()}.pt")

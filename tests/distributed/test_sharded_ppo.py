@@ -2,7 +2,8 @@
 tiny Llama of ``test_sharded_load.py``, a reward function (no reward model).
 
 One worker launch (``worker.py fsdp2 <out> sharded_ppo``) runs one PPO iteration (GAE, actor and critic LoRA
-adapters, 2 prompts per rank, sampling with synchronised ranks) twice: the module built with the base loaded
+adapters, 2 prompts per rank, sampling with synchronised ranks), and one GRPO iteration (2 responses per prompt,
+no critic), each twice: the module built with the base loaded
 whole on every rank, then built under ``trainer.init_module(empty_init=True)``. Checked:
 
 * built on meta, nothing of the base is real after ``__init__`` (the adapters and the value head only), and the
@@ -32,26 +33,29 @@ def result(tmp_path_factory) -> dict:
     return {"full_bytes": full_bytes, "ranks": ranks}
 
 
-def test_no_rank_holds_the_policys_whole_base(result):
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_no_rank_holds_the_policys_whole_base(result, estimator):
     full = result["full_bytes"]
     assert full > 5 * 2**20
     for rank in result["ranks"]:
-        whole, empty = rank["whole"], rank["empty"]
+        whole, empty = rank[estimator]["whole"], rank[estimator]["empty"]
         assert whole["world_size"] == empty["world_size"] == 2
         assert whole["samples"]["init"] > full  # loaded whole: the base and the adapters
-        assert empty["samples"]["init"] < 0.05 * full  # on meta: the two adapters and the value head only
+        assert empty["samples"]["init"] < 0.05 * full  # on meta: the adapters (and the value head) only
         assert 0.45 * full < empty["shard_bytes"] < 0.6 * full  # about half the base (+ adapters, head)
         assert len(empty["samples"]) == 2 + 2 * 6  # init, configure_model, and the 6 blocks' forwards
         assert empty["peak_param_bytes"] < full, empty["samples"]
 
 
-def test_the_first_iteration_logs_what_whole_loading_logs(result):
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_the_first_iteration_logs_what_whole_loading_logs(result, estimator):
     """Every statistic but the timings and the gradient norm (the gradient of B depends on A) is computed
     before the iteration's one optimizer step: reference perplexity, entropy, value loss, scores, ..."""
     for rank in result["ranks"]:
-        whole, empty = rank["whole"]["history"], rank["empty"]["history"]
+        whole, empty = rank[estimator]["whole"]["history"], rank[estimator]["empty"]["history"]
         assert len(whole) == len(empty) == 1
         keys = [k for k in whole[0] if not k.startswith("perf/") and k != "ppo/grad_norm"]
-        assert {"monitor/ref_perplexity", "ppo/entropy", "ppo/value_loss", "rollout/score_mean"} <= set(keys)
+        assert {"monitor/ref_perplexity", "ppo/entropy", "rollout/score_mean"} <= set(keys)
+        assert ("ppo/value_loss" in keys) == (estimator == "gae")
         for key in keys:
             assert empty[0][key] == pytest.approx(whole[0][key], rel=1e-5, abs=1e-6), key

@@ -22,7 +22,7 @@ Scenarios:
                  loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
     sharded_dpo  FSDP2 only: one DPO / KTO / full fine-tuning DPO (reference copy) step each, built on meta and
                  loaded shard by shard (``sharded_load.DPO_KINDS``); ``<out_dir>/base`` must hold the saved base.
-    sharded_ppo  FSDP2 only: one PPO iteration with the policy's base loaded whole, then built on meta and loaded
+    sharded_ppo  FSDP2 only: one PPO and one GRPO iteration, each with the policy's base loaded whole, then built on meta and loaded
                  shard by shard (``sharded_load.run_ppo``); ``<out_dir>/base`` must hold the saved base.
     sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
 """
