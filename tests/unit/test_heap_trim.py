@@ -17,6 +17,16 @@ from rlhf_lit.callbacks.memory import MMAP_THRESHOLD_MAX, HeapTrim, trim_heap
 glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc only"
 )
+def _has_mallinfo2() -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+mallinfo2 = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _has_mallinfo2(), reason="glibc >= 2.33 (mallinfo2)"
+)
 dynamic_mmap_threshold = pytest.mark.skipif(
     "MALLOC_MMAP_THRESHOLD_" in os.environ, reason="glibc's threshold is fixed by the environment"
 )
@@ -133,7 +143,7 @@ def _in_a_forked_child(callback: HeapTrim, device: str) -> dict:
     return seen
 
 
-@glibc
+@mallinfo2
 @dynamic_mmap_threshold
 def test_the_mmap_threshold_is_set_in_setup_on_a_cpu():
     # the fixed 1 MiB threshold maps 16 MiB (the dynamic one, at 32 MiB, grew the heap instead), not 512 KiB
@@ -141,7 +151,7 @@ def test_the_mmap_threshold_is_set_in_setup_on_a_cpu():
     assert seen == {"16mib": True, "512kib": False, "set": True}
 
 
-@glibc
+@mallinfo2
 @dynamic_mmap_threshold
 def test_the_mmap_threshold_is_left_alone_by_default_and_off_the_cpu():
     for callback, device in ((HeapTrim(), "cpu"), (HeapTrim(mmap_threshold=2**20), "meta")):
