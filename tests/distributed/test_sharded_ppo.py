@@ -10,14 +10,21 @@ whole on every rank, then built under ``trainer.init_module(empty_init=True)``. 
   rank's peak parameter bytes through sampling, the experience pass and the update stay below the whole base;
 * the iteration logs what the whole-loaded run logs (reference perplexity, entropy, value loss, scores, ...: all
   computed before its one optimizer step): the same weights, read shard by shard (the LoRA A matrices are drawn
-  on another path, B is zero: the same function until the first update).
+  on another path, B is zero: the same function until the first update);
+* ``rlhf-lit fit`` of a PPO config (packing on) under FSDP2 reads the policy's and the reward model's shards on
+  every rank and exports.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
+from tests.conftest import REPO_ROOT
 from tests.distributed import sharded_load as SL
 from tests.distributed.test_two_processes import _launch
 
@@ -28,9 +35,32 @@ pytestmark = pytest.mark.distributed
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sharded_ppo")
     full_bytes = SL.save_base(out / "base")
-    _launch("fsdp2", out, ["sharded_ppo"])
+    config = yaml.safe_load((REPO_ROOT / "configs/ppo/tiny.yaml").read_text())
+    init = config["model"]["init_args"]
+    init["backbone"] = {**init["backbone"], "name_or_path": str(out / "base"), "tiny": None}
+    init["backbone"]["lora"] = dict(SL.LORA)
+    init["reward_model"] = {"backbone": {"name_or_path": str(out / "base"), "tokenizer": "byte", "seed": 1}}
+    init["ppo"].update(total_iterations=2, checkpoint_every=None)
+    init["packing"] = True
+    init["sampling"]["max_new_tokens"] = 8
+    (out / "ppo.yaml").write_text(yaml.safe_dump(config))
+    _launch("fsdp2", out, ["sharded_ppo", "ppo_cli_sharded"])
     ranks = [torch.load(out / f"sharded_ppo_rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return {"full_bytes": full_bytes, "ranks": ranks}
+    return {"full_bytes": full_bytes, "ranks": ranks, "out": out, "base": out / "base"}
+
+
+def test_rlhf_lit_fit_under_fsdp2_fills_the_policy_and_the_reward_model_on_every_rank(result):
+    """``rlhf-lit fit`` of a PPO config (packing on) with ``FSDP2Strategy``: the policy's base and the separate
+    reward model are built on meta; each rank reads its shards of both in ``configure_model`` (every base tensor
+    still on meta then), runs its iterations and exports."""
+    out = result["out"]
+    run = json.loads((out / "ppo_cli.json").read_text())
+    assert run["finished"] and run["world_size"] == 2 and run["iteration"] == 2 and run["packing"] is True
+    assert {"model.safetensors", "config.json", "rlhf_lit.json"} <= set(run["export"])
+    base = load_file(result["base"] / "model.safetensors")
+    for rank in (0, 1):
+        fills = json.loads((out / f"ppo_cli_rank{rank}.json").read_text())["fills"]
+        assert fills == [len(base), len(base)]  # the policy's base, then the reward model's: every tensor
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])

@@ -24,6 +24,7 @@ Scenarios:
                  loaded shard by shard (``sharded_load.DPO_KINDS``); ``<out_dir>/base`` must hold the saved base.
     sharded_ppo  FSDP2 only: one PPO and one GRPO iteration, each with the policy's base loaded whole, then built on meta and loaded
                  shard by shard (``sharded_load.run_ppo``); ``<out_dir>/base`` must hold the saved base.
+    ppo_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/ppo.yaml`` (PPO, policy and reward model on that base).
     sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
 """
 
@@ -166,6 +167,37 @@ def sft_cli_sharded(out: Path, strategy: str) -> None:
         )
 
 
+def ppo_cli_sharded(out: Path, strategy: str) -> None:
+    """``rlhf-lit fit`` of ``<out_dir>/ppo.yaml`` (PPO with packing, the policy and a separate reward model on the
+    saved base in ``<out_dir>/base``) under FSDP2: both are built with their weights deferred and each rank fills
+    its shards of both in ``configure_model``."""
+    import rlhf_lit.modules.ppo as ppo_mod
+
+    original, fills = ppo_mod.fill_from_checkpoint, []
+
+    def fill(lm, files):
+        fills.append(sum(p.is_meta for p in lm.parameters()))  # meta parameters left to read
+        return original(lm, files)
+
+    ppo_mod.fill_from_checkpoint = fill
+    try:
+        cli = _cli_fit(str(out / "ppo.yaml"), out / "ppo_cli", strategy)
+    finally:
+        ppo_mod.fill_from_checkpoint = original
+    S.write_json(out / f"ppo_cli_rank{S.rank()}.json", {"fills": fills})
+    if S.rank() == 0:
+        S.write_json(
+            out / "ppo_cli.json",
+            {
+                "iteration": cli.model.iteration,
+                "packing": cli.model.policy.packing,
+                "world_size": cli.trainer.world_size,
+                "finished": cli.trainer.state.finished,
+                "export": sorted(os.listdir(out / "ppo_cli" / "hf")),
+            },
+        )
+
+
 def equality(out: Path, strategy: str) -> None:
     S.run_equality(out / "equality", strategy, world_size=2)
 
@@ -225,6 +257,7 @@ SCENARIOS = {
     "sharded_sft": sharded_sft,
     "sharded_dpo": sharded_dpo,
     "sharded_ppo": sharded_ppo,
+    "ppo_cli_sharded": ppo_cli_sharded,
     "sft_cli_sharded": sft_cli_sharded,
 }
 
