@@ -90,6 +90,29 @@ def param_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return storage_bytes(shards), storage_bytes(plain)
 
 
+def sample_around_blocks(blocks, measure, samples: dict) -> None:
+    """Record ``measure()`` (parameter bytes) before and after each block's forwards, the largest per block, in
+    ``samples`` (``block<i>_pre`` / ``block<i>_post``)."""
+
+    def sample(name: str) -> None:
+        samples[name] = max(samples.get(name, 0), measure())
+
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: sample(f"block{i}_pre"))
+        block.register_forward_hook(lambda *_, i=i: sample(f"block{i}_post"))
+
+
+def probe_result(module, trainer) -> dict:
+    """What every probed run reports: its parameter-byte samples, their peak, its shard bytes, the world size."""
+    samples = dict(module.samples)
+    return {
+        "samples": samples,
+        "peak_param_bytes": max(samples.values()),
+        "shard_bytes": module.shard_bytes,
+        "world_size": trainer.world_size,
+    }
+
+
 def probed(cls):
     """``cls`` (SFTModule, RewardModule or DPOModule) sampling ``param_bytes`` of all its parameters (module
     docstring) and recording its first training loss (SFT, DPO) or pair scores (reward) on this rank, and
@@ -113,12 +136,7 @@ def probed(cls):
             self.samples["configure_model_tensors"] = tracker.peak
             self.shard_bytes, plain = param_bytes(self)
             self.samples["configure_model"] = self.shard_bytes + plain
-            for i, block in enumerate(blocks):
-                block.register_forward_pre_hook(lambda *_, i=i: self._sample(f"block{i}_pre"))
-                block.register_forward_hook(lambda *_, i=i: self._sample(f"block{i}_post"))
-
-        def _sample(self, name: str) -> None:
-            self.samples[name] = max(self.samples.get(name, 0), self.shard_bytes + param_bytes(self)[1])
+            sample_around_blocks(blocks, lambda: self.shard_bytes + param_bytes(self)[1], self.samples)
 
         def _loss(self, batch, *split):  # SFTModule's (batch), DPOModule's (batch, split)
             loss, units = super()._loss(batch, *split)
@@ -280,15 +298,11 @@ def run(out: Path, empty_init: bool, kind: str = "sft") -> dict:
     else:
         rows = sft_rows() if kind == "sft" else reward_rows()
         trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=PER_RANK))
-    samples = dict(module.samples)
     return {
-        "samples": samples,
-        "peak_param_bytes": max(samples.values()),
-        "shard_bytes": module.shard_bytes,
+        **probe_result(module, trainer),
         "first_loss": module.first_loss,
         "reference_key": module.reference_key,
         "after": S.trainable_state(module),  # gathered: every rank calls
-        "world_size": trainer.world_size,
     }
 
 
@@ -386,12 +400,7 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae"):
             super().configure_model()
             self.shard_bytes, plain = param_bytes(self.policy)
             self.samples["configure_model"] = self.shard_bytes + plain
-            for i, block in enumerate(blocks):
-                block.register_forward_pre_hook(lambda *_, i=i: self._sample(f"block{i}_pre"))
-                block.register_forward_hook(lambda *_, i=i: self._sample(f"block{i}_post"))
-
-        def _sample(self, name: str) -> None:
-            self.samples[name] = max(self.samples.get(name, 0), self.shard_bytes + param_bytes(self.policy)[1])
+            sample_around_blocks(blocks, lambda: self.shard_bytes + param_bytes(self.policy)[1], self.samples)
 
     group = 2 if estimator == "grpo" else 1
     torch.manual_seed(0)  # LoRA and value head: the same on both ranks
@@ -419,14 +428,7 @@ def run_ppo(out: Path, empty_init: bool, estimator: str = "gae") -> dict:
     data = make_data(module, batch_size=2, n=8)
     torch.manual_seed(1)  # the sampling draws: the same in both runs (building consumed the RNG differently)
     trainer.fit(module, datamodule=data)
-    samples = dict(module.samples)
-    return {
-        "samples": samples,
-        "peak_param_bytes": max(samples.values()),
-        "shard_bytes": module.shard_bytes,
-        "history": module.history,
-        "world_size": trainer.world_size,
-    }
+    return {**probe_result(module, trainer), "history": module.history}
 
 
 def sharded_ppo(out: Path, strategy: str) -> None:

@@ -138,32 +138,42 @@ def ppo_tiny(out: Path, strategy: str) -> None:
         )
 
 
-def sft_cli_sharded(out: Path, strategy: str) -> None:
-    """``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on the saved base in ``<out_dir>/base``) under FSDP2: the
-    CLI builds the module with its weights deferred, each rank fills its shards in ``configure_model``."""
-    import rlhf_lit.modules.sft as sft_mod
-
-    original, fills = sft_mod.fill_from_checkpoint, []
+def _cli_fit_counting_fills(stage_module, name: str, out: Path, strategy: str):
+    """``rlhf-lit fit`` of ``<out_dir>/<name>.yaml`` under FSDP2, recording how many meta parameters each call of
+    ``fill_from_checkpoint`` in ``stage_module`` (the stage's module file) still had to read; writes them to
+    ``<name>_cli_rank<r>.json`` and returns the CLI."""
+    original, fills = stage_module.fill_from_checkpoint, []
 
     def fill(lm, files):
         fills.append(sum(p.is_meta for p in lm.parameters()))  # meta parameters left to read
         return original(lm, files)
 
-    sft_mod.fill_from_checkpoint = fill
+    stage_module.fill_from_checkpoint = fill
     try:
-        cli = _cli_fit(str(out / "sft.yaml"), out / "sft_cli", strategy)
+        cli = _cli_fit(str(out / f"{name}.yaml"), out / f"{name}_cli", strategy)
     finally:
-        sft_mod.fill_from_checkpoint = original
-    S.write_json(out / f"sft_cli_rank{S.rank()}.json", {"fills": fills})
+        stage_module.fill_from_checkpoint = original
+    S.write_json(out / f"{name}_cli_rank{S.rank()}.json", {"fills": fills})
+    return cli
+
+
+def _run_summary(cli, out: Path, name: str) -> dict:
+    return {
+        "world_size": cli.trainer.world_size,
+        "finished": cli.trainer.state.finished,
+        "export": sorted(os.listdir(out / f"{name}_cli" / "hf")),
+    }
+
+
+def sft_cli_sharded(out: Path, strategy: str) -> None:
+    """``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on the saved base in ``<out_dir>/base``) under FSDP2: the
+    CLI builds the module with its weights deferred, each rank fills its shards in ``configure_model``."""
+    import rlhf_lit.modules.sft as sft_mod
+
+    cli = _cli_fit_counting_fills(sft_mod, "sft", out, strategy)
     if S.rank() == 0:
         S.write_json(
-            out / "sft_cli.json",
-            {
-                "global_step": cli.trainer.global_step,
-                "world_size": cli.trainer.world_size,
-                "finished": cli.trainer.state.finished,
-                "export": sorted(os.listdir(out / "sft_cli" / "hf")),
-            },
+            out / "sft_cli.json", {"global_step": cli.trainer.global_step, **_run_summary(cli, out, "sft")}
         )
 
 
@@ -173,29 +183,10 @@ def ppo_cli_sharded(out: Path, strategy: str) -> None:
     its shards of both in ``configure_model``."""
     import rlhf_lit.modules.ppo as ppo_mod
 
-    original, fills = ppo_mod.fill_from_checkpoint, []
-
-    def fill(lm, files):
-        fills.append(sum(p.is_meta for p in lm.parameters()))  # meta parameters left to read
-        return original(lm, files)
-
-    ppo_mod.fill_from_checkpoint = fill
-    try:
-        cli = _cli_fit(str(out / "ppo.yaml"), out / "ppo_cli", strategy)
-    finally:
-        ppo_mod.fill_from_checkpoint = original
-    S.write_json(out / f"ppo_cli_rank{S.rank()}.json", {"fills": fills})
+    cli = _cli_fit_counting_fills(ppo_mod, "ppo", out, strategy)
     if S.rank() == 0:
-        S.write_json(
-            out / "ppo_cli.json",
-            {
-                "iteration": cli.model.iteration,
-                "packing": cli.model.policy.packing,
-                "world_size": cli.trainer.world_size,
-                "finished": cli.trainer.state.finished,
-                "export": sorted(os.listdir(out / "ppo_cli" / "hf")),
-            },
-        )
+        summary = {"iteration": cli.model.iteration, "packing": cli.model.policy.packing}
+        S.write_json(out / "ppo_cli.json", {**summary, **_run_summary(cli, out, "ppo")})
 
 
 def equality(out: Path, strategy: str) -> None:
