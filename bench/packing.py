@@ -129,12 +129,12 @@ def _ppo_variants(tiny: dict, tokenizer: str) -> dict:
     for name, packing in (("padded", False), ("packed", True)):
         lora = LoraSettings(r=16, alpha=32, target_modules="all-linear", dropout=0.0)
         cfg = BackboneConfig(tiny=tiny, tokenizer=tokenizer, lora=lora)
-        tokenizer = load_backbone_tokenizer(cfg)
+        tok = load_backbone_tokenizer(cfg)
         torch.manual_seed(0)
-        base = load_backbone(cfg, tokenizer)
+        base = load_backbone(cfg, tok)
         out[name] = ActorCritic(base, lora, LoraSettings(r=16, alpha=32, target_modules="all-linear", dropout=0.0),
                                 packing=packing)
-        out[name].tokenizer = tokenizer
+        out[name].tokenizer = tok
     generator = torch.Generator().manual_seed(0)
     first = out["padded"]
     with torch.no_grad():
