@@ -29,12 +29,12 @@ from bench.ppo import instrument, prompt_datamodule
 
 
 def build_module(iterations: int, model: str = "tiny", backend: str = "hf"):
-    from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
     from rlhf_lit.modules import PPOModule
     from rlhf_lit.modules.common import OptimizerConfig
-    from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
     from rlhf_lit.rewards import RewardSourceConfig
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import KLConfig, PPOConfig, RewardShapingConfig
 
     g = GRPO
     return PPOModule(

@@ -250,10 +250,10 @@ def ours_loss(c: dict, inputs: dict, logps, entropies, advantages):
     import torch
 
     from rlhf_lit.functional.group_advantages import token_advantages
-    from rlhf_lit.generation import SamplingConfig
-    from rlhf_lit.modules.ppo_config import PPOConfig
+    from rlhf_lit.rl.generation import SamplingConfig
     from rlhf_lit.rl.objectives import PPOObjective
     from rlhf_lit.rl.schedule import epoch_schedule
+    from rlhf_lit.rl.settings import PPOConfig
     from rlhf_lit.rl.update import PPOUpdater, UpdateBatch, UpdateSettings
 
     o = c["ours"]

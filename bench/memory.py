@@ -183,10 +183,10 @@ def child_ours(threads: int, variant: str = "same") -> dict:
     import lightning as L
 
     from bench.ppo import prompt_datamodule
-    from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models.reward_source import RewardModelConfig
     from rlhf_lit.modules import PPOModule
-    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import CriticConfig, PPOConfig
 
     L.seed_everything(42, verbose=False)
     knobs = OUR_VARIANTS[variant]

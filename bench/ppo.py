@@ -102,11 +102,11 @@ def per_iteration_lr_module():
 
 
 def build_module(iterations: int, lora: dict | None = None):
-    from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
     from rlhf_lit.models.reward_source import RewardModelConfig
     from rlhf_lit.modules.common import OptimizerConfig
-    from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, RewardShapingConfig
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import CriticConfig, KLConfig, PPOConfig, RewardShapingConfig
 
     cfg = W.PPO
     lora = dict(lora or LORA)

@@ -6,7 +6,7 @@
 The same prompts (``--prompts`` rows of ``--prompt-len`` token ids, fixed seed) are sampled to exactly
 ``--new-tokens`` tokens each (no stop token, so both sides decode the same count) at temperature 1.0:
 
-* ``hf``: ``rlhf_lit.generation.sample_responses`` (the ``hf`` backend's function) on the model in this process;
+* ``hf``: ``rlhf_lit.rl.generation.sample_responses`` (the ``hf`` backend's function) on the model in this process;
 * ``vllm``: ``rlhf-lit vllm-serve`` started here on the same weights (its start-up is reported apart, not timed
   in the tokens/s), through the trainer's client (``rlhf_lit.rl.vllm_client``).
 
@@ -40,9 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import cpu_model  # noqa: E402
-from rlhf_lit.generation import SamplingConfig, sample_responses  # noqa: E402
 from rlhf_lit.models.backbone import BackboneConfig  # noqa: E402
 from rlhf_lit.models.model_files import dequantized_gguf_folder  # noqa: E402
+from rlhf_lit.rl.generation import SamplingConfig, sample_responses  # noqa: E402
 from rlhf_lit.rl.vllm_client import VLLMClient  # noqa: E402
 from rlhf_lit.vllm_server import file_digest  # noqa: E402
 

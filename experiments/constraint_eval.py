@@ -95,7 +95,7 @@ def evaluate(
     settings (seeded). KL: k1 sum over response tokens, nats per response, exactly 0 for the start policy."""
     import torch
 
-    from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
+    from rlhf_lit.rl.generation import SamplingConfig, resolve_stop_ids, sample_responses
 
     torch.set_num_threads(threads)
     tokenizer, policy, reference = _models(config, adapter_dir)

@@ -123,7 +123,7 @@ class RLHFCLI(LightningCLI):
         overwrite = bool(config.pop("overwrite", False))
         check_config(config.as_dict(), subcommand)
         if _model_parallel(config.get("trainer")):  # refused here, before the launcher starts any process
-            from rlhf_lit.modules.ppo_config import refuse_sharded_settings
+            from rlhf_lit.rl.settings import refuse_sharded_settings
 
             refuse_sharded_settings(_sampling_section(config.as_dict()))
         from rlhf_lit.models.architecture import estimate_export_bytes

@@ -5,7 +5,7 @@ On one CUDA GPU, for random-initialised Qwen2-shaped models of ~0.5B and ~1.5B p
 Qwen2.5-0.5B / 1.5B, built in code: no weights, no download) and the offline byte tokenizer, it measures:
 
 * sampling tokens/s and peak GPU memory for each sampling backend, called directly with ``model.generate``:
-  ``hf`` (dynamic KV cache, what ``rlhf_lit.generation.sample_responses`` does), ``static``
+  ``hf`` (dynamic KV cache, what ``rlhf_lit.rl.generation.sample_responses`` does), ``static``
   (``cache_implementation="static"``, not compiled), ``static_compiled`` (the same with the decode forward
   compiled by transformers' ``CompileConfig``; a compile failure is reported, not raised) and ``paged``
   (transformers continuous batching ``generate_batch``, or the reason it is unavailable);
@@ -28,7 +28,7 @@ overstates the useful work by up to 1.5x and is comparable between runs, not wit
 The PPO/GRPO iterations sample through the module's own samplers: ``hf`` on every size and ``static``
 (``sampling.backend: static``; on CUDA transformers compiles its decoding step) on the sizes where the compiled
 sampler is measured; ``paged`` iterations are reported unavailable (the module does not offer continuous
-batching: ``rlhf_lit.generation.SamplingConfig``'s ``backend`` says why).
+batching: ``rlhf_lit.rl.generation.SamplingConfig``'s ``backend`` says why).
 
     python scripts/gpu_check.py --out DIR [--sizes 0.5b,1.5b] [--budget-s 360] [--dry-run]
 
@@ -343,10 +343,10 @@ def build_module(
     """A ``PPOModule`` in Python (no CLI): the Qwen2-shaped policy with LoRA, a random reward model of the
     same shape, PPO (GAE with a critic adapter) or GRPO (``advantage_estimator: grpo``, ``group`` samples
     per prompt), sampling with ``sampling.backend: backend``. Returns ``(module, rollout prompts)``."""
-    from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
     from rlhf_lit.modules import PPOModule
-    from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import CriticConfig, KLConfig, PPOConfig
 
     dtype = "float32" if dry_run else "bfloat16"
     lora = LoraSettings(r=16, alpha=32, target_modules="all-linear")
@@ -511,7 +511,7 @@ def measure_size(
             "static": f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
             "(time budget)",
             "paged": "unavailable: PPOModule's sampling.backend is hf or static; continuous batching "
-            "(generate_batch) is not offered (rlhf_lit.generation.SamplingConfig, backend)",
+            "(generate_batch) is not offered (rlhf_lit.rl.generation.SamplingConfig, backend)",
         }
     if name in nf4_sizes:
         result["nf4"] = measure_nf4(name, spec, work, device, dry_run, clock, out)

@@ -92,7 +92,7 @@ def test_tiny_config_fits_on_cpu_with_outputs_in_tmp(config, tmp_path_factory):
 
 
 def test_ppo_max_config_turns_every_ppo_max_switch_on_and_runs(tmp_path_factory):
-    """``configs/ppo/ppo_max.yaml`` (named by ``rlhf_lit/modules/ppo_config.py``): every PPO-Max switch of
+    """``configs/ppo/ppo_max.yaml`` (named by ``rlhf_lit/rl/settings.py``): every PPO-Max switch of
     Zheng et al. 2023 is on, and the config trains (2 iterations, with its PTX term) and exports."""
     run = run_tiny("configs/ppo/ppo_max.yaml", tmp_path_factory)
     h = run.cli.model.hparams

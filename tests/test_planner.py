@@ -22,11 +22,11 @@ from rlhf_lit import planner
 from rlhf_lit.cli import cli_main, main
 from rlhf_lit.data import PromptDataModule
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.modules import PPOModule
 from rlhf_lit.modules.dpo import sequences
 from rlhf_lit.planner.formulas import GiB
+from rlhf_lit.rl.generation import SamplingConfig
 from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
 from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, one_thread

@@ -35,7 +35,7 @@ log = logging.getLogger("rlhf_lit")
 
 def read_settings(config: str) -> dict:
     """The reference backbone, sampling settings and prompt rendering of a fit config (module docstring)."""
-    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.rl.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig
 
     with open(config) as f:
@@ -75,7 +75,7 @@ def evaluate(
 ) -> dict[str, list]:
     """One response per prompt of ``batches`` from ``policy``, and its figures (module docstring)."""
     from rlhf_lit.functional.sequence import trim_left_padding
-    from rlhf_lit.generation import sample_responses
+    from rlhf_lit.rl.generation import sample_responses
 
     out = {k: [] for k in (*FIELDS, "prompt", "response")}
     for index, batch in enumerate(batches):
@@ -140,7 +140,7 @@ def judge(
         batch_size: prompts per sampling batch.
         seed: batch ``i`` is sampled after ``torch.manual_seed(seed + i)``.
     """
-    from rlhf_lit.generation import resolve_stop_ids
+    from rlhf_lit.rl.generation import resolve_stop_ids
     from rlhf_lit.models import BackboneConfig
     from rlhf_lit.models.backbone import load_backbone, load_backbone_tokenizer
     from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource

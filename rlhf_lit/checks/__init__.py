@@ -207,8 +207,8 @@ def _check_reward_entry(where: str, entry: dict) -> None:
 
 def _check_pg_family(init: dict, n: int) -> None:
     """The policy-gradient family's rules (docs/policy_gradient.md): settings that need another one."""
-    from rlhf_lit.generation import SamplingConfig
-    from rlhf_lit.modules.ppo_checks import check_dynamic_sampling, check_objective_options, check_overlong
+    from rlhf_lit.rl.checks import check_dynamic_sampling, check_objective_options, check_overlong
+    from rlhf_lit.rl.generation import SamplingConfig
 
     p = "model.init_args."
     check_dynamic_sampling(
@@ -235,8 +235,8 @@ def _check_stop_tokens(init: dict) -> None:
     when the config alone rules every one out (the module's own check, ``check_stop_tokens``, with what
     ``may_stop`` can tell before the tokenizer is read; the tokenizer's EOS is checked when the module is
     built)."""
-    from rlhf_lit.generation import SamplingConfig, may_stop
-    from rlhf_lit.modules.ppo_checks import check_stop_tokens
+    from rlhf_lit.rl.checks import check_stop_tokens
+    from rlhf_lit.rl.generation import SamplingConfig, may_stop
 
     has_stop = may_stop(
         get(init, "sampling.stop_at_eos", SamplingConfig.stop_at_eos),
@@ -252,9 +252,9 @@ def _check_ppo(init: dict, data: dict, trainer: dict) -> None:
     import inspect
 
     from rlhf_lit.data import PromptDataModule
-    from rlhf_lit.generation import SamplingConfig
-    from rlhf_lit.modules.ppo_config import PPOConfig, PTXConfig
     from rlhf_lit.rl.algorithms import get_algorithm
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import PPOConfig, PTXConfig
 
     p = "model.init_args."
     if get(init, "backbone.lora") is None:

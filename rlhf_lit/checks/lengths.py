@@ -44,8 +44,8 @@ def model_positions(backbone: dict | Any) -> int | None:
 def check_lengths(stage: Any, init: dict, data: dict) -> None:
     """A stage that generates (:attr:`~rlhf_lit.stages.StageSpec.generates`): prompt limit + ``max_new_tokens``
     within the model's positions; any other: ``data.max_length``."""
-    from rlhf_lit.generation import SamplingConfig
-    from rlhf_lit.modules.ppo_config import PTXConfig
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import PTXConfig
 
     backbone = init.get("backbone")
     if not backbone:

@@ -14,9 +14,9 @@ import torch
 from rlhf_lit.data.collate import pad_sequences
 from rlhf_lit.data.demo_task import gold_score, label_noise_rate, preference_rows
 from rlhf_lit.functional.sequence import gather_logprobs, position_ids_from_mask, response_positions
-from rlhf_lit.generation import SamplingConfig, resolve_stop_ids, sample_responses
 from rlhf_lit.models.export import load_reward_model
 from rlhf_lit.models.tokenizer import load_tokenizer
+from rlhf_lit.rl.generation import SamplingConfig, resolve_stop_ids, sample_responses
 
 __all__ = ["PolicyEval", "evaluate_policy", "reward_model_accuracy"]
 

@@ -17,9 +17,9 @@ from rlhf_lit.demo.stages import (
     config_path,
 )
 from rlhf_lit.functional.summary import mean_se
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.export import read_meta
 from rlhf_lit.outputs import replace_file
+from rlhf_lit.rl.generation import SamplingConfig
 
 __all__ = ["seeds_summary", "write_report", "write_seeds_report"]
 

@@ -17,7 +17,7 @@ rollouts come from a stale policy while every loss stays finite (veRL #7495; the
 Cost: one copy of the model in ``dtype`` (for 135M parameters in bf16: 270 MB), and per refresh one pass
 over the weights plus one ``B @ A`` per adapted layer. Not for a 4-bit base (its weights are not plain
 tensors) nor a sharded one (FSDP): ``refuse_impossible_settings`` and ``refuse_sharded_settings`` in
-``rlhf_lit.modules.ppo_config`` refuse them.
+``rlhf_lit.rl.settings`` refuse them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
 from rlhf_lit.data.ptx import PTXStream
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.backbone import BackboneConfig
 from rlhf_lit.models.reward_source import RewardModelConfig
 from rlhf_lit.models.sharded_load import fill_from_checkpoint, weights_deferred
@@ -47,7 +46,12 @@ from rlhf_lit.modules.ppo_build import (
     reward_config,
     rollout_prompts,
 )
-from rlhf_lit.modules.ppo_config import (
+from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
+from rlhf_lit.rewards import RewardSourceConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.sampler import Sampler, build_sampler
+from rlhf_lit.rl.schedule import epoch_schedule
+from rlhf_lit.rl.settings import (
     CriticConfig,
     KLConfig,
     MonitorConfig,
@@ -59,10 +63,6 @@ from rlhf_lit.modules.ppo_config import (
     refuse_impossible_settings,
     refuse_sharded_settings,
 )
-from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
-from rlhf_lit.rewards import RewardSourceConfig
-from rlhf_lit.rl.sampler import Sampler, build_sampler
-from rlhf_lit.rl.schedule import epoch_schedule
 from rlhf_lit.rl.stats import all_stats, global_kl_per_response, peak_memory
 from rlhf_lit.rl.update import UpdateBatch, clip_global_grad_norm
 from rlhf_lit.rng import get_rng_state, set_rng_state

@@ -9,23 +9,23 @@ from dataclasses import asdict
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.generation import compute_dtype, resolve_stop_ids
 from rlhf_lit.models.backbone import BackboneConfig, load_backbone_tokenizer
 from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.policy import ActorCritic
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.models.sharded_load import build_base, init_meta_adapters
 from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
-from rlhf_lit.modules.ppo_config import check_batch_sizes, check_overlong, check_stop_tokens
 from rlhf_lit.parallel import gathered_parameters
-from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
 from rlhf_lit.rewards import MixedReward, RewardSourceConfig
 from rlhf_lit.rl.dynamic_sampling import DatasetPrompts, DynamicSampling, PromptSource
 from rlhf_lit.rl.filters import FilterSettings
+from rlhf_lit.rl.generation import compute_dtype, resolve_stop_ids
 from rlhf_lit.rl.kl_control import build_kl_controller
 from rlhf_lit.rl.objectives import PPOObjective
+from rlhf_lit.rl.reward_norm import RunningMeanStd, ScoreShaper
 from rlhf_lit.rl.rollout import RolloutCollector, RolloutSettings
 from rlhf_lit.rl.sampler import Sampler
+from rlhf_lit.rl.settings import check_batch_sizes, check_overlong, check_stop_tokens
 from rlhf_lit.rl.update import PPOUpdater, UpdateSettings
 
 __all__ = [

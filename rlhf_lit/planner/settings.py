@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models.backbone import BackboneConfig
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.stage_outputs import configs_root_of, not_written_yet, producing_config
 
 __all__ = ["RunSettings", "read_settings", "settings_from_config"]
@@ -190,7 +190,7 @@ def _dpo_settings(settings: RunSettings, init: dict) -> None:
 def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:
     from rlhf_lit.models.reward_source import RewardModelConfig
     from rlhf_lit.modules.common import as_config
-    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig, refuse_impossible_settings
+    from rlhf_lit.rl.settings import CriticConfig, PPOConfig, refuse_impossible_settings
 
     ppo = as_config(PPOConfig, init.get("ppo")) or PPOConfig()
     sampling = as_config(SamplingConfig, init.get("sampling")) or SamplingConfig()

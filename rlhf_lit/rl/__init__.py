@@ -16,6 +16,9 @@ An iteration (``rlhf_lit.modules.ppo.PPOModule.training_step``) reads as::
 * :mod:`~rlhf_lit.rl.estimators`, :mod:`~rlhf_lit.rl.objectives`: advantages and losses.
 * :mod:`~rlhf_lit.rl.update`: :class:`PPOUpdater` (epochs x minibatches x micro-batches).
 * :mod:`~rlhf_lit.rl.kl_control`, :mod:`~rlhf_lit.rl.stats`: the KL controller and the iteration's metrics.
+* :mod:`~rlhf_lit.rl.settings` (with :mod:`~rlhf_lit.rl.checks`): the typed PPO settings and their joint checks;
+  :mod:`~rlhf_lit.rl.generation`: the sampling settings and ``generate``; :mod:`~rlhf_lit.rl.reward_norm`: score
+  shaping and running statistics.
 The math itself is in ``rlhf_lit.functional``.
 """
 

@@ -34,11 +34,11 @@ import torch
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.sequence import trim_left_padding
-from rlhf_lit.generation import GAP_TOLERANCE
 from rlhf_lit.parallel.collectives import global_sum, is_distributed
-from rlhf_lit.reward_norm import ScoreShaper
 from rlhf_lit.rl.filters import FilterSettings, RolloutFilters, apply_filters
+from rlhf_lit.rl.generation import GAP_TOLERANCE
 from rlhf_lit.rl.guard import check_sampler
+from rlhf_lit.rl.reward_norm import ScoreShaper
 from rlhf_lit.rl.sampler import Sampler
 
 log = logging.getLogger("rlhf_lit")

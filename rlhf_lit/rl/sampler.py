@@ -3,7 +3,7 @@
 A :class:`Sampler` draws responses from the current policy (``sample``) and is told when the policy's
 weights have changed (``sync``, after each update), so an engine that holds its own copy of the weights
 (an inference server) can refresh it. :class:`HFSampler` is the first implementation: Hugging Face
-``generate`` on the policy itself (``rlhf_lit.generation.sample_responses``), which reads the live weights,
+``generate`` on the policy itself (``rlhf_lit.rl.generation.sample_responses``), which reads the live weights,
 so its ``sync`` does nothing. :class:`CopySampler` runs the same ``generate`` on a separate copy of the policy
 in ``sampling.copy_dtype`` (``rlhf_lit.models.inference_copy``), which ``sync`` refreshes. :class:`VLLMSampler` asks a vLLM engine in its own process (``rlhf_lit.vllm_server``) and pushes the
 merged weights (or the actor adapter alone, ``sampling.vllm.weight_sync: lora``) to it at every ``sync``.
@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from rlhf_lit.generation import SampledLogprobs, SamplingConfig, sample_responses
+from rlhf_lit.rl.generation import SampledLogprobs, SamplingConfig, sample_responses
 
 __all__ = [
     "CopySampler",
@@ -194,7 +194,7 @@ class VLLMSampler:
     ``sample`` sends the prompts as token ids (each row without its left padding) with the temperature, the
     lengths, the stop tokens and a seed drawn from torch's generator (so a seeded run, and validation under its
     forked generator, asks for the same draws); row i is seeded ``seed + i``. The replies are laid out as
-    :func:`~rlhf_lit.generation.sample_responses` lays out ``generate``'s: R = the longest response, right
+    :func:`~rlhf_lit.rl.generation.sample_responses` lays out ``generate``'s: R = the longest response, right
     padded with ``pad_token_id``, the mask True up to and including the first stop token
     (``truncate_after_stop``), so the rollout is the one the ``hf`` backend builds for the same tokens.
 

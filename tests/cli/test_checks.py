@@ -612,7 +612,7 @@ def test_group_estimator_with_enough_samples_passes_the_checks():
 
 def test_an_inf_or_nan_value_is_told_the_number_must_be_finite():
     # "must be a number > 0, got inf" would read as a contradiction (inf > 0)
-    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.rl.generation import SamplingConfig
 
     with pytest.raises(ConfigError, match=r"^sampling\.temperature must be a finite number > 0, got inf$"):
         SamplingConfig(temperature=float("inf"))

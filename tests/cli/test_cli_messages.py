@@ -21,9 +21,9 @@ NESTED_UNKNOWN = """Parser key "model":
     - Problem with given class_path 'rlhf_lit.modules.PPOModule':
         Parser key "kl":
           Does not validate against any of the Union subtypes
-          Subtypes: [<class 'rlhf_lit.modules.ppo_config.KLConfig'>, <class 'NoneType'>]
+          Subtypes: [<class 'rlhf_lit.rl.settings.KLConfig'>, <class 'NoneType'>]
           Errors:
-            - Problem with given class_path 'rlhf_lit.modules.ppo_config.KLConfig':
+            - Problem with given class_path 'rlhf_lit.rl.settings.KLConfig':
                 Option 'kl_coeff' is not accepted
             - Expected a <class 'NoneType'>
           Given value type: <class 'jsonargparse._util.NestedArg'>

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import (
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.reward_norm import RunningMeanStd, ScoreShaper
+from rlhf_lit.rl.settings import (
     CriticConfig,
     PPOConfig,
     RewardShapingConfig,
@@ -16,7 +17,6 @@ from rlhf_lit.modules.ppo_config import (
     check_overlong,
     check_stop_tokens,
 )
-from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
 from tests.cli.test_checks import _set, check, parsed, refused
 
 P = "model.init_args."

@@ -185,8 +185,8 @@ def test_field_ranges_refuse_a_value_built_in_python():
 def test_ppo_settings_declare_their_ranges_once_for_python_and_the_cli(cls_name, key, bad, expected):
     """The PPO settings' ranges live on their dataclasses: building one in Python and the CLI's check of a
     parsed config give the same message (the CLI finds the range through PPOModule's ``__init__``)."""
-    from rlhf_lit.modules import ppo_config
     from rlhf_lit.modules.ppo import PPOModule
+    from rlhf_lit.rl import settings as ppo_config
 
     field = key.split(".", 1)[1]
     message = f"{key} must be {expected}, got {bad!r}"

@@ -15,8 +15,8 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
 from rlhf_lit.parallel import gathered_parameters
+from rlhf_lit.rl.settings import KLConfig, PPOConfig, RewardShapingConfig
 
 # The equality scenario: one global batch of 8 prompts, as 1 rank x 8 or 2 ranks x 4, in 2 global minibatches
 # of 4 per epoch (ppo_minibatch_size 4 on one rank, 2 per rank on two), 2 epochs, 2 iterations.
@@ -107,7 +107,7 @@ def fixed_group_rollout(model, prompt_ids, prompt_mask, cfg, stop_ids, pad_token
 
 
 def equality_module(batch_per_rank: int, group: bool = False, **components):
-    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.rl.generation import SamplingConfig
     from tests.ppo.helpers import make_module
 
     n = GROUP_SIZE if group else 1

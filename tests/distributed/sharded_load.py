@@ -382,12 +382,12 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae"):
     """A PPOModule (``estimator``: GAE with actor and critic LoRA adapters, or GRPO with the actor's only and 2
     responses per prompt) on the saved base whose policy samples ``param_bytes`` after ``__init__``, after
     ``configure_model`` and around each transformer block's forwards."""
-    from rlhf_lit.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig, LoraSettings
     from rlhf_lit.modules import PPOModule
-    from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig
     from rlhf_lit.parallel import transformer_blocks
     from rlhf_lit.rewards import RewardSourceConfig
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import CriticConfig, PPOConfig
 
     class Probed(PPOModule):
         def __init__(self, *args, **kwargs) -> None:

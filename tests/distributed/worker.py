@@ -199,7 +199,7 @@ def dpo_equality(out: Path, strategy: str) -> None:
 
 def resume(out: Path, strategy: str) -> None:
     """Exact resume through sharded and full FSDP2 checkpoints (save_distributed_checkpoint True / False)."""
-    from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
+    from rlhf_lit.rl.settings import KLConfig, PPOConfig, RewardShapingConfig
     from tests.ppo.helpers import make_data, make_module, make_trainer
 
     def module():

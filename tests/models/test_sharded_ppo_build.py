@@ -12,12 +12,12 @@ import copy
 import pytest
 import torch
 
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.models.sharded_load import deferred_weights
 from rlhf_lit.modules import PPOModule
-from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig
 from rlhf_lit.rewards import RewardSourceConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import CriticConfig, PPOConfig
 from tests.distributed import sharded_load as SL
 from tests.tiny_runs import one_thread
 

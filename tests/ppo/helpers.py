@@ -7,10 +7,10 @@ import copy
 import lightning as L
 
 from rlhf_lit.data import PromptDataModule
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.modules import PPOModule
-from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, RewardShapingConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import CriticConfig, KLConfig, PPOConfig, RewardShapingConfig
 from tests.conftest import TINY_GPT2
 
 LORA = LoraSettings(r=4, alpha=8, target_modules=["c_attn", "c_fc"])

@@ -10,8 +10,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlhf_lit.callbacks import IterationCheckpoint, periodic_checkpoint
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.modules.ppo_config import PPOConfig
 from rlhf_lit.ranges import dataclass_ranges
+from rlhf_lit.rl.settings import PPOConfig
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 

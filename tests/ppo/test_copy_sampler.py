@@ -17,12 +17,12 @@ from peft import LoraConfig, get_peft_model
 from rlhf_lit import metrics as M
 from rlhf_lit.cli import cli_main
 from rlhf_lit.errors import ConfigError, SamplerSyncError
-from rlhf_lit.generation import GAP_TOLERANCE, SamplingConfig
 from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
 from rlhf_lit.models.inference_copy import build_inference_copy, load_merged_weights
 from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import PPOConfig, refuse_impossible_settings
+from rlhf_lit.rl.generation import GAP_TOLERANCE, SamplingConfig
 from rlhf_lit.rl.sampler import CopySampler, HFSampler, adapter_fingerprint, build_sampler
+from rlhf_lit.rl.settings import PPOConfig, refuse_impossible_settings
 from tests.conftest import TINY_GPT2, TINY_LLAMA
 from tests.ppo.helpers import make_data, make_module, make_trainer
 from tests.ppo.test_sampler_guard import FIRES, _guard_warnings, _run

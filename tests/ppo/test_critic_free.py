@@ -9,9 +9,9 @@ from torch.testing import assert_close
 
 import rlhf_lit.modules.ppo_build as ppo_build
 from rlhf_lit.functional.aggregation import aggregation_weights
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.schedule import epoch_schedule
+from rlhf_lit.rl.settings import KLConfig, PPOConfig
 from tests.ppo.helpers import RecordingReward, RecordingUpdater, make_data, make_module, make_trainer
 
 

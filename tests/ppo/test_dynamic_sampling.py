@@ -15,11 +15,11 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.functional.policy_gradient import zero_variance_groups
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import CriticConfig, PPOConfig, check_advantage_estimator
 from rlhf_lit.rl.dynamic_sampling import DatasetPrompts, DynamicSampling, merge_groups
 from rlhf_lit.rl.filters import RolloutFilters
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.rollout import Rollout
+from rlhf_lit.rl.settings import CriticConfig, PPOConfig, check_advantage_estimator
 from tests.ppo.helpers import RecordingUpdater, make_data, make_module, make_trainer
 
 N, PROMPTS = 2, 3  # samples per prompt, prompts (groups) per batch

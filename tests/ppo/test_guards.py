@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 import rlhf_lit.modules.ppo_build as ppo_build
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import NonFiniteError
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig
 from rlhf_lit.models.export import save_causal_lm, save_reward_head
-from rlhf_lit.modules.ppo_config import PPOConfig, RewardShapingConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import PPOConfig, RewardShapingConfig
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import LORA, RecordingReward, RecordingUpdater, make_data, make_module, make_trainer
 

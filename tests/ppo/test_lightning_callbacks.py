@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlhf_lit import metrics as M
-from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl.settings import PPOConfig
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 ITERATIONS = 4

@@ -30,9 +30,9 @@ from torch.func import functional_call
 from torch.testing import assert_close
 from transformers import GPT2LMHeadModel
 
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.schedule import epoch_schedule
+from rlhf_lit.rl.settings import KLConfig, PPOConfig
 from tests.ppo.helpers import (
     LORA,
     RecordingReward,

@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.schedule import epoch_schedule
+from rlhf_lit.rl.settings import KLConfig, PPOConfig
 from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer, uneven_sampler
 from tests.ppo.oracle_recording import move_off_zero
 from tests.ppo.test_oracle import _forward, _lora, _merged, _plain_gpt2

@@ -28,10 +28,10 @@ import torch
 from torch.testing import assert_close
 
 from rlhf_lit import metrics as M
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, RewardShapingConfig
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.sampler import SampleRecord
+from rlhf_lit.rl.settings import CriticConfig, KLConfig, PPOConfig, RewardShapingConfig
 from tests.ppo.helpers import LORA, RecordingReward, make_data, make_module, make_trainer, uneven_sampler
 from tests.ppo.oracle_recording import move_off_zero, record_steps, recording_schedule
 from tests.ppo.test_oracle_schedule import Oracle, _combined

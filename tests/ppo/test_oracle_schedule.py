@@ -55,10 +55,10 @@ from torch.testing import assert_close
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.aggregation import AGGREGATIONS
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import CriticConfig, KLConfig, PPOConfig, PTXConfig
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.sampler import SampleRecord
+from rlhf_lit.rl.settings import CriticConfig, KLConfig, PPOConfig, PTXConfig
 from tests.ppo.helpers import LORA, RecordingReward, make_data, make_module, make_trainer, uneven_sampler
 from tests.ppo.oracle_recording import move_off_zero, record_steps, recording_schedule
 from tests.ppo.test_oracle import _forward, _plain_gpt2
@@ -850,7 +850,7 @@ def test_the_logged_update_figures_equal_the_oracle(replayed):
 # Every option the update reads: walk ``rlhf_lit/rl/update.py`` (``UpdateSettings.from_configs``, the
 # optimizer and schedule it steps, the clipping it calls, ``UpdateBatch``'s fields),
 # ``rlhf_lit/rl/objectives.py`` (``PPOObjective.from_settings``) and the options of
-# ``rlhf_lit/modules/ppo_config.py`` that make the update's input (advantages, KL placement and estimator,
+# ``rlhf_lit/rl/settings.py`` that make the update's input (advantages, KL placement and estimator,
 # importance weights). Each must be set away from its default by some case (``_case_value``);
 # ``test_every_option_the_update_reads_is_set_off_its_default`` checks it.
 READ = {
@@ -910,7 +910,7 @@ NOT_READ = {
 
 
 def _settings() -> dict:
-    from rlhf_lit.modules.ppo_config import MonitorConfig, RewardShapingConfig
+    from rlhf_lit.rl.settings import MonitorConfig, RewardShapingConfig
 
     return {
         "ppo": PPOConfig,

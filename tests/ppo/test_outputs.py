@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples
-from rlhf_lit.modules.ppo_config import MonitorConfig
+from rlhf_lit.rl.settings import MonitorConfig
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 

@@ -17,11 +17,11 @@ import torch
 
 from rlhf_lit.functional.packing import pack, pack_layout, unpack
 from rlhf_lit.functional.sequence import response_positions
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings
 from rlhf_lit.models.backbone import load_backbone, load_backbone_tokenizer
 from rlhf_lit.models.policy import ActorCritic
-from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import PPOConfig
 from tests.conftest import TINY_GPT2, TINY_LLAMA
 from tests.ppo.helpers import make_data, make_module, make_trainer
 from tests.tiny_runs import one_thread

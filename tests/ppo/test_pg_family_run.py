@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import PPOConfig
 from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer
 
 

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from rlhf_lit import metrics as M
 from rlhf_lit.models import BackboneConfig, load_backbone
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
-from rlhf_lit.modules.ppo_config import PPOConfig, RewardShapingConfig
+from rlhf_lit.rl.settings import PPOConfig, RewardShapingConfig
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import RecordingReward, make_data, make_module, make_trainer
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import PPOConfig
 from rlhf_lit.rl import Advantages, AlgorithmSpec, GAEEstimator, register_algorithm
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import PPOConfig
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 

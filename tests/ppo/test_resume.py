@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_lit.modules.ppo_config import KLConfig, PPOConfig, RewardShapingConfig
+from rlhf_lit.rl.settings import KLConfig, PPOConfig, RewardShapingConfig
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 N_ITER, K_ITER, BATCH, MINIBATCH, EPOCHS = 4, 2, 4, 2, 2
@@ -64,7 +64,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
 def test_resumed_critic_free_run_equals_uninterrupted_run(tmp_path):
     """The same for GRPO with 2 samples per prompt (KL in the loss, sequence-mean aggregation): the
     checkpoint holds only the actor adapter, and the resumed run equals the straight one."""
-    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.rl.generation import SamplingConfig
 
     n, steps_per_iter = 2, EPOCHS * BATCH * 2 // (2 * MINIBATCH)
 

@@ -10,9 +10,9 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.data import PromptDataModule
-from rlhf_lit.generation import SamplingConfig
-from rlhf_lit.modules.ppo_config import PPOConfig
 from rlhf_lit.rewards import RewardSourceConfig
+from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.settings import PPOConfig
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import make_module, make_trainer
 from tests.tiny_runs import run_tiny

@@ -18,17 +18,17 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import ConfigError, SamplerSyncError, UserError
 from rlhf_lit.functional.sampler_gap import logprob_gap
-from rlhf_lit.generation import (
+from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
+from rlhf_lit.modules.common import OptimizerConfig
+from rlhf_lit.rl.generation import (
     SampledLogprobs,
     SamplingConfig,
     bucket_length,
     compute_dtype,
     sample_responses,
 )
-from rlhf_lit.models import AdaptedLM, BackboneConfig, LoraSettings, load_backbone
-from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import PPOConfig
 from rlhf_lit.rl.sampler import HFSampler, adapter_fingerprint
+from rlhf_lit.rl.settings import PPOConfig
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import make_data, make_module, make_trainer
 

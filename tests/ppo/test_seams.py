@@ -8,8 +8,8 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.models.policy import PolicyOutput
-from rlhf_lit.modules.ppo_config import PPOConfig
 from rlhf_lit.rl import Advantages, MicroBatch, PPOObjective
+from rlhf_lit.rl.settings import PPOConfig
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
 OBJECTIVE = PPOObjective(clip_range=0.2, dual_clip=None, value_clip_range=None, vf_coef=0.5, entropy_coef=0.1)
@@ -109,7 +109,7 @@ def test_the_in_loss_kl_term_uses_the_configured_estimator():
     import dataclasses
     import math
 
-    from rlhf_lit.modules.ppo_config import KLConfig
+    from rlhf_lit.rl.settings import KLConfig
 
     out, mb = _case()
     mb = dataclasses.replace(mb, ref_logprobs=torch.tensor([[-1.5, -1.0, 0.0]]), kl_coef=0.2)
@@ -128,7 +128,7 @@ def test_the_in_loss_kl_term_uses_the_configured_estimator():
 
 
 def test_the_module_gives_one_kl_estimator_to_the_rollout_and_the_loss():
-    from rlhf_lit.modules.ppo_config import KLConfig
+    from rlhf_lit.rl.settings import KLConfig
 
     module = make_module(
         ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=1, kl_placement="loss"),

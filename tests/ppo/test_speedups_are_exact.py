@@ -11,7 +11,7 @@ from rlhf_lit.models import BackboneConfig, load_backbone
 from rlhf_lit.models.tokenizer import build_byte_tokenizer
 from rlhf_lit.models.trunk import fuse_gelu_tanh
 from rlhf_lit.modules.common import OptimizerConfig, _fused_adamw_ok, build_optimizer
-from rlhf_lit.modules.ppo_config import PPOConfig
+from rlhf_lit.rl.settings import PPOConfig
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import make_data, make_module, make_trainer
 
@@ -112,7 +112,7 @@ def test_merged_adapter_samples_like_the_adapter_and_restores_the_base_bit_for_b
 
 def test_a_run_that_samples_with_the_merged_adapter_keeps_the_reference_exact(tmp_path):
     torch.manual_seed(0)
-    from rlhf_lit.generation import SamplingConfig
+    from rlhf_lit.rl.generation import SamplingConfig
 
     module = make_module(
         sampling=SamplingConfig(max_new_tokens=8, temperature=0.7, merge_adapter=True),

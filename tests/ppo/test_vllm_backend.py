@@ -23,11 +23,11 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import ConfigError, SamplerEngineError, SamplerSyncError
-from rlhf_lit.generation import GAP_TOLERANCE, SamplingConfig, VLLMSettings
 from rlhf_lit.models import BackboneConfig, load_backbone
 from rlhf_lit.modules.common import OptimizerConfig
-from rlhf_lit.modules.ppo_config import PPOConfig, refuse_impossible_settings, refuse_sharded_settings
+from rlhf_lit.rl.generation import GAP_TOLERANCE, SamplingConfig, VLLMSettings
 from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint, build_sampler
+from rlhf_lit.rl.settings import PPOConfig, refuse_impossible_settings, refuse_sharded_settings
 from rlhf_lit.rl.vllm_client import VLLMClient
 from rlhf_lit.vllm_server import INITIAL_WEIGHTS, RequestError, adapter_digest, file_digest, parse_generate
 from tests.cli.helpers import run_cli

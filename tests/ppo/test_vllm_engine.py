@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from rlhf_lit import metrics as M
-from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, load_backbone
+from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint
 from rlhf_lit.vllm_server import INSTALL_HINT
 from tests.cli.helpers import run_cli

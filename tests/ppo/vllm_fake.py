@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlhf_lit.generation import SampledLogprobs, SamplingConfig, sample_responses
+from rlhf_lit.rl.generation import SampledLogprobs, SamplingConfig, sample_responses
 from rlhf_lit.vllm_server import make_server
 
 

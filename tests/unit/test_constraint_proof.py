@@ -162,7 +162,7 @@ def test_the_dapo_and_gspo_configs_change_only_their_family_s_keys():
         ppo + "clip_range_high": 4.0e-4,
         ppo + "loss_aggregation": "seq_mean_token_mean",  # written out; GRPO's default (next line)
     }
-    from rlhf_lit.modules.ppo_config import PPOConfig
+    from rlhf_lit.rl.settings import PPOConfig
 
     assert PPOConfig(advantage_estimator="grpo").aggregation() == "seq_mean_token_mean"
 

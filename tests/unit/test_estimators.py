@@ -10,7 +10,6 @@ import torch
 from torch.testing import assert_close
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.modules.ppo_config import PPOConfig
 from rlhf_lit.rl import (
     AlgorithmSpec,
     GAEEstimator,
@@ -21,6 +20,7 @@ from rlhf_lit.rl import (
     get_algorithm,
     register_algorithm,
 )
+from rlhf_lit.rl.settings import PPOConfig
 
 MASK = torch.tensor([[True, True, False], [True, False, False]])
 

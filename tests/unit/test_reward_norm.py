@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from rlhf_lit.reward_norm import RunningMeanStd, normalize_scores
+from rlhf_lit.rl.reward_norm import RunningMeanStd, normalize_scores
 
 
 def close(actual, expected, atol=1e-6):

@@ -3,7 +3,7 @@
 Each raises ``ConfigError`` (a ``ValueError``) with one line naming the keys, so the command prints that line and
 exits 2 wherever the check runs: in the CLI's checks, or while the module is built (``check_stop_tokens`` runs in
 both: before anything loads on what the config alone decides, then on the tokenizer's stop ids);
-``rlhf_lit.modules.ppo_config`` re-exports them.
+``rlhf_lit.rl.settings`` re-exports them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlhf_lit.models.backbone import LoraSettings
-from rlhf_lit.modules.ppo_checks import (  # noqa: F401 -- re-exported: the checks of these settings
+from rlhf_lit.ranges import check_field_ranges, ranged
+from rlhf_lit.rl.algorithms import AlgorithmSpec, get_algorithm
+from rlhf_lit.rl.checks import (  # noqa: F401 -- re-exported: the checks of these settings
     check_advantage_estimator,
     check_batch_sizes,
     check_objective_options,
@@ -23,8 +25,6 @@ from rlhf_lit.modules.ppo_checks import (  # noqa: F401 -- re-exported: the chec
     refuse_impossible_settings,
     refuse_sharded_settings,
 )
-from rlhf_lit.ranges import check_field_ranges, ranged
-from rlhf_lit.rl.algorithms import AlgorithmSpec, get_algorithm
 
 
 @dataclass
