@@ -15,7 +15,7 @@ Route (one child process, ``bench/run.py --_child grpo_loss``; trl is imported t
    inputs)`` gives TRL's loss. Its training forward's per-token log-probs and entropies are read by a wrapper
    on ``_get_per_token_logps_and_entropies`` (TRL's code is not modified).
 3. Ours: ``rlhf_lit.rl.update.PPOUpdater.update`` -- the code a ``PPOModule`` runs -- with the settings a user's
-   config gives (``PPOConfig`` -> ``UpdateSettings.from_configs`` and ``PPOObjective.from_settings``) on an
+   config gives (``PPOConfig`` -> ``rl.assembly.update_settings`` and ``PPOObjective.from_settings``) on an
    ``UpdateBatch`` of the same minibatch (TRL's prompt and completion ids and masks, old and reference
    log-probs, its advantages on every completion token), one epoch of one minibatch; its collaborators are
    injected through the constructor: a policy that returns TRL's log-probs and entropies (the same tensors,
@@ -250,11 +250,12 @@ def ours_loss(c: dict, inputs: dict, logps, entropies, advantages):
     import torch
 
     from rlhf_lit.functional.group_advantages import token_advantages
+    from rlhf_lit.rl.assembly import update_settings
     from rlhf_lit.rl.generation import SamplingConfig
     from rlhf_lit.rl.objectives import PPOObjective
     from rlhf_lit.rl.schedule import epoch_schedule
     from rlhf_lit.rl.settings import PPOConfig
-    from rlhf_lit.rl.update import PPOUpdater, UpdateBatch, UpdateSettings
+    from rlhf_lit.rl.update import PPOUpdater, UpdateBatch
 
     o = c["ours"]
     rows = inputs["completion_ids"].shape[0]
@@ -285,7 +286,7 @@ def ours_loss(c: dict, inputs: dict, logps, entropies, advantages):
     updater = PPOUpdater(
         policy,
         PPOObjective.from_settings(ppo, "k3"),
-        UpdateSettings.from_configs(ppo, sampling),
+        update_settings(ppo, sampling),
         backward=losses.append,
         clip=lambda opt: 0.0,
         optimizers=lambda: (_NoOp(), _NoOp()),

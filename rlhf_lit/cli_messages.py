@@ -78,8 +78,14 @@ def _import(path: str) -> Any:
         return None
 
 
+#: Constructor arguments that inject collaborators from Python (``PPOModule``'s ``sampler``, ``schedule`` and
+#: ``refill_prompts``: tests and scripts): not options of a config or of the command line (``RLHFCLI``'s parser
+#: skips them).
+PYTHON_ONLY_ARGS = frozenset({"sampler", "schedule", "refill_prompts"})
+
+
 def _accepted_names(cls: Any) -> list[str]:
-    """The keys a class (or a dataclass) accepts: its ``__init__`` parameters."""
+    """The keys a class (or a dataclass) accepts: its ``__init__`` parameters, less :data:`PYTHON_ONLY_ARGS`."""
     if cls is None:
         return []
     if dataclasses.is_dataclass(cls):
@@ -88,7 +94,8 @@ def _accepted_names(cls: Any) -> list[str]:
         params = inspect.signature(cls.__init__).parameters.values()
     except (TypeError, ValueError):
         return []
-    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    skipped = {"self", *PYTHON_ONLY_ARGS}
+    return [p.name for p in params if p.name not in skipped and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def _field_type(cls: Any, name: str) -> Any:

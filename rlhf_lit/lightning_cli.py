@@ -21,10 +21,10 @@ import warnings
 from argparse import ArgumentError
 
 import lightning as L
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from rlhf_lit.callbacks.progress import StageProgressBar
-from rlhf_lit.cli_messages import condense, config_file_error, config_files, option_strings
+from rlhf_lit.cli_messages import PYTHON_ONLY_ARGS, condense, config_file_error, config_files, option_strings
 from rlhf_lit.commands import DESCRIPTION, EXTRA_SUBCOMMANDS, SUBCOMMANDS
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.quiet import quiet_third_party, release_held
@@ -36,6 +36,17 @@ __all__ = ["DESCRIPTION", "EXTRA_SUBCOMMANDS", "SUBCOMMANDS", "RLHFCLI", "cli_ma
 # --trainer.max_steps), and parse errors are raised, not printed with the whole usage text: main() prints
 # one line.
 _PARSER_KWARGS = {"exit_on_error": False, "allow_abbrev": False}
+
+
+class RLHFArgumentParser(LightningArgumentParser):
+    """Lightning's parser, less the model's Python-only constructor arguments (:data:`PYTHON_ONLY_ARGS`)."""
+
+    def add_lightning_class_args(self, lightning_class, nested_key, subclass_mode=False, required=True):
+        if nested_key == "model" and subclass_mode:
+            return self.add_subclass_arguments(
+                lightning_class, nested_key, fail_untyped=False, required=required, skip=set(PYTHON_ONLY_ARGS)
+            )
+        return super().add_lightning_class_args(lightning_class, nested_key, subclass_mode, required)
 
 
 class RLHFCLI(LightningCLI):
@@ -53,6 +64,7 @@ class RLHFCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         self.run_outputs = None
+        kwargs.setdefault("parser_class", RLHFArgumentParser)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:

@@ -24,13 +24,26 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rlhf_lit.errors import ConfigError
 
+C = TypeVar("C")
+
+
+def as_config(cls: type[C], value: C | dict | None) -> C | None:
+    """Accept a settings dataclass or its dict form (as stored in a checkpoint's hparams); None stays None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"expected {cls.__name__} or a dict, got {type(value).__name__}")
+
 __all__ = [
+    "BETA",
     "LABEL_SMOOTHING",
     "Range",
+    "as_config",
     "check_field_ranges",
     "check_value",
     "dataclass_in",
@@ -138,6 +151,10 @@ def parse_range(text: str) -> Range:
 #: ``label_smoothing`` / ``robust``), one range for every place that checks it: at eps = 0.5 a label says
 #: nothing (the loss is smallest at a zero margin whatever the pair), so 0.5 is outside.
 LABEL_SMOOTHING = parse_range("[0, 0.5)")
+
+#: DPO's (and its family's) ``beta``, the inverse temperature of the implicit reward ``beta * log(pi / pi_ref)``
+#: (Rafailov et al. 2023, eq. 7), one range for every place that checks it: 0 would make every pair a tie.
+BETA = parse_range("> 0")
 
 
 def check_value(name: str, value: Any, allowed: Range) -> None:

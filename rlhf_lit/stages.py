@@ -58,8 +58,8 @@ class StageSpec:
         generates: the stage samples responses to prompts, so prompt length + ``sampling.max_new_tokens`` must
             fit the model's positions (otherwise ``data.max_length`` must).
         trains_on_pairs: the stage needs chosen/rejected pairs (unpaired preference rows are refused).
-        variants: labels of the stage's named variants, ``(module attribute, value, label)``: a module whose
-            attribute has that value is shown as ``label`` (DPO with ``loss_type: kto`` is ``[kto]``).
+        variants: labels of the stage's named variants, ``(hyper-parameter, value, label)``: a module built with
+            that value is shown as ``label`` (DPO with ``loss_type: kto`` is ``[kto]``).
     """
 
     name: str
@@ -74,11 +74,11 @@ class StageSpec:
     trains_on_pairs: bool = False
     variants: tuple[tuple[str, str, str], ...] = ()
 
-    def label(self, module: Any = None) -> str:
-        """The progress bar's label of ``module`` (an instance of this stage's module): its variant's label, or
-        :attr:`name`."""
-        for attribute, value, label in self.variants:
-            if getattr(module, attribute, None) == value:
+    def label(self, settings: dict[str, Any] | None = None) -> str:
+        """The progress bar's label of a run of this stage whose module was built with ``settings`` (its
+        hyper-parameters, e.g. ``{"loss_type": "kto"}``): its variant's label, or :attr:`name`."""
+        for key, value, label in self.variants:
+            if (settings or {}).get(key) == value:
                 return label
         return self.name
 

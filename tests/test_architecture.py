@@ -174,6 +174,17 @@ def test_the_rl_core_never_reaches_the_lightning_modules():
         assert not bad, f"{start} reaches {bad}"
 
 
+@pytest.mark.parametrize("package", ["evaluation", "models", "functional", "data", "rewards", "parallel"])
+def test_the_layers_below_the_lightning_modules_never_reach_them(package):
+    """What the stage modules are built from never imports them back (``TYPE_CHECKING`` and lazy imports
+    included): e.g. ``rlhf-lit evaluate``'s report reads the calibration bounds from ``functional``."""
+    edges, _ = _graph()
+    start = f"rlhf_lit.{package}"
+    for module in [m for m in MODULES if m == start or m.startswith(start + ".")]:
+        bad = sorted(m for m in _reachable(edges, module) if m.startswith(MODULES_PACKAGE))
+        assert not bad, f"{module} reaches {bad}"
+
+
 def test_the_rl_core_reads_no_private_attribute_of_another_object():
     """``x._name`` in ``rlhf_lit.rl`` only on ``self`` (a component reading a module's private state is a
     class in disguise)."""
@@ -267,3 +278,75 @@ def test_files_and_functions_stay_short():
 @pytest.mark.parametrize("name", sorted(LONG_FILES))
 def test_every_listed_exception_still_exists(name):
     assert (REPO_ROOT / name).exists()
+
+
+# Where one PPO / GRPO iteration runs: the module's hooks and the RL core with the layers beneath it. Besides,
+# only the leaf modules every layer reads (metric names, errors, value ranges).
+ITERATION_PLACES = ("modules", "rl", "functional", "models", "parallel")
+LEAF_MODULES = ("metrics.py", "errors.py", "ranges.py")
+
+
+def _files_run_by_training_step(tmp_path, **module_kwargs) -> set[str]:
+    """The package's source files whose functions run during ``training_step`` (one tiny iteration)."""
+    from tests.ppo.helpers import make_data, make_module, make_trainer
+
+    module = make_module(**module_kwargs)
+    package = str(REPO_ROOT / "rlhf_lit") + "/"
+    files: set[str] = set()
+    step = module.training_step
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            files.add(frame.f_code.co_filename[len(package) :])
+
+    def traced_step(*args, **kwargs):
+        sys.setprofile(tracer)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+
+    module.training_step = traced_step
+    make_trainer(tmp_path).fit(module, datamodule=make_data(module, batch_size=4))
+    assert module.iteration == 1
+    return files
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_an_iteration_runs_in_the_module_and_the_rl_core_only(tmp_path, estimator):
+    """Every file a PPO (GAE) or GRPO iteration enters lies in ``modules/``, ``rl/``, ``functional/``, ``models/``
+    or ``parallel/`` (plus the leaf modules of names, errors and ranges), and the RL core is most of it."""
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.settings import PPOConfig
+
+    kwargs = {}
+    if estimator == "grpo":
+        kwargs = dict(
+            ppo=PPOConfig(advantage_estimator="grpo", ppo_epochs=1, ppo_minibatch_size=4, total_iterations=1),
+            sampling=SamplingConfig(max_new_tokens=8, temperature=0.7, num_samples_per_prompt=2),
+        )
+    files = _files_run_by_training_step(tmp_path, **kwargs)
+    outside = sorted(f for f in files if f.split("/")[0] not in ITERATION_PLACES and f not in LEAF_MODULES)
+    assert outside == []
+    assert {"modules/ppo.py", "rl/rollout.py", "rl/update.py", "rl/estimators.py"} <= files
+
+
+LIGHTNING_MODULE_NAMES = ("pl_module", "lightning_module")
+
+
+def test_no_function_outside_the_lightning_modules_takes_one():
+    """Outside ``rlhf_lit.modules`` (and the Lightning callbacks, whose hooks Lightning calls with the module),
+    no function takes a LightningModule: no parameter annotated with one or named ``module`` / ``pl_module`` where
+    a LightningModule is meant. The RL core gets the trainer's side as callables (``rl.assembly.TrainerHooks``)."""
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith("rlhf_lit.") or module.startswith(("rlhf_lit.modules", "rlhf_lit.callbacks")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if "LightningModule" in annotation or "PPOModule" in annotation or arg.arg in LIGHTNING_MODULE_NAMES:
+                    found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.name}({arg.arg})")
+    assert found == []

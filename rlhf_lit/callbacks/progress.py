@@ -21,7 +21,7 @@ def _stage(pl_module):
 
 def _label(pl_module) -> str:
     stage = _stage(pl_module)
-    return stage.label(pl_module) if stage is not None else type(pl_module).__name__
+    return stage.label(dict(pl_module.hparams)) if stage is not None else type(pl_module).__name__
 
 
 class StageProgressBar(TQDMProgressBar):

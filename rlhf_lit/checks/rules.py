@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.ranges import LABEL_SMOOTHING, Range, dataclass_ranges
+from rlhf_lit.ranges import BETA, LABEL_SMOOTHING, Range, dataclass_ranges
 
 __all__ = [
     "DATA_RULES",
@@ -69,7 +69,7 @@ MODEL_RULES: dict[str, dict[str, Range]] = {
     },
     "dpo": {
         **_OPTIMIZER,
-        "beta": _gt0(),
+        "beta": BETA,
         "label_smoothing": LABEL_SMOOTHING,
         "simpo_gamma": Range(),
         "nll_coef": _ge0(),

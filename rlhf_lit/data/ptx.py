@@ -28,11 +28,14 @@ class PTXStream:
             seed=seed,
             tokenizer=tokenizer,
         )
-        self.datamodule.setup("fit")
         self.consumed = 0
         self._iterator = None
+        self._ready = False  # the files are read at the first batch, not when the run is built
 
     def next_batch(self) -> dict:
+        if not self._ready:
+            self.datamodule.setup("fit")
+            self._ready = True
         while True:
             if self._iterator is None:
                 self._iterator = iter(self.datamodule.train_dataloader())

@@ -29,6 +29,7 @@ import math
 import torch
 
 from rlhf_lit.functional.calibration import (
+    TEMPERATURE_BOUNDS,
     binary_nll,
     expected_calibration_error,
     fit_temperature,
@@ -42,9 +43,8 @@ from rlhf_lit.functional.length_bias import (
     paired_difference,
     score_length_spearman,
 )
-from rlhf_lit.functional.shift import standardized_mean_difference
+from rlhf_lit.functional.shift import response_summary, standardized_mean_difference
 from rlhf_lit.functional.summary import mean_se
-from rlhf_lit.modules.reward_eval import TEMPERATURE_BOUNDS, response_summary
 
 __all__ = ["ECE_BINS", "SHIFT_THRESHOLD", "evaluate_scores", "markdown_table", "shift_warnings"]
 

@@ -26,12 +26,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "TEMPERATURE_BOUNDS",
     "fit_temperature",
     "pairwise_calibration_inputs",
     "expected_calibration_error",
     "reliability_bins",
     "binary_nll",
 ]
+
+
+# The interval fit_temperature searches; a fitted T on either end is reported as unreliable.
+TEMPERATURE_BOUNDS = (1e-2, 1e2)
 
 
 def _check_pairs(x: Tensor, labels: Tensor, name: str, binary: bool = True) -> None:

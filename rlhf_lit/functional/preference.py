@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lit.functional.sequence import gather_logprobs, length_groups
-from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
+from rlhf_lit.ranges import BETA, LABEL_SMOOTHING, check_value
 
 __all__ = [
     "LOSS_TYPES",
@@ -176,8 +176,7 @@ def response_logps_in_length_groups(
 
 
 def _check_beta(beta: float) -> None:
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
+    check_value("beta", beta, BETA)
 
 
 def implicit_rewards(

@@ -29,6 +29,7 @@ __all__ = [
     "trim_left_padding",
     "length_groups",
     "pad_cat",
+    "repeat_prompts",
 ]
 
 
@@ -378,3 +379,20 @@ def length_groups(lengths: Tensor, fill: float = LENGTH_GROUP_FILL) -> list[Tens
             groups.append([])
         groups[-1].append(row)
     return [torch.tensor(g, dtype=torch.long, device=lengths.device) for g in groups]
+
+
+def repeat_prompts(batch: dict, n: int) -> dict:
+    """The batch with each prompt repeated ``n`` times in consecutive rows (every tensor's dim 0 and every
+    list), so a prompt's n responses (its group) are sampled on the rank that holds the prompt, next to each
+    other: group ``g`` is rows ``g * n .. g * n + n - 1``. ``n = 1`` returns the batch itself."""
+    if n == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            out[key] = value.repeat_interleave(n, dim=0)
+        elif isinstance(value, list):
+            out[key] = [item for item in value for _ in range(n)]
+        else:
+            out[key] = value
+    return out

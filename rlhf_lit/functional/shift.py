@@ -55,3 +55,19 @@ def standardized_mean_difference(reference: tuple[float, float], sample: tuple[f
     if pooled == 0:
         return 0.0 if m_s == m_r else math.copysign(math.inf, m_s - m_r)
     return (m_s - m_r) / pooled
+
+
+def response_summary(
+    chosen: torch.Tensor, rejected: torch.Tensor, len_c: torch.Tensor, len_r: torch.Tensor
+) -> dict:
+    """The distribution a reward model was calibrated on, over all 2N responses of N pairs: ``pairs``,
+    ``response_tokens`` and ``score`` (uncalibrated), each ``{"mean", "sd"}``. The export records it
+    (``validation_summary`` in ``rlhf_lit.json``) so that ``rlhf-lit evaluate`` can say when a file's
+    responses sit far from it (``rlhf_lit.evaluation``)."""
+    lengths = mean_and_sd(torch.cat([len_c, len_r]).double())
+    scores = mean_and_sd(torch.cat([chosen, rejected]).double())
+    return {
+        "pairs": int(chosen.numel()),
+        "response_tokens": {"mean": lengths[0], "sd": lengths[1]},
+        "score": {"mean": scores[0], "sd": scores[1]},
+    }

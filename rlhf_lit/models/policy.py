@@ -19,7 +19,7 @@ there instead of a padded forward's; every loss and statistic masks them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ class ActorCritic(nn.Module):
 
     Args:
         model: the base causal LM (the SFT policy), possibly 4-bit.
-        actor_lora: LoRA settings of the actor adapter.
+        actor_lora: LoRA settings of the actor adapter (its dropout is set to 0, as the critic's: exact log-probs).
         critic_lora: LoRA settings of the critic adapter; ``None`` makes the critic share the actor's
             trunk (one forward gives logits and values; the value loss then also trains the actor adapter).
         with_critic: False for a critic-free estimator (GRPO, RLOO, REINFORCE++): no critic adapter and no
@@ -65,9 +65,10 @@ class ActorCritic(nn.Module):
     ) -> None:
         super().__init__()
         self.packing = packing
-        adapters = {"actor": actor_lora}
+        # no LoRA dropout in either adapter, whatever the settings say: log-probs and values must be exact
+        adapters = {"actor": replace(actor_lora, dropout=0.0)}
         if critic_lora is not None and with_critic:
-            adapters["critic"] = critic_lora
+            adapters["critic"] = replace(critic_lora, dropout=0.0)
         self.lm = AdaptedLM(model, adapters)
         self.has_critic = with_critic
         self.shared_critic = with_critic and critic_lora is None

@@ -7,7 +7,7 @@ import logging
 import resource
 import sys
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -16,7 +16,6 @@ from rlhf_lit.ranges import check_field_ranges, ranged
 
 log = logging.getLogger("rlhf_lit")
 
-C = TypeVar("C")
 
 
 def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
@@ -24,15 +23,6 @@ def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
 
     Reads ``LightningModule._trainer``, private in Lightning 2.6.6 (``tests/test_library_contracts.py``)."""
     return module._trainer
-
-
-def as_config(cls: type[C], value: C | dict | None) -> C | None:
-    """Accept a config dataclass or its dict form (as stored in a checkpoint's hparams)."""
-    if value is None or isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        return cls(**value)
-    raise TypeError(f"expected {cls.__name__} or a dict, got {type(value).__name__}")
 
 
 def plain_hparams(module_class: type, **kwargs: Any) -> dict[str, Any]:

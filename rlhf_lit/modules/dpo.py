@@ -47,7 +47,6 @@ from rlhf_lit.modules.common import (
     AccumulatedMean,
     FiniteSteps,
     OptimizerConfig,
-    as_config,
     attached_trainer,
     configure_trainable_optimizer,
     log_data_report,
@@ -61,6 +60,7 @@ from rlhf_lit.modules.dpo_reference import (
     sequences,
 )
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
+from rlhf_lit.ranges import BETA, as_config
 
 log = logging.getLogger("rlhf_lit")
 
@@ -361,8 +361,8 @@ def _check_settings(
         raise ConfigError(f"model.init_args.packing must be true or false, got {packing!r}")
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"model.init_args.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if not (isinstance(beta, (int, float)) and beta > 0):
-        raise ConfigError(f"model.init_args.beta must be > 0, got {beta!r}")
+    if message := BETA.refusal("model.init_args.beta", beta):
+        raise ConfigError(message)
     if label_smoothing and loss_type not in ("label_smoothing", "robust"):
         raise ConfigError(
             f"model.init_args.label_smoothing is used by loss_type label_smoothing or robust, not {loss_type!r}"

@@ -1,7 +1,7 @@
 """Stage 3: PPO (or a critic-free estimator) against a frozen reward model: the Lightning shell of the RL core.
 
 ``training_step`` is one iteration on one batch of prompts (Ouyang et al. 2022; Schulman et al. 2017), each
-step a component of ``rlhf_lit.rl`` (``ppo_build.build_components``): 1-4 ``dynamic_sampling.collect`` (sampler,
+step a component of ``rlhf_lit.rl`` (``rl.assembly.build_rl``): 1-4 ``dynamic_sampling.collect`` (sampler,
 reference / old log-probs and values, scores); 5 ``estimator`` (``ppo.advantage_estimator`` in the registry
 ``rl.algorithms``); 6 ``updater.update`` (epochs x global minibatches x micro-batches, clipped steps);
 7 ``sampler.sync``, the KL controller, the metrics: to the loggers with step = PPO iteration and, via
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Literal
 
 import lightning as L
@@ -23,32 +23,31 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.callbacks import HFExport, PPOCurves, RewardHackingMonitor, RolloutSamples, unless_configured
 from rlhf_lit.callbacks.checkpoints import periodic_checkpoint
-from rlhf_lit.data.ptx import PTXStream
 from rlhf_lit.models.backbone import BackboneConfig
+from rlhf_lit.models.export import save_causal_lm
 from rlhf_lit.models.reward_source import RewardModelConfig
 from rlhf_lit.models.sharded_load import fill_from_checkpoint, weights_deferred
 from rlhf_lit.modules.common import (
     OptimizerConfig,
-    as_config,
     attached_trainer,
+    build_optimizer,
+    build_scheduler,
     log_data_report,
     peak_memory_mb,
     plain_hparams,
 )
-from rlhf_lit.modules.ppo_build import (
-    build_components,
-    build_models,
-    configure_optimizer,
-    export_policy,
-    hparams_of,
-    optimizer_steps_per_iteration,
-    prepare_fit,
-    reward_config,
-    rollout_prompts,
-)
-from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
+from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, is_distributed, shard_head, shard_lm
+from rlhf_lit.ranges import as_config
 from rlhf_lit.rewards import RewardSourceConfig
+from rlhf_lit.rl.assembly import (
+    TrainerHooks,
+    build_rl,
+    optimizer_groups,
+    optimizer_steps_per_iteration,
+    schedule_steps,
+)
 from rlhf_lit.rl.generation import SamplingConfig
+from rlhf_lit.rl.loading import PPOSettings, build_models
 from rlhf_lit.rl.sampler import Sampler, build_sampler
 from rlhf_lit.rl.schedule import epoch_schedule
 from rlhf_lit.rl.settings import (
@@ -58,9 +57,7 @@ from rlhf_lit.rl.settings import (
     PPOConfig,
     PTXConfig,
     RewardShapingConfig,
-    check_advantage_estimator,
     check_batch_sizes,
-    refuse_impossible_settings,
     refuse_sharded_settings,
 )
 from rlhf_lit.rl.stats import all_stats, global_kl_per_response, peak_memory
@@ -71,9 +68,8 @@ __all__ = ["PPOModule"]
 
 
 class PPOModule(L.LightningModule):
-    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
-
-    A critic-free ``ppo.advantage_estimator`` (one that declares no critic) runs the same iteration without it.
+    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; a critic-free
+    ``ppo.advantage_estimator`` (one that declares no critic) runs the same iteration without a critic.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora``: the actor
@@ -91,10 +87,9 @@ class PPOModule(L.LightningModule):
         export_dir, export_mode: the final policy in HF format with ``ppo_curves.png`` (null: neither); how.
         rollout_batch_size: prompts per rollout per rank; linked by the CLI from ``data.init_args.batch_size``
             (not set in YAML); sizes the learning-rate schedule. Default: the trainer's data module's.
-        sampler: a factory ``(sampling, stop_ids, pad_token_id) -> Sampler`` (``rlhf_lit.rl.sampler``);
-            default ``build_sampler`` (``HFSampler``; ``CopySampler`` / ``VLLMSampler`` per ``sampling``).
-        schedule: the minibatch schedule (``rlhf_lit.rl.update.epoch_schedule`` or one with its signature).
-        refill_prompts: ``ppo.dynamic_sampling_max_rounds``' prompts; default ``ppo_build.training_prompts``.
+        sampler, schedule, refill_prompts (from Python only, not config keys): a factory ``(sampling, stop_ids,
+            pad_token_id) -> Sampler``, default ``rl.sampler.build_sampler``; the minibatch schedule, default
+            ``rl.schedule.epoch_schedule``; dynamic sampling's prompts, default ``rl.assembly.training_prompts``.
         packing: the policy's forwards (actor, critic, reference) padding-free (``ActorCritic``; docs/scale.md).
     """
 
@@ -120,25 +115,18 @@ class PPOModule(L.LightningModule):
         packing: bool = False,
     ) -> None:
         super().__init__()
-        backbone = as_config(BackboneConfig, backbone)
-        if backbone.lora is None:
-            raise ValueError(
-                "PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off"
-            )
-        self.backbone_cfg, self.reward_model_cfg = backbone, reward_config(reward_model)
-        self.sampling = as_config(SamplingConfig, sampling) or SamplingConfig()
-        self.ppo = as_config(PPOConfig, ppo) or PPOConfig()
-        self.kl_cfg = as_config(KLConfig, kl) or KLConfig()
-        self.shaping = as_config(RewardShapingConfig, reward) or RewardShapingConfig()
-        self.critic_cfg = as_config(CriticConfig, critic) or CriticConfig()
-        self.optim_cfg = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
-        self.ptx_cfg = as_config(PTXConfig, ptx) or PTXConfig()
+        settings = st = PPOSettings.build(backbone, reward_model, sampling, ppo, kl, reward, critic, ptx)
+        self.backbone_cfg, self.reward_model_cfg, self.critic_cfg = st.backbone, st.reward_model, st.critic
+        self.sampling, self.ppo, self.kl_cfg, self.shaping = st.sampling, st.ppo, st.kl, st.reward
+        self.ptx_cfg, self.optim_cfg = st.ptx, as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.monitor_cfg = as_config(MonitorConfig, monitor) or MonitorConfig()
         # Every switch (PPO-Max tricks included) is recorded, as plain dicts so checkpoints load weights-only.
         self.save_hyperparameters(
             plain_hparams(
                 type(self),
-                **hparams_of(self),
+                **settings.hparams(),
+                optimizer=self.optim_cfg,
+                monitor=self.monitor_cfg,
                 log_samples_every=log_samples_every,
                 export_dir=export_dir,
                 export_mode=export_mode,
@@ -147,22 +135,24 @@ class PPOModule(L.LightningModule):
         )
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold adapters and heads only, not the frozen base
-        self.export_dir, self.export_mode = export_dir, export_mode
-        self.rollout_batch_size = rollout_batch_size  # derived from the data, so not a hyper-parameter
-        refuse_impossible_settings(self.backbone_cfg, self.sampling)
-        check_advantage_estimator(self.ppo, self.sampling, self.critic_cfg)
-        backbone.lora.dropout = 0.0  # log-probs must be exact (pitfall: dropout)
+        # rollout_batch_size is derived from the data, so not a hyper-parameter
+        self.export_dir, self.export_mode, self.rollout_batch_size = export_dir, export_mode, rollout_batch_size
         with torch.device("cpu") if (deferred := weights_deferred()) else nullcontext():  # FSDP2: base on meta
-            self.tokenizer, self.stop_ids, self.policy, self.reward_source, self._deferred_loads = build_models(
-                backbone, self.reward_model_cfg, self.sampling, self.shaping, self.critic_cfg, self.ppo, packing,
-                deferred,
+            models = build_models(settings, packing, deferred)
+            self.tokenizer, self.stop_ids, self.policy = models.tokenizer, models.stop_ids, models.policy
+            self.reward_source, self._deferred_loads = models.reward_source, models.loads
+            hooks = TrainerHooks(
+                self.manual_backward, self.clip_global_norm, lambda: (self.optimizers(), self.lr_schedulers()),
+                lambda: attached_trainer(self),
             )
-            build_components(self, sampler or build_sampler, schedule or epoch_schedule, refill_prompts)
+            make_sampler, schedule = sampler or build_sampler, schedule or epoch_schedule
+            rl = build_rl(settings, models, hooks, make_sampler, schedule, refill_prompts)
+        for part in fields(rl):  # the components as attributes: kl_ctl, estimator, collector, updater, ...
+            setattr(self, part.name, getattr(rl, part.name))
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.last_rollout: dict[str, list] = {}
         self._pending_rng: dict | None = None
-        self._ptx_consumed = 0
 
     def clip_global_norm(self, opt) -> float | None:
         """Global-norm clipping of each optimizer step (``rl.update.clip_global_grad_norm``)."""
@@ -185,10 +175,21 @@ class PPOModule(L.LightningModule):
 
     def optimizer_steps_per_iteration(self) -> int:
         """``ppo_epochs`` x minibatches per rollout (one minibatch when the rollout size is unknown)."""
-        return optimizer_steps_per_iteration(self.ppo, self.sampling, rollout_prompts(self))
+        return optimizer_steps_per_iteration(self.ppo, self.sampling, self.rollout_prompts())
+
+    def rollout_prompts(self) -> int | None:
+        """Prompts per rollout per rank: ``rollout_batch_size`` (linked by the CLI), else the data module's."""
+        if self.rollout_batch_size is not None:
+            return self.rollout_batch_size
+        return getattr(getattr(attached_trainer(self), "datamodule", None), "batch_size", None)
 
     def configure_optimizers(self):
-        return configure_optimizer(self)  # actor and critic parameter groups, a per-step schedule
+        """One optimizer (``rl.assembly.optimizer_groups``), a schedule over every optimizer step of the run."""
+        groups = optimizer_groups(self.policy, self.optim_cfg.lr, self.critic_cfg.lr)
+        optimizer = build_optimizer(groups, self.optim_cfg, attached_trainer(self))
+        batches, epochs = self.trainer.num_training_batches, self.trainer.max_epochs
+        steps = schedule_steps(self.ppo, self.sampling, self.rollout_prompts(), batches, epochs)
+        return [optimizer], [{"scheduler": build_scheduler(optimizer, self.optim_cfg, steps), "interval": "step"}]
 
     def configure_callbacks(self):
         """What the settings ask for: ``ppo.checkpoint_every``, ``monitor.enabled``, the ``log_samples_every`` table,
@@ -204,12 +205,8 @@ class PPOModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         log_data_report(self)
-        prepare_fit(self)  # the batch sizes; the guard's tolerance for the trainer's precision
-        if self.ptx_cfg.coef > 0:
-            stream = PTXStream(self.ptx_cfg, self.tokenizer, self.ppo.seed)
-            if self._ptx_consumed:
-                stream.fast_forward(self._ptx_consumed)
-            self.updater.ptx_stream, self.updater.ptx_coef = stream, self.ptx_cfg.coef
+        if prompts := self.rollout_prompts():
+            check_batch_sizes(self.ppo, prompts, self.sampling.num_samples_per_prompt)
 
     def on_train_start(self) -> None:
         if self._pending_rng is not None:  # a resumed run: the RNG as it was when the checkpoint was saved
@@ -271,15 +268,13 @@ class PPOModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        stream = self.updater.ptx_stream
         checkpoint["ppo_state"] = {
             "iteration": self.iteration,
             "kl_controller": self.kl_ctl.state_dict(),
             "score_stats": self.score_stats.state_dict(),
             "rng": get_rng_state(),
-            "ptx_consumed": stream.consumed if stream is not None else 0,
             "history": self.history,
-            **self.updater.state_dict(),  # consecutive_skips
+            **self.updater.state_dict(),  # consecutive_skips, ptx_consumed
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -291,10 +286,13 @@ class PPOModule(L.LightningModule):
         self.score_stats.load_state_dict(state["score_stats"])
         self.history = list(state.get("history", []))
         self._pending_rng = state["rng"]  # applied at on_train_start, after everything else has set up
-        self._ptx_consumed = int(state.get("ptx_consumed", 0))
-        self.updater.load_state_dict(state)
+        self.updater.load_state_dict(state)  # the PTX stream moves past the batches already used
 
     def export(self, path: str) -> None:
         """The policy (actor adapter merged or alone per ``export_mode``) in HF format to ``path`` (``models.export``;
         every rank calls it, a collective under FSDP2; rank 0 writes); ``HFExport`` calls it after fit."""
-        export_policy(self, path)
+        with gathered_parameters(self.policy.lm):  # a collective under FSDP2; nothing otherwise
+            if attached_trainer(self) is None or self.trainer.is_global_zero:
+                meta = {"kind": "policy", "stage": "ppo", "iterations": self.iteration}
+                meta.update(sampling=asdict(self.sampling), target_kl=self.kl_cfg.target_kl)
+                save_causal_lm(self.policy.lm, self.tokenizer, path, self.backbone_cfg, self.export_mode, "actor", meta)

@@ -48,7 +48,6 @@ from rlhf_lit.modules.common import (
     AccumulatedMean,
     FiniteSteps,
     OptimizerConfig,
-    as_config,
     attached_trainer,
     configure_trainable_optimizer,
     log_data_report,
@@ -64,7 +63,7 @@ from rlhf_lit.modules.reward_eval import (
 from rlhf_lit.modules.reward_length import LengthControl
 from rlhf_lit.outputs import staged
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
-from rlhf_lit.ranges import LABEL_SMOOTHING, check_value
+from rlhf_lit.ranges import LABEL_SMOOTHING, as_config, check_value
 
 log = logging.getLogger("rlhf_lit")
 

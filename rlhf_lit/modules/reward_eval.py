@@ -18,6 +18,7 @@ import torch
 
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.calibration import (
+    TEMPERATURE_BOUNDS,
     binary_nll,
     expected_calibration_error,
     fit_temperature,
@@ -25,24 +26,19 @@ from rlhf_lit.functional.calibration import (
     reliability_bins,
 )
 from rlhf_lit.functional.length_bias import LENGTH_DIFF_BUCKETS, length_bias_report
-from rlhf_lit.functional.shift import mean_and_sd
+from rlhf_lit.functional.shift import response_summary
 from rlhf_lit.plots import reliability_figure, save_figure
 
 log = logging.getLogger("rlhf_lit")
 
 __all__ = [
-    "TEMPERATURE_BOUNDS",
     "calibration_batches",
     "data_record",
     "evaluate_pairs",
     "export_meta",
     "fit_calibration",
     "report_calibration",
-    "response_summary",
 ]
-
-# The interval fit_temperature searches; a fitted T on either end is reported as unreliable.
-TEMPERATURE_BOUNDS = (1e-2, 1e2)
 
 _DATA_RECORD = (
     "train_files",
@@ -147,22 +143,6 @@ def evaluate_pairs(
         "per_file": per_file,
         "chance_accuracy": 0.5,
         "summary": response_summary(chosen, rejected, len_c, len_r),
-    }
-
-
-def response_summary(
-    chosen: torch.Tensor, rejected: torch.Tensor, len_c: torch.Tensor, len_r: torch.Tensor
-) -> dict:
-    """The distribution a reward model was calibrated on, over all 2N responses of N pairs: ``pairs``,
-    ``response_tokens`` and ``score`` (uncalibrated), each ``{"mean", "sd"}``. The export records it
-    (``validation_summary`` in ``rlhf_lit.json``) so that ``rlhf-lit evaluate`` can say when a file's
-    responses sit far from it (``rlhf_lit.evaluation``)."""
-    lengths = mean_and_sd(torch.cat([len_c, len_r]).double())
-    scores = mean_and_sd(torch.cat([chosen, rejected]).double())
-    return {
-        "pairs": int(chosen.numel()),
-        "response_tokens": {"mean": lengths[0], "sd": lengths[1]},
-        "score": {"mean": scores[0], "sd": scores[1]},
     }
 
 

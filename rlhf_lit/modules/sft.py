@@ -28,13 +28,13 @@ from rlhf_lit.modules.common import (
     AccumulatedMean,
     FiniteSteps,
     OptimizerConfig,
-    as_config,
     attached_trainer,
     configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
 )
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
+from rlhf_lit.ranges import as_config
 
 log = logging.getLogger("rlhf_lit")
 

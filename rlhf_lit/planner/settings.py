@@ -127,7 +127,8 @@ def _export_backbone(path: str, roots: list[Path]) -> BackboneConfig | None:
 
 def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSettings:
     """The stage, the model and the shapes that matter, from a parsed config (``parse_config``)."""
-    from rlhf_lit.modules.common import OptimizerConfig, as_config
+    from rlhf_lit.modules.common import OptimizerConfig
+    from rlhf_lit.ranges import as_config
 
     roots = roots if roots is not None else configs_root_of(None)
     stage = _stage(spec["model"]["class_path"])  # first: a class that is no stage has none of the keys below
@@ -189,7 +190,7 @@ def _dpo_settings(settings: RunSettings, init: dict) -> None:
 
 def _ppo_settings(settings: RunSettings, init: dict, data: dict, roots: list[Path]) -> None:
     from rlhf_lit.models.reward_source import RewardModelConfig
-    from rlhf_lit.modules.common import as_config
+    from rlhf_lit.ranges import as_config
     from rlhf_lit.rl.settings import CriticConfig, PPOConfig, refuse_impossible_settings
 
     ppo = as_config(PPOConfig, init.get("ppo")) or PPOConfig()

@@ -57,15 +57,16 @@ def check_sampler(
         response_ids: ``(B, R)`` long, the rollout's responses.
         response_mask: ``(B, R)`` bool, their real tokens.
         old_logprobs: ``(B, R)`` the trainer's log-probs of them at the sampling temperature (nats).
-        settings: ``logprob_gap_tolerance`` (nats per token, on the mean) and ``strict_sync``
-            (``RolloutSettings``, from ``sampling.*``).
+        settings: ``gap_tolerance(precision)`` (nats per token, on the mean, for the trainer's precision) and
+            ``strict_sync`` (``RolloutSettings``, from ``sampling.*``).
         iteration: the 0-based iteration, for the message.
         trainer: the Lightning trainer (collectives), or None.
 
     Raises:
         SamplerSyncError: when the guard fires and ``strict_sync`` is set.
     """
-    record, tolerance = getattr(sampler, "last_record", None), settings.logprob_gap_tolerance
+    precision = getattr(trainer, "precision", None)
+    record, tolerance = getattr(sampler, "last_record", None), settings.gap_tolerance(precision)
     policy_fingerprint = adapter_fingerprint(policy.actor_parameters())
     gap_sum, count, gap_max = local_gap(record, response_ids, response_mask, old_logprobs)
     stale = record is not None and record.fingerprint is not None and record.fingerprint != policy_fingerprint

@@ -20,6 +20,7 @@ from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.losses import ppo_policy_loss, ppo_value_loss
 from rlhf_lit.functional.masked import masked_mean, masked_weighted_mean
 from rlhf_lit.functional.policy_gradient import cispo_policy_loss, importance_log_ratio, top_entropy_mask
+from rlhf_lit.rl.settings import PPOConfig
 
 __all__ = ["TERMS", "MicroBatch", "Objective", "PPOObjective"]
 
@@ -117,18 +118,18 @@ class PPOObjective:
     top_entropy_quantile: float = 1.0
 
     @classmethod
-    def from_settings(cls, ppo, kl_estimator: str = "k3") -> PPOObjective:
+    def from_settings(cls, ppo: PPOConfig, kl_estimator: str = "k3") -> PPOObjective:
         """From ``PPOConfig``'s clip bounds (``clip_range`` or ``clip_range_low`` / ``clip_range_high``),
         ``dual_clip``, ``value_clip_range``, ``vf_coef``, ``entropy_coef``, ``importance_sampling_level``,
         ``policy_loss``, ``top_entropy_quantile`` and the KL estimator of the in-loss term."""
         low, high = ppo.clip_bounds
         return cls(
-            low,
-            ppo.dual_clip,
-            ppo.value_clip_range,
-            ppo.vf_coef,
-            ppo.entropy_coef,
-            kl_estimator,
+            clip_range=low,
+            dual_clip=ppo.dual_clip,
+            value_clip_range=ppo.value_clip_range,
+            vf_coef=ppo.vf_coef,
+            entropy_coef=ppo.entropy_coef,
+            kl_estimator=kl_estimator,
             clip_range_high=high,
             importance_sampling_level=ppo.importance_sampling_level,
             policy_loss=ppo.policy_loss,

@@ -33,17 +33,17 @@ import torch
 
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.kl import kl_per_token
-from rlhf_lit.functional.sequence import trim_left_padding
+from rlhf_lit.functional.sequence import repeat_prompts, trim_left_padding
 from rlhf_lit.parallel.collectives import global_sum, is_distributed
 from rlhf_lit.rl.filters import FilterSettings, RolloutFilters, apply_filters
-from rlhf_lit.rl.generation import GAP_TOLERANCE
+from rlhf_lit.rl.generation import GAP_TOLERANCE, compute_dtype
 from rlhf_lit.rl.guard import check_sampler
 from rlhf_lit.rl.reward_norm import ScoreShaper
 from rlhf_lit.rl.sampler import Sampler
 
 log = logging.getLogger("rlhf_lit")
 
-__all__ = ["RewardFunction", "Rollout", "RolloutCollector", "RolloutSettings", "ScoreShaper", "repeat_prompts"]
+__all__ = ["RewardFunction", "Rollout", "RolloutCollector", "RolloutSettings", "ScoreShaper"]
 
 
 class RewardFunction(Protocol):
@@ -145,23 +145,6 @@ class Rollout:
         }
 
 
-def repeat_prompts(batch: dict, n: int) -> dict:
-    """The batch with each prompt repeated ``n`` times in consecutive rows (every tensor's dim 0 and every
-    list), so a prompt's n responses (its group) are sampled on the rank that holds the prompt, next to each
-    other: group ``g`` is rows ``g * n .. g * n + n - 1``. ``n = 1`` returns the batch itself."""
-    if n == 1:
-        return batch
-    out = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            out[key] = value.repeat_interleave(n, dim=0)
-        elif isinstance(value, list):
-            out[key] = [item for item in value for _ in range(n)]
-        else:
-            out[key] = value
-    return out
-
-
 @dataclass
 class RolloutSettings:
     """How experience is collected.
@@ -178,7 +161,8 @@ class RolloutSettings:
         skip_non_finite: drop responses with a non-finite score instead of raising (``reward.skip_non_finite``).
         seed: ``ppo.seed``, seeds validation sampling.
         reward_description: how error messages name the reward function.
-        logprob_gap_tolerance, strict_sync: the rollout-policy guard's (``sampling.*``; ``rlhf_lit.rl.guard``).
+        logprob_gap_tolerances, weights_dtype, strict_sync: the rollout-policy guard's (``rlhf_lit.rl.guard``): its
+            tolerance by compute dtype (:meth:`gap_tolerance`), ``backbone.dtype``, ``sampling.strict_sync``.
         tis_cap: ``ppo.tis_cap`` (truncated importance-sampling weights from the sampler's log-probs), or None.
         filters: the policy-gradient family's (``rlhf_lit.rl.filters.FilterSettings``).
     """
@@ -192,10 +176,15 @@ class RolloutSettings:
     skip_non_finite: bool = False
     seed: int = 0
     reward_description: str = "the reward model"
-    logprob_gap_tolerance: float = GAP_TOLERANCE["float32"]
+    logprob_gap_tolerances: dict[str, float] = field(default_factory=lambda: dict(GAP_TOLERANCE))
+    weights_dtype: str = "float32"
     strict_sync: bool = False
     tis_cap: float | None = None
     filters: FilterSettings = field(default_factory=FilterSettings)
+
+    def gap_tolerance(self, precision: str | None) -> float:
+        """The tolerance at Lightning ``precision`` (None: no trainer), by ``generation.compute_dtype``."""
+        return self.logprob_gap_tolerances[compute_dtype(precision, self.weights_dtype)]
 
 
 class RolloutCollector:

@@ -152,23 +152,6 @@ class UpdateSettings:
     max_new_tokens: int = 1
     two_pass: bool = True
 
-    @classmethod
-    def from_configs(cls, ppo, sampling) -> UpdateSettings:
-        return cls(
-            ppo.ppo_epochs,
-            ppo.ppo_minibatch_size,
-            ppo.micro_batch_size,
-            ppo.seed,
-            ppo.logprob_chunk_size,
-            ppo.entropy_coef,
-            ppo.loss_norm_constant,
-            ppo.max_consecutive_skips,
-            ppo.aggregation(),
-            sampling.temperature,
-            sampling.num_samples_per_prompt,
-            sampling.max_new_tokens,
-        )
-
 
 class PPOUpdater:
     """Step 6: ``update(batch, iteration) -> stats``.
@@ -183,6 +166,7 @@ class PPOUpdater:
         optimizers: ``() -> (optimizer, lr scheduler)``.
         world: ``() -> trainer`` for the world size, rank and collectives.
         schedule: the minibatch schedule (:func:`epoch_schedule` or one with its signature).
+        ptx_stream, ptx_coef: the pretraining mix (``ptx.coef > 0``; a ``data.ptx.PTXStream``), None: none.
     """
 
     def __init__(
@@ -195,19 +179,23 @@ class PPOUpdater:
         optimizers: Callable[[], tuple[Any, Any]],
         world: Callable[[], Any],
         schedule: Callable = epoch_schedule,
+        ptx_stream: Any = None,
+        ptx_coef: float = 0.0,
     ) -> None:
         self.policy, self.objective, self.settings = policy, objective, settings
         self.backward, self.clip, self.optimizers, self.world = backward, clip, optimizers, world
-        self.schedule = schedule
-        self.ptx_stream = None  # a PTXStream when ptx.coef > 0 (set by the module once the data is known)
-        self.ptx_coef = 0.0
+        self.schedule, self.ptx_stream, self.ptx_coef = schedule, ptx_stream, ptx_coef
         self.consecutive_skips = 0  # optimizer steps skipped in a row for a non-finite gradient norm
 
     def state_dict(self) -> dict:
-        return {"consecutive_skips": self.consecutive_skips}
+        consumed = self.ptx_stream.consumed if self.ptx_stream is not None else 0
+        return {"consecutive_skips": self.consecutive_skips, "ptx_consumed": consumed}
 
     def load_state_dict(self, state: dict) -> None:
+        """The skip count; the (seeded) PTX stream moves past the batches the interrupted run used."""
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        if self.ptx_stream is not None:
+            self.ptx_stream.fast_forward(int(state.get("ptx_consumed", 0)))
 
     def update(self, batch: UpdateBatch, iteration: int = 0) -> dict[str, float]:
         """``ppo_epochs`` passes over the rollout in global minibatches (``schedule``), one optimizer step per
@@ -216,7 +204,7 @@ class PPOUpdater:
         gradient norm of the applied steps and the skipped steps. ``iteration`` (0-based) seeds the shuffles.
         A minibatch with no update token on any rank (dynamic sampling, truncation masking; a global count)
         runs no forward, PTX term or optimizer step (AdamW would move weights on zero gradients) and is not in
-        the figures; the schedule, sized in minibatches (``ppo_build.configure_optimizer``, the planner's
+        the figures; the schedule, sized in minibatches (``rl.assembly.schedule_steps``, the planner's
         count), still advances. No update token at all: no step, ``{}`` returned.
 
         Raises:

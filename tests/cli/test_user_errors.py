@@ -131,6 +131,11 @@ CATALOGUE = [
         lambda f: ["fit", "--config", PPO, "--model.init_args.kl.kl_coeff=0.1"],
         ["unknown key model.init_args.kl.kl_coeff (did you mean 'kl_coef'?)"],
     ),
+    (  # the constructor's Python-only collaborators (a sampler factory, a schedule) are not config keys
+        "python_only_argument",
+        lambda f: ["fit", "--config", PPO, "--model.init_args.schedule=rlhf_lit.rl.schedule.epoch_schedule"],
+        ["unknown key model.init_args.schedule"],
+    ),
     (
         "abbreviated_option",
         lambda f: ["fit", "--config", PPO, "--trainer.max_step=5"],

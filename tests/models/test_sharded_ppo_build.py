@@ -157,7 +157,7 @@ def test_a_merged_reward_export_loads_on_meta_then_scores_as_loaded_whole(model,
 def test_a_reward_adapter_on_the_base_keeps_the_policy_loaded_whole(listed):
     """peft would load a reward adapter onto the meta base's device: with one (alone or in a ``reward_model``
     list) the policy's base is loaded whole even under FSDP2."""
-    from rlhf_lit.modules.ppo_build import reward_adapter_on_base
+    from rlhf_lit.rl.loading import reward_adapter_on_base
 
     adapter = RewardModelConfig(path="rm", mode="adapter")
     separate = RewardModelConfig(path="rm")

@@ -66,7 +66,7 @@ class RecordingUpdater:
     def __init__(self, updater, on_update=None) -> None:
         self.inner, self.calls, self.on_update = updater, [], on_update
 
-    def __setattr__(self, name, value):  # what the module sets on its updater (ptx_stream, ...) reaches it
+    def __setattr__(self, name, value):  # what a test sets on the updater (its ptx_stream, ...) reaches it
         if name in self._OWN:
             object.__setattr__(self, name, value)
         else:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import rlhf_lit.modules.ppo_build as ppo_build
+import rlhf_lit.rl.loading as ppo_build
 from rlhf_lit.functional.aggregation import aggregation_weights
 from rlhf_lit.rl.generation import SamplingConfig
 from rlhf_lit.rl.schedule import epoch_schedule
@@ -171,7 +171,7 @@ def test_epoch_schedule_keeps_the_one_rank_numbering_with_groups():
 
 
 def test_repeat_prompts_keeps_a_prompts_copies_together():
-    from rlhf_lit.rl.rollout import repeat_prompts
+    from rlhf_lit.functional.sequence import repeat_prompts
 
     batch = {
         "input_ids": torch.tensor([[1, 2], [3, 4]]),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rlhf_lit.modules.ppo_build as ppo_build
+import rlhf_lit.rl.loading as ppo_build
 from rlhf_lit import metrics as M
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.models import BackboneConfig

@@ -361,7 +361,7 @@ def _record(case: Case, tmp_path):
     updater = record_steps(module, rec)  # the update's input, and every minibatch's loss, gradients and step
     real_ptx_backward = updater.ptx_backward
 
-    def ptx_backward(device):  # the stream is the module's (set at fit start): record what it hands out
+    def ptx_backward(device):  # the stream is the updater's (built with it): record what it hands out
         if not isinstance(updater.ptx_stream, RecordingStream):
             updater.ptx_stream = RecordingStream(updater.ptx_stream, rec.setdefault("ptx", []))
         return real_ptx_backward(device)
@@ -847,7 +847,7 @@ def test_the_logged_update_figures_equal_the_oracle(replayed):
         assert M.ROLLOUT_TIS_WEIGHT not in logged and M.ROLLOUT_TIS_CAPPED_FRAC not in logged
 
 
-# Every option the update reads: walk ``rlhf_lit/rl/update.py`` (``UpdateSettings.from_configs``, the
+# Every option the update reads: walk ``rlhf_lit/rl/update.py`` (``UpdateSettings``, built by ``rl.assembly.update_settings``; the
 # optimizer and schedule it steps, the clipping it calls, ``UpdateBatch``'s fields),
 # ``rlhf_lit/rl/objectives.py`` (``PPOObjective.from_settings``) and the options of
 # ``rlhf_lit/rl/settings.py`` that make the update's input (advantages, KL placement and estimator,

@@ -111,3 +111,54 @@ def test_resumed_critic_free_run_equals_uninterrupted_run(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert resumed[2] == straight[2] != 0.05
     assert resumed[3] == straight[3]
+
+
+def test_resumed_run_with_a_pretraining_mix_reads_the_same_ptx_batches(tmp_path):
+    """With ``ptx.coef > 0`` the checkpoint records how many PTX batches were used (``ptx_consumed``) and the
+    resumed run's stream moves past them: it reads the batches the straight run read next, so the weights and
+    the stream's position end equal. Control: a resumed run whose stream restarts (count dropped from the
+    checkpoint) ends with other weights."""
+    from rlhf_lit.rl.settings import PTXConfig
+
+    ptx = PTXConfig(
+        coef=0.5,
+        train_files=["demo:sft?n=12&seed=3&split=train"],
+        format="explicit",
+        batch_size=4,  # 3 batches a pass over the 12 rows: the 8 used are not whole passes
+        max_length=40,
+    )
+
+    def module_():
+        torch.manual_seed(0)
+        return make_module(
+            ppo=PPOConfig(ppo_epochs=EPOCHS, ppo_minibatch_size=MINIBATCH, total_iterations=N_ITER), ptx=ptx
+        )
+
+    module = module_()
+    trainer = make_trainer(tmp_path / "straight")
+    trainer.fit(module, datamodule=make_data(module, batch_size=BATCH))
+    straight, straight_consumed = _state(module, trainer), module.updater.ptx_stream.consumed
+    assert straight_consumed == N_ITER * STEPS_PER_ITER  # one PTX batch per optimizer step
+
+    module = module_()
+    trainer = make_trainer(tmp_path / "first", max_steps=K_ITER * STEPS_PER_ITER)
+    trainer.fit(module, datamodule=make_data(module, batch_size=BATCH))
+    ckpt, restarted = tmp_path / "k.ckpt", tmp_path / "restarted.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["ppo_state"]["ptx_consumed"] == K_ITER * STEPS_PER_ITER
+    saved["ppo_state"]["ptx_consumed"] = 0
+    torch.save(saved, restarted)
+
+    ends = {}
+    for name, path in (("resumed", ckpt), ("restarted", restarted)):
+        module = module_()
+        trainer = make_trainer(tmp_path / name)
+        trainer.fit(module, datamodule=make_data(module, batch_size=BATCH), ckpt_path=str(path))
+        ends[name] = (_state(module, trainer), module.updater.ptx_stream.consumed)
+    resumed, consumed = ends["resumed"]
+    assert resumed[4] == N_ITER and consumed == straight_consumed
+    for name, value in straight[0].items():
+        torch.testing.assert_close(resumed[0][name], value, atol=1e-6, rtol=0)
+    restarted_params = ends["restarted"][0][0]
+    assert max(float((restarted_params[n] - v).abs().max()) for n, v in straight[0].items()) > 1e-6

@@ -221,7 +221,7 @@ def test_compute_dtype_by_hand():
 def test_the_default_tolerance_follows_the_dtype_the_run_computes_in(tmp_path, precision, dtype, tolerance, expected):
     """16-bit forwards make the sampler's KV-cache decoding and the trainer's full forward round differently
     (SmolLM2-135M under bf16-mixed: 0.033 nats per token, far above float32's 1e-3), so the guard's default
-    tolerance is resolved at fit from the trainer's precision and the weights' dtype; a set value is kept."""
+    tolerance is resolved at each rollout from the trainer's precision and the weights' dtype; a set value is kept."""
     torch.manual_seed(0)
     sampling = SamplingConfig(max_new_tokens=4, temperature=0.7, logprob_gap_tolerance=tolerance)
     module = make_module(
@@ -231,8 +231,9 @@ def test_the_default_tolerance_follows_the_dtype_the_run_computes_in(tmp_path, p
         sampling=sampling,
         ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=1),
     )
-    make_trainer(tmp_path, precision=precision).fit(module, datamodule=make_data(module, batch_size=4))
-    assert module.collector.settings.logprob_gap_tolerance == expected
+    trainer = make_trainer(tmp_path, precision=precision)
+    trainer.fit(module, datamodule=make_data(module, batch_size=4))
+    assert module.collector.settings.gap_tolerance(trainer.precision) == expected  # what the guard reads at rollout
 
 
 # -------------------------------------------------------------------------------------------- the backends

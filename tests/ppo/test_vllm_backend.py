@@ -252,7 +252,7 @@ def test_with_lora_sync_the_sampler_pushes_the_base_once_then_the_adapter_as_a_l
 
 def test_lora_sync_needs_a_server_started_for_the_actors_rank_before_any_model_loads():
     from rlhf_lit.models import LoraSettings
-    from rlhf_lit.modules.ppo_build import check_sampling_engine
+    from rlhf_lit.rl.loading import check_sampling_engine
 
     for engine, started in ((ScriptedEngine([]), "without --enable-lora"),
                             (TransformersEngine(torch.nn.Linear(1, 1), max_lora_rank=8), "with --max-lora-rank 8")):
