@@ -21,6 +21,7 @@ from rlhf_lit.parallel.collectives import global_mean, global_sum, is_distribute
 from rlhf_lit.parallel.fsdp import (
     LM_FORWARD_METHODS,
     data_parallel_mesh,
+    fsdp_units,
     gathered_parameters,
     grad_norm_value,
     is_sharded,
@@ -33,6 +34,7 @@ from rlhf_lit.parallel.fsdp import (
 __all__ = [
     "LM_FORWARD_METHODS",
     "data_parallel_mesh",
+    "fsdp_units",
     "gathered_parameters",
     "global_mean",
     "global_sum",

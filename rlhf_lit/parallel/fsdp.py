@@ -145,6 +145,29 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
             unit.reshard()
 
 
+def fsdp_units(module: nn.Module) -> tuple[list[nn.Module], dict[int, nn.Module]]:
+    """The FSDP units under ``module`` in ``module.modules()`` order (the same on every rank), and which unit
+    owns each submodule: its innermost ancestor (itself included) that is a unit, keyed by ``id(submodule)``.
+    A unit's ``unshard()`` gathers the parameters registered on the submodules it owns, no others (a block
+    inside the ``AdaptedLM`` unit is a unit of its own). Submodules outside every unit are not in the map."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: list[nn.Module] = []
+    owner: dict[int, nn.Module] = {}
+
+    def visit(sub: nn.Module, unit: nn.Module | None) -> None:
+        if isinstance(sub, FSDPModule):
+            unit = sub
+            units.append(sub)
+        if unit is not None:
+            owner[id(sub)] = unit
+        for child in sub.children():
+            visit(child, unit)
+
+    visit(module, None)
+    return units, owner
+
+
 def grad_norm_value(total_norm: torch.Tensor) -> float:
     """``clip_grad_norm_``'s result as a float; over sharded (DTensor) gradients it is a DTensor."""
     full = getattr(total_norm, "full_tensor", None)
