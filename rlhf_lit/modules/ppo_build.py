@@ -17,7 +17,6 @@ from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
 from rlhf_lit.models.sharded_load import build_base, init_meta_adapters
 from rlhf_lit.modules.common import as_config, attached_trainer, build_optimizer, build_scheduler
 from rlhf_lit.modules.ppo_config import check_batch_sizes, check_overlong, check_stop_tokens
-from rlhf_lit.parallel import gathered_parameters
 from rlhf_lit.reward_norm import RunningMeanStd, ScoreShaper
 from rlhf_lit.rewards import MixedReward, RewardSourceConfig
 from rlhf_lit.rl.dynamic_sampling import DatasetPrompts, DynamicSampling, PromptSource
@@ -324,20 +323,20 @@ def configure_optimizer(module):
 
 def export_policy(module, path: str) -> None:
     """``PPOModule.export``: the actor adapter, merged or alone per ``export_mode``, in Hugging Face format
-    (``rlhf_lit.models.export``); every rank calls it (a collective under FSDP2), rank 0 writes."""
-    with gathered_parameters(module.policy.lm):  # a collective under FSDP2; nothing otherwise
-        if attached_trainer(module) is None or module.trainer.is_global_zero:
-            meta = {"kind": "policy", "stage": "ppo", "iterations": module.iteration}
-            meta.update(sampling=asdict(module.sampling), target_kl=module.kl_cfg.target_kl)
-            save_causal_lm(
-                module.policy.lm,
-                module.tokenizer,
-                path,
-                module.backbone_cfg,
-                module.export_mode,
-                adapter_name="actor",
-                meta=meta,
-            )
+    (``rlhf_lit.models.export``); every rank calls it (a collective under FSDP2: the weights are gathered one
+    FSDP unit at a time), rank 0 writes."""
+    meta = {"kind": "policy", "stage": "ppo", "iterations": module.iteration}
+    meta.update(sampling=asdict(module.sampling), target_kl=module.kl_cfg.target_kl)
+    save_causal_lm(
+        module.policy.lm,
+        module.tokenizer,
+        path,
+        module.backbone_cfg,
+        module.export_mode,
+        adapter_name="actor",
+        meta=meta,
+        writer=getattr(attached_trainer(module), "is_global_zero", True),  # no trainer: one process
+    )
 
 
 def describe_reward_source(cfg) -> str:
