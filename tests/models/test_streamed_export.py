@@ -128,3 +128,26 @@ def test_a_non_finite_weight_in_the_last_unit_leaves_nothing_written(mesh, tmp_p
     with pytest.raises(DivergedExportError, match="inf or nan"):
         save_causal_lm(lm, load_tokenizer("byte"), str(tmp_path / "hf"), cfg)
     assert os.listdir(tmp_path / "hf") == []  # the first units' files, written before, were removed
+
+
+def test_an_encoder_trunk_is_streamed_too(mesh, tmp_path):
+    """A BERT-style trunk (an encoder reward model's): its embeddings and each layer are units of their own."""
+    from transformers import AutoModel, BertConfig, BertModel
+
+    config = BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=260
+    )
+    tok, cfg = load_tokenizer("byte"), BackboneConfig(tiny={"model_type": "bert"}, tokenizer="byte")
+    lms = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        lms.append(AdaptedLM(BertModel(config)))
+    save_causal_lm(lms[0], tok, str(tmp_path / "plain"), cfg)
+    shard_lm(lms[1], mesh)
+    assert len(fsdp_units(lms[1])[0]) == 1 + 1 + 2  # the root (pooler), the embeddings, 2 layers
+    save_causal_lm(lms[1], tok, str(tmp_path / "sharded"), cfg)
+    a, b = _weights(tmp_path / "plain"), _weights(tmp_path / "sharded")
+    assert list(a) and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "plain" / "config.json").read_text() == (tmp_path / "sharded" / "config.json").read_text()
+    loaded = AutoModel.from_pretrained(tmp_path / "sharded").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in a.items())
