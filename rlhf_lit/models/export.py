@@ -202,13 +202,15 @@ def _export_folder(path: str) -> str:
     return os.path.join(os.path.dirname(os.path.normpath(path)), match.group(1)) if match else path
 
 
-def save_reward_head(head: ScalarHead, path: str) -> None:
-    """Write the head as ``reward_head.safetensors``; refuses non-finite weights (``ValueError``)."""
+def save_reward_head(head: ScalarHead, path: str, writer: bool = True) -> None:
+    """Write the head as ``reward_head.safetensors`` (only the ``writer`` writes; every rank checks, so all of them
+    refuse together); refuses non-finite weights (``ValueError``)."""
     # cloned: a head gathered from FSDP2 shards is a view that safetensors cannot read the storage of
     weights = {k: v.detach().float().cpu().clone() for k, v in plain_state_dict(head).items()}
     weights = {k.removeprefix("linear."): v for k, v in weights.items()}
     check_finite(weights, path)
-    save_file(weights, os.path.join(staged(path), HEAD_FILE))
+    if writer:
+        save_file(weights, os.path.join(staged(path), HEAD_FILE))
 
 
 POLICY_KIND = "policy"

@@ -447,8 +447,7 @@ class RewardModule(L.LightningModule):
         mode = self.hparams.export_mode
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, mode, meta=meta, writer=writer)
         with gathered_parameters(self.head):  # a collective under FSDP2; nothing otherwise
-            if writer:
-                save_reward_head(self.head, path)
+            save_reward_head(self.head, path, writer)
         if writer and results is not None:
             summary = {k: v for k, v in results.items() if k != "reliability"}
             with open(os.path.join(staged(path), "eval_results.json"), "w") as f:
