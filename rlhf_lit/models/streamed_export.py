@@ -157,11 +157,9 @@ def save_sharded_weights(
 
     Raises:
         DivergedExportError: (from ``check_finite``) a unit's exported tensors hold inf or nan, on every rank.
-        OSError: the writer could not write a file (on the writer; ``RuntimeError`` on the other ranks).
+        OSError: (or safetensors' ``SafetensorError``) the writer could not write a file; the other ranks raise
+            ``RuntimeError`` at the same unit.
     """
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
     base = lm.model.get_base_model() if lm.is_peft else lm.model
     plans = _plan(lm, adapter_name, write_merged, write_adapter)
     files = [p for p in plans if p.merged]
@@ -180,15 +178,12 @@ def save_sharded_weights(
                 adapter_state.update(adapter)
                 error = None
                 if writer and merged:
+                    name = f"model-{files.index(plan) + 1:05d}-of-{len(files):05d}.safetensors"
+                    written.append(os.path.join(path, name))
                     try:
-                        merged = remove_tied_weights_from_state_dict(merged, base)
-                        merged = revert_weight_conversion(base, merged)
-                        name = f"model-{files.index(plan) + 1:05d}-of-{len(files):05d}.safetensors"
-                        tensors = {k: v.to("cpu").contiguous() for k, v in merged.items()}
-                        written.append(os.path.join(path, name))
-                        save_file(tensors, written[-1], metadata={"format": "pt"})
-                        weight_map.update(dict.fromkeys(tensors, name))
-                        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+                        sizes = _write_file(merged, base, written[-1])
+                        weight_map.update(dict.fromkeys(sizes, name))
+                        total_size += sum(sizes.values())
                     except Exception as err:  # every rank must learn of it before the next unit's collective
                         error = err
                 if _agree(error is not None, _unit_device(plan)):
@@ -212,12 +207,24 @@ def save_sharded_weights(
             lm.model.save_pretrained(folder, selected_adapters=[adapter_name], state_dict=adapter_state)
             flatten_adapter_folder(folder, adapter_name)
     except BaseException:
-        for item in reversed(written):
-            if os.path.isdir(item):
-                shutil.rmtree(item, ignore_errors=True)
-            elif os.path.exists(item):
+        for item in written:  # files, and the adapter folder (only written whole)
+            if os.path.isfile(item):
                 os.remove(item)
+            elif item == os.path.join(path, "adapter"):
+                shutil.rmtree(item, ignore_errors=True)
         raise
+
+
+def _write_file(merged: dict[str, torch.Tensor], base: nn.Module, file: str) -> dict[str, int]:
+    """One unit's merged weights as a safetensors file, under the names ``save_pretrained`` gives them (a tied
+    weight once); returns each name's bytes."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    merged = revert_weight_conversion(base, remove_tied_weights_from_state_dict(merged, base))
+    tensors = {k: v.to("cpu").contiguous() for k, v in merged.items()}
+    save_file(tensors, file, metadata={"format": "pt"})
+    return {k: t.numel() * t.element_size() for k, t in tensors.items()}
 
 
 def _save_config(base: nn.Module, path: str, written: list[str]) -> None:

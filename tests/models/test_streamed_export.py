@@ -151,3 +151,13 @@ def test_an_encoder_trunk_is_streamed_too(mesh, tmp_path):
     assert (tmp_path / "plain" / "config.json").read_text() == (tmp_path / "sharded" / "config.json").read_text()
     loaded = AutoModel.from_pretrained(tmp_path / "sharded").state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in a.items())
+
+
+def test_a_failed_write_raises_and_removes_the_files_written_before(mesh, tmp_path):
+    lm, cfg = _lm(TIED_LLAMA)
+    shard_lm(lm, mesh)
+    folder = tmp_path / "hf"
+    (folder / "model-00002-of-00003.safetensors").mkdir(parents=True)  # the second unit's file cannot be written
+    with pytest.raises(Exception, match="Is a directory"):  # safetensors' SafetensorError
+        save_causal_lm(lm, load_tokenizer("byte"), str(folder), cfg)
+    assert os.listdir(folder) == ["model-00002-of-00003.safetensors"]  # the first unit's file removed
