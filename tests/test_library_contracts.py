@@ -2,8 +2,9 @@
 adapter module relies on, so an upgrade that changes one fails HERE with the adapter's name, not deep inside
 a training run. Adapters: ``rlhf_lit.parallel.fsdp`` (torch, transformers), ``rlhf_lit.models.sharded_load``
 (transformers' ``_init_weights``), ``rlhf_lit.parallel.strategy``
-(Lightning), ``rlhf_lit.cli_messages`` (jsonargparse message text, argparse's option list; its own test file
-is tests/cli/test_cli_messages.py)."""
+(Lightning), ``rlhf_lit.models.streamed_export`` (transformers' save-time name handling),
+``rlhf_lit.models.peft_compat`` (peft), ``rlhf_lit.cli_messages`` (jsonargparse message text, argparse's option
+list; its own test file is tests/cli/test_cli_messages.py)."""
 
 from __future__ import annotations
 
@@ -138,6 +139,56 @@ def test_peft_switches_a_list_of_adapters_on_and_keeps_dropouts_per_adapter():
     assert isinstance(layer.lora_dropout, torch.nn.ModuleDict) and set(layer.lora_dropout) == {"a", "b"}
     zero_adapter_dropout(model, "b")
     assert layer.lora_dropout["b"].p == 0.0 and layer.lora_dropout["a"].p == 0.5
+
+
+def test_peft_merge_adds_the_delta_of_each_active_adapter_as_merged_lora_weight_does():
+    """``merged_lora_weight`` repeats ``merge_adapter``'s arithmetic out of place: bit for bit, two adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_lit.models.peft_compat import activate_adapters, merged_lora_weight
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(base, config, adapter_name="a")
+    model.add_adapter("b", config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    activate_adapters(model, ["a", "b"])
+    layer = next(m for m in model.modules() if hasattr(m, "lora_dropout"))
+    before = layer.get_base_layer().weight.detach().clone()
+    expected = merged_lora_weight(layer)
+    assert torch.equal(layer.get_base_layer().weight, before)  # out of place
+    model.merge_adapter()
+    assert torch.equal(layer.get_base_layer().weight, expected) and not torch.equal(expected, before)
+
+
+# ---------------------------------------------------------------- transformers (rlhf_lit.models.streamed_export)
+def test_transformers_save_time_name_handling_applies_to_a_part_of_a_state_dict():
+    """``remove_tied_weights_from_state_dict`` keeps the input embedding of a tied pair (what ``save_pretrained``
+    writes); ``revert_weight_conversion`` returns the names of a model without conversions unchanged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    part = {
+        k: v for k, v in model.state_dict().items() if "layers" not in k
+    }  # one unit: embeddings, norm, head
+    kept = remove_tied_weights_from_state_dict(part, model)
+    assert set(kept) == {"model.embed_tokens.weight", "model.norm.weight"}
+    assert list(revert_weight_conversion(model, kept)) == list(kept)
 
 
 def test_lightning_module_trainer_attribute_is_none_until_attached():

@@ -34,7 +34,8 @@ class HFExport(Callback):
     the run ends (after every ``on_fit_end`` hook). Under the CLI the run-level transaction does this (and
     refuses a folder holding an earlier export unless ``--overwrite``); outside it (``trainer.fit`` called
     directly), this callback opens one at ``on_fit_start`` that replaces an earlier export whole.
-    Every rank calls ``export`` (under FSDP2 gathering the parameters is a collective); rank 0 writes.
+    Every rank calls ``export`` (under FSDP2 a collective: the weights are gathered one FSDP unit at a time); rank 0
+    writes.
 
     Args:
         dirpath: the export folder; default: the module's ``export_dir`` (nothing is written without one).

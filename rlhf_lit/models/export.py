@@ -4,7 +4,10 @@ An exported folder is usable with transformers and peft alone:
 
 * ``config.json`` + ``model.safetensors``: the whole causal LM with any LoRA adapter merged in
   (``AutoModelForCausalLM.from_pretrained(folder)``; an encoder reward model's trunk loads with
-  ``AutoModel.from_pretrained(folder)``); written unless the base is 4-bit, where merging is lossy;
+  ``AutoModel.from_pretrained(folder)``); written unless the base is 4-bit, where merging is lossy. A model
+  sharded by FSDP2 is written as Hugging Face sharded safetensors instead (``model-<i>-of-<n>.safetensors``, one
+  per FSDP unit, + ``model.safetensors.index.json``), streamed one unit at a time so that no rank holds the whole
+  model (``rlhf_lit.models.streamed_export``); they load the same way;
 * ``adapter/``: the LoRA adapter alone (``PeftModel.from_pretrained(base, folder + "/adapter")``), when
   one was trained; ``rlhf_lit.json`` records the base it belongs to;
 * the tokenizer files;
@@ -55,10 +58,11 @@ from rlhf_lit.models.backbone import (
 )
 from rlhf_lit.models.heads import POOLINGS, Pooling, ScalarHead, score_pooled
 from rlhf_lit.models.model_files import resolve_path
+from rlhf_lit.models.streamed_export import flatten_adapter_folder, save_sharded_weights
 from rlhf_lit.models.tokenizer import load_tokenizer
 from rlhf_lit.models.trunk import disable_dropout
 from rlhf_lit.outputs import staged
-from rlhf_lit.parallel.fsdp import plain_state_dict
+from rlhf_lit.parallel.fsdp import is_sharded, plain_state_dict
 
 ExportMode = Literal["auto", "merged", "adapter"]
 META_FILE = "rlhf_lit.json"
@@ -73,8 +77,12 @@ def save_causal_lm(
     mode: ExportMode = "auto",
     adapter_name: str | None = None,
     meta: dict[str, Any] | None = None,
+    writer: bool = True,
 ) -> dict[str, Any]:
     """Write ``lm`` (with adapter ``adapter_name`` active, if any) to ``path`` in HF format.
+
+    Every rank calls it: under FSDP2 it is a collective (the weights are gathered one FSDP unit at a time and
+    written by the ``writer`` as they come, ``rlhf_lit.models.streamed_export``); the other ranks write nothing.
 
     Args:
         lm: the model (a causal LM, or an encoder trunk).
@@ -86,13 +94,15 @@ def save_causal_lm(
             over a 4-bit base.
         adapter_name: the adapter to export (default: the active one).
         meta: extra entries for ``rlhf_lit.json``.
+        writer: whether this rank writes the files (rank 0 of a distributed run; True on one process).
 
     Returns:
         The metadata written to ``rlhf_lit.json``.
 
     Raises:
         ValueError: ``adapter`` mode without an adapter, ``merged`` mode over a 4-bit base, or a tensor to
-            be written (a base weight, the exported adapter) holding inf or nan; nothing is written then.
+            be written (a base weight, the exported adapter) holding inf or nan; nothing is written then
+            (under FSDP2: raised on every rank at the same unit, and the files written before it are removed).
     """
     path = staged(path)  # inside an open export transaction: its staging folder (rlhf_lit.outputs)
     name = adapter_name or lm.active_adapter
@@ -102,6 +112,30 @@ def save_causal_lm(
         raise ValueError("export_mode='merged' is not supported over a 4-bit base; use 'adapter'")
     write_merged = mode == "merged" or (mode == "auto" and not backbone.load_in_4bit)
     write_adapter = lm.is_peft and mode in ("auto", "adapter")
+    info = {
+        "format": "rlhf_lit",
+        "version": 1,
+        "weights": "merged" if write_merged else "adapter",
+        "has_adapter": bool(write_adapter),
+        "base": portable_base(backbone),
+        **(meta or {}),
+    }
+    if is_sharded(lm):
+        if writer:
+            os.makedirs(path, exist_ok=True)
+        with lm.adapter(name) if lm.is_peft else nullcontext():
+            save_sharded_weights(lm, path, name, write_merged, write_adapter, writer, check_finite)
+    elif writer:
+        _save_weights(lm, path, name, write_merged, write_adapter)
+    if writer:
+        tokenizer.save_pretrained(path)
+        with open(os.path.join(path, META_FILE), "w") as f:
+            json.dump(info, f, indent=2, default=str)
+    return info
+
+
+def _save_weights(lm: AdaptedLM, path: str, name: str | None, write_merged: bool, write_adapter: bool) -> None:
+    """The weights of an unsharded model: ``model.safetensors`` and ``adapter/`` by ``save_pretrained``."""
     exported = {
         k: v
         for k, v in plain_state_dict(lm.model).items()
@@ -113,24 +147,10 @@ def save_causal_lm(
         if write_merged:
             _save_merged(lm, path)
         if write_adapter:
-            # plain_state_dict, not state_dict(): under FSDP2 the caller gathers the parameters first
-            # (sharding.gathered_parameters) and state_dict() would hand back the shards
             lm.model.save_pretrained(
                 os.path.join(path, "adapter"), selected_adapters=[name], state_dict=plain_state_dict(lm.model)
             )
-            _flatten_adapter_folder(os.path.join(path, "adapter"), name)
-    tokenizer.save_pretrained(path)
-    info = {
-        "format": "rlhf_lit",
-        "version": 1,
-        "weights": "merged" if write_merged else "adapter",
-        "has_adapter": bool(write_adapter),
-        "base": portable_base(backbone),
-        **(meta or {}),
-    }
-    with open(os.path.join(path, META_FILE), "w") as f:
-        json.dump(info, f, indent=2, default=str)
-    return info
+            flatten_adapter_folder(os.path.join(path, "adapter"), name)
 
 
 def portable_base(backbone: BackboneConfig) -> dict[str, Any]:
@@ -160,15 +180,6 @@ def _save_merged(lm: AdaptedLM, path: str) -> None:
         base.save_pretrained(path, state_dict=state)
 
 
-def _flatten_adapter_folder(folder: str, name: str) -> None:
-    """peft saves a non-default adapter in ``folder/<name>/``; move it up so the folder loads directly."""
-    nested = os.path.join(folder, name)
-    if os.path.isdir(nested):
-        for entry in os.listdir(nested):
-            os.replace(os.path.join(nested, entry), os.path.join(folder, entry))
-        os.rmdir(nested)
-
-
 def check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
     """Refuse to export tensors holding inf or nan (integer tensors, e.g. 4-bit storage, are skipped).
 
@@ -191,13 +202,15 @@ def _export_folder(path: str) -> str:
     return os.path.join(os.path.dirname(os.path.normpath(path)), match.group(1)) if match else path
 
 
-def save_reward_head(head: ScalarHead, path: str) -> None:
-    """Write the head as ``reward_head.safetensors``; refuses non-finite weights (``ValueError``)."""
+def save_reward_head(head: ScalarHead, path: str, writer: bool = True) -> None:
+    """Write the head as ``reward_head.safetensors`` (only the ``writer`` writes; every rank checks, so all of them
+    refuse together); refuses non-finite weights (``ValueError``)."""
     # cloned: a head gathered from FSDP2 shards is a view that safetensors cannot read the storage of
     weights = {k: v.detach().float().cpu().clone() for k, v in plain_state_dict(head).items()}
     weights = {k.removeprefix("linear."): v for k, v in weights.items()}
     check_finite(weights, path)
-    save_file(weights, os.path.join(staged(path), HEAD_FILE))
+    if writer:
+        save_file(weights, os.path.join(staged(path), HEAD_FILE))
 
 
 POLICY_KIND = "policy"

@@ -59,7 +59,7 @@ from rlhf_lit.modules.dpo_reference import (
     reference_numerics,
     sequences,
 )
-from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
+from rlhf_lit.parallel import data_parallel_mesh, shard_lm
 from rlhf_lit.ranges import BETA, as_config
 
 log = logging.getLogger("rlhf_lit")
@@ -327,17 +327,17 @@ class DPOModule(L.LightningModule):
 
     def export(self, path: str) -> None:
         """Write the policy (any LoRA adapter merged, and alone in ``adapter/``, per ``export_mode``) and the
-        tokenizer in Hugging Face format; every rank calls it (a collective under FSDP2), rank 0 writes."""
-        with gathered_parameters(self.lm):
-            if attached_trainer(self) is None or self.trainer.is_global_zero:
-                save_causal_lm(
-                    self.lm,
-                    self.tokenizer,
-                    path,
-                    self.backbone_cfg,
-                    self.export_mode,
-                    meta={"kind": "policy", "stage": "dpo", "loss_type": self.loss_type},
-                )
+        tokenizer in Hugging Face format; every rank calls it (a collective under FSDP2: the weights are gathered
+        one FSDP unit at a time), rank 0 writes."""
+        save_causal_lm(
+            self.lm,
+            self.tokenizer,
+            path,
+            self.backbone_cfg,
+            self.export_mode,
+            meta={"kind": "policy", "stage": "dpo", "loss_type": self.loss_type},
+            writer=getattr(attached_trainer(self), "is_global_zero", True),  # no trainer: one process
+        )
 
 
 def check_data_kind(loss_type: str, unpaired: bool) -> None:

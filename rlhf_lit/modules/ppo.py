@@ -36,7 +36,7 @@ from rlhf_lit.modules.common import (
     peak_memory_mb,
     plain_hparams,
 )
-from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, is_distributed, shard_head, shard_lm
+from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
 from rlhf_lit.ranges import as_config
 from rlhf_lit.rewards import RewardSourceConfig
 from rlhf_lit.rl.assembly import (
@@ -290,9 +290,8 @@ class PPOModule(L.LightningModule):
 
     def export(self, path: str) -> None:
         """The policy (actor adapter merged or alone per ``export_mode``) in HF format to ``path`` (``models.export``;
-        every rank calls it, a collective under FSDP2; rank 0 writes); ``HFExport`` calls it after fit."""
-        with gathered_parameters(self.policy.lm):  # a collective under FSDP2; nothing otherwise
-            if attached_trainer(self) is None or self.trainer.is_global_zero:
-                meta = {"kind": "policy", "stage": "ppo", "iterations": self.iteration}
-                meta.update(sampling=asdict(self.sampling), target_kl=self.kl_cfg.target_kl)
-                save_causal_lm(self.policy.lm, self.tokenizer, path, self.backbone_cfg, self.export_mode, "actor", meta)
+        every rank calls it: under FSDP2 the weights are gathered one unit at a time; rank 0 writes)."""
+        meta = {"kind": "policy", "stage": "ppo", "iterations": self.iteration}
+        meta.update(sampling=asdict(self.sampling), target_kl=self.kl_cfg.target_kl)
+        writer = getattr(attached_trainer(self), "is_global_zero", True)  # no trainer: one process
+        save_causal_lm(self.policy.lm, self.tokenizer, path, self.backbone_cfg, self.export_mode, "actor", meta, writer)

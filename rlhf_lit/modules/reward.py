@@ -426,9 +426,7 @@ class RewardModule(L.LightningModule):
                 results = self.calibrate_temperature(loader)
                 self._report_calibration(results)
         if self.hparams.export_dir:
-            with gathered_parameters(self):  # a collective under FSDP2; nothing otherwise
-                if self.trainer.is_global_zero:
-                    self.export(self.hparams.export_dir, results)
+            self.export(self.hparams.export_dir, results)  # every rank: a collective under FSDP2
 
     def _report_calibration(self, results: dict) -> None:
         folder = self.hparams.export_dir or self.trainer.log_dir or self.trainer.default_root_dir
@@ -436,16 +434,20 @@ class RewardModule(L.LightningModule):
 
     def export(self, path: str, results: dict | None = None) -> None:
         """Write the reward model in Hugging Face format (see ``rlhf_lit.models.export``) to ``path``, with
-        ``eval_results.json`` when calibration ``results`` are given."""
+        ``eval_results.json`` when calibration ``results`` are given. Every rank calls it (a collective under FSDP2:
+        the trunk is gathered one FSDP unit at a time, the head alone), rank 0 writes."""
         datamodule = getattr(attached_trainer(self), "datamodule", None)
         meta = export_meta(
             self.is_encoder, self.head.linear.in_features, float(self.temperature), self.pooling, datamodule
         )
         if results is not None and "summary" in results:  # what evaluate compares a new file with
             meta["validation_summary"] = results["summary"]
-        save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, self.hparams.export_mode, meta=meta)
-        save_reward_head(self.head, path)
-        if results is not None:
+        writer = getattr(attached_trainer(self), "is_global_zero", True)  # no trainer: one process
+        mode = self.hparams.export_mode
+        save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, mode, meta=meta, writer=writer)
+        with gathered_parameters(self.head):  # a collective under FSDP2; nothing otherwise
+            save_reward_head(self.head, path, writer)
+        if writer and results is not None:
             summary = {k: v for k, v in results.items() if k != "reliability"}
             with open(os.path.join(staged(path), "eval_results.json"), "w") as f:
                 json.dump(summary, f, indent=2)

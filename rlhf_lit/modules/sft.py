@@ -33,7 +33,7 @@ from rlhf_lit.modules.common import (
     log_data_report,
     plain_hparams,
 )
-from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_lm
+from rlhf_lit.parallel import data_parallel_mesh, shard_lm
 from rlhf_lit.ranges import as_config
 
 log = logging.getLogger("rlhf_lit")
@@ -180,15 +180,14 @@ class SFTModule(L.LightningModule):
 
     def export(self, path: str) -> None:
         """Write the model (any LoRA adapter merged, and alone in ``adapter/``, per ``export_mode``) and the
-        tokenizer in Hugging Face format to ``path``; every rank calls it (a collective under FSDP2), rank 0
-        writes."""
-        with gathered_parameters(self.lm):  # a collective under FSDP2; nothing otherwise
-            if attached_trainer(self) is None or self.trainer.is_global_zero:
-                save_causal_lm(
-                    self.lm,
-                    self.tokenizer,
-                    path,
-                    self.backbone_cfg,
-                    self.export_mode,
-                    meta={"kind": "policy", "stage": "sft"},
-                )
+        tokenizer in Hugging Face format to ``path``; every rank calls it (a collective under FSDP2: the weights are
+        gathered one FSDP unit at a time), rank 0 writes."""
+        save_causal_lm(
+            self.lm,
+            self.tokenizer,
+            path,
+            self.backbone_cfg,
+            self.export_mode,
+            meta={"kind": "policy", "stage": "sft"},
+            writer=getattr(attached_trainer(self), "is_global_zero", True),  # no trainer: one process
+        )

@@ -1,7 +1,8 @@
 """Everything that depends on several processes, in one place: FSDP2 sharding, global sums, the strategy.
 
 * :mod:`rlhf_lit.parallel.fsdp` -- FSDP2 (``torch.distributed.fsdp.fully_shard``) units of a causal LM
-  and its heads, gathering full parameters (exports), and the state dict of gathered parameters. torch
+  and its heads, which unit owns which module (exports stream one unit at a time), gathering full parameters
+  (a reward head's export), and the state dict of gathered parameters. torch
   only, so ``rlhf_lit.models`` may use it without importing Lightning.
 * :mod:`rlhf_lit.parallel.collectives` -- sums, means and gathers over ranks through the trainer's
   strategy (the module calls them; on one process they return their input).
@@ -21,6 +22,7 @@ from rlhf_lit.parallel.collectives import global_mean, global_sum, is_distribute
 from rlhf_lit.parallel.fsdp import (
     LM_FORWARD_METHODS,
     data_parallel_mesh,
+    fsdp_units,
     gathered_parameters,
     grad_norm_value,
     is_sharded,
@@ -33,6 +35,7 @@ from rlhf_lit.parallel.fsdp import (
 __all__ = [
     "LM_FORWARD_METHODS",
     "data_parallel_mesh",
+    "fsdp_units",
     "gathered_parameters",
     "global_mean",
     "global_sum",

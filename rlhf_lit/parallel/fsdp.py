@@ -36,13 +36,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from rlhf_lit.models.adapters import AdaptedLM
 
 LM_FORWARD_METHODS = ("hidden_states", "logits", "generate")
 
@@ -91,8 +87,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_lm(lm: AdaptedLM, mesh) -> None:
-    """Apply FSDP2 to an ``AdaptedLM``: one unit per transformer block, the rest in the ``lm`` unit.
+def shard_lm(lm: nn.Module, mesh) -> None:
+    """Apply FSDP2 to an ``AdaptedLM`` (not imported here: ``rlhf_lit.models`` imports this module): one unit per
+    transformer block, the rest in the ``lm`` unit.
 
     Idempotent (a second call does nothing), so ``configure_model`` may run more than once.
 
@@ -130,8 +127,9 @@ def shard_head(head: nn.Module, mesh) -> None:
 def gathered_parameters(module: nn.Module) -> Iterator[None]:
     """Inside the context every FSDP unit under ``module`` holds its full, unsharded parameters.
 
-    A collective: every rank must enter it (e.g. before rank 0 exports the model). Changes made to the
-    parameters inside are not written back to the shards. Without FSDP it does nothing.
+    A collective: every rank must enter it (e.g. before rank 0 writes a reward head; a whole model is exported
+    one unit at a time instead, ``rlhf_lit.models.streamed_export``). Changes made to the parameters inside are
+    not written back to the shards. Without FSDP it does nothing.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -143,6 +141,29 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
+
+
+def fsdp_units(module: nn.Module) -> tuple[list[nn.Module], dict[int, nn.Module]]:
+    """The FSDP units under ``module`` in ``module.modules()`` order (the same on every rank), and which unit
+    owns each submodule: its innermost ancestor (itself included) that is a unit, keyed by ``id(submodule)``.
+    A unit's ``unshard()`` gathers the parameters registered on the submodules it owns, no others (a block
+    inside the ``AdaptedLM`` unit is a unit of its own). Submodules outside every unit are not in the map."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: list[nn.Module] = []
+    owner: dict[int, nn.Module] = {}
+
+    def visit(sub: nn.Module, unit: nn.Module | None) -> None:
+        if isinstance(sub, FSDPModule):
+            unit = sub
+            units.append(sub)
+        if unit is not None:
+            owner[id(sub)] = unit
+        for child in sub.children():
+            visit(child, unit)
+
+    visit(module, None)
+    return units, owner
 
 
 def grad_norm_value(total_norm: torch.Tensor) -> float:

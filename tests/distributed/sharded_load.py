@@ -23,13 +23,26 @@ What is measured on each rank, ``peak_param_bytes``: the largest of
 Parameters are all the module's: the LM's and, for the reward model, its head's (the preference stage's
 reference copy, its blocks hooked too). Not counted: gradients, optimizer state and activations (they are not
 parameters).
+
+The KTO kind also exports at the end of fit (``export_dir``); around that export every rank records
+``export_held``: the largest, after any op dispatched during the export, of the bytes of the storages created
+during it and still alive (at their size then: FSDP2 frees a gathered parameter by resizing its storage to 0)
+plus the storages of the gathered (non-DTensor) parameters registered at that moment (:class:`HeldBytes`). The
+rank's shards (``shard_bytes``) come on top. Not counted: the byte string safetensors builds for each file
+on rank 0 (not a tensor), and a unit's gathered storages between its all-gather and their registration (the
+all-gather buffer holding the same bytes is counted then). After it, a weight of rank 1's shard of the last
+block is set to inf and the export run again inside an export transaction (``nonfinite_export``).
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tests.distributed import scenarios as S
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
@@ -90,6 +103,52 @@ def param_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return storage_bytes(shards), storage_bytes(plain)
 
 
+class HeldBytes(TorchDispatchMode):
+    """``peak``: the largest, after each op, of the bytes of the storages the ops created inside the context and
+    still alive (at their current size) and of the storages of ``module``'s non-DTensor parameters registered then
+    (gathered by FSDP2), each storage once. Storages of ``ignore`` (the shards, the buffers) are not counted."""
+
+    def __init__(self, module: torch.nn.Module, ignore=()) -> None:
+        super().__init__()
+        self.module = module
+        self.peak = 0
+        self._known = {t.untyped_storage()._cdata for t in ignore}
+        self._created: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                t = t.to_local() if isinstance(t, DTensor) else t
+                if t.device.type != "meta":
+                    st = t.untyped_storage()
+                    ref = self._created.get(st._cdata)
+                    if st._cdata not in self._known and (ref is None or ref() is not st):
+                        self._created[st._cdata] = weakref.ref(st)
+        held = {}
+        for key, ref in list(self._created.items()):
+            st = ref()
+            if st is None:
+                del self._created[key]
+            else:
+                held[key] = st.nbytes()
+        for p in self.module.parameters():
+            if not isinstance(p, DTensor) and not p.is_meta:
+                held[p.untyped_storage()._cdata] = p.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(held.values()))
+        return out
+
+
+def local_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The module's parameters (their local shards for DTensors) and buffers."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    return [t for t in [*params, *module.buffers()] if not t.is_meta]
+
+
 def sample_around_blocks(blocks, measure, samples: dict) -> None:
     """Record ``measure()`` (parameter bytes) before and after each block's forwards, the largest per block, in
     ``samples`` (``block<i>_pre`` / ``block<i>_post``)."""
@@ -126,6 +185,13 @@ def probed(cls):
             self.samples = {"init": sum(param_bytes(self)), "init_tensors": tracker.peak}
             self.shard_bytes = 0
             self.first_loss = None
+            self.export_held = None
+
+        def export(self, path, *args, **kwargs):
+            with HeldBytes(self, ignore=local_tensors(self)) as held:
+                super().export(path, *args, **kwargs)
+            if self.export_held is None:  # the export at the end of fit
+                self.export_held = held.peak
 
         def configure_model(self) -> None:
             lms = [self.lm, getattr(self, "reference_lm", None)]  # DPOModule's reference copy
@@ -298,12 +364,46 @@ def run(out: Path, empty_init: bool, kind: str = "sft") -> dict:
     else:
         rows = sft_rows() if kind == "sft" else reward_rows()
         trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=PER_RANK))
-    return {
+    result = {
         **probe_result(module, trainer),
         "first_loss": module.first_loss,
         "reference_key": module.reference_key,
         "after": S.trainable_state(module),  # gathered: every rank calls
+        "export_held": module.export_held,
     }
+    if kind == "kto":
+        result["nonfinite"] = nonfinite_export(module, out / "kto_nonfinite")
+    return result
+
+
+def nonfinite_export(module, folder: Path) -> dict:
+    """Set one weight of rank 1's shard of the last block to inf and export to ``folder`` in an export
+    transaction (rank 0 opens it, as the CLI does); returns this rank's error message (None if none was raised)
+    and what was left of ``folder`` and its staging siblings."""
+    from rlhf_lit.errors import DivergedExportError
+    from rlhf_lit.outputs import ExportFolder
+    from rlhf_lit.parallel import fsdp_units
+
+    last = fsdp_units(module.lm)[0][-1]
+    if S.rank() == 1:
+        with torch.no_grad():
+            last.mlp.down_proj.weight.to_local()[0, 0] = float("inf")
+    transaction = ExportFolder(str(folder), overwrite=True) if S.rank() == 0 else None
+    if transaction is not None:
+        transaction.begin()
+    error = None
+    try:
+        module.export(str(folder))
+    except DivergedExportError as err:
+        error = str(err)
+        if transaction is not None:
+            transaction.abort()
+    else:
+        if transaction is not None:
+            transaction.commit()
+    torch.distributed.barrier()  # rank 0 has ended its transaction
+    left = sorted(e for e in os.listdir(folder.parent) if folder.name in e)
+    return {"error": error, "left": left}
 
 
 def sharded_sft(out: Path, strategy: str) -> None:

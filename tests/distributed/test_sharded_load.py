@@ -47,12 +47,15 @@ def test_rlhf_lit_fit_under_fsdp2_fills_the_shards_on_every_rank(result):
     out = result["out"]
     run = json.loads((out / "sft_cli.json").read_text())
     assert run["finished"] and run["world_size"] == 2 and run["global_step"] == 2
-    assert {"model.safetensors", "config.json", "rlhf_lit.json"} <= set(run["export"])
+    assert {"model.safetensors.index.json", "config.json", "rlhf_lit.json"} <= set(run["export"])  # streamed
     base = load_file(result["base"] / "model.safetensors")
     for rank in (0, 1):
         fills = json.loads((out / f"sft_cli_rank{rank}.json").read_text())["fills"]
         assert fills == [len(base)]  # once, with every base tensor left to read
-    exported = load_file(out / "sft_cli" / "hf" / "model.safetensors")
+    exported = {}
+    for name in run["export"]:  # one file per FSDP unit
+        if name.startswith("model-"):
+            exported.update(load_file(out / "sft_cli" / "hf" / name))
     assert set(base) <= set(exported)
     assert any(not torch.equal(exported[k], v) for k, v in base.items())  # trained
 
