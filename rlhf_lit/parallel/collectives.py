@@ -1,7 +1,7 @@
 """Sums, means and gathers over the ranks of a run, through the trainer's strategy.
 
 Every function takes the ``trainer`` (anything with ``world_size`` and ``strategy``: Lightning's
-``Trainer``) and is a collective when ``world_size > 1``: every rank must call it, in the same order. On one
+``Trainer``; None outside a trainer: one process) and is a collective when ``world_size > 1``: every rank must call it, in the same order. On one
 process each returns its input unchanged, so single-process code pays nothing. Values are detached: these
 are statistics and weights, never part of a loss's graph.
 """
@@ -14,8 +14,8 @@ __all__ = ["gather", "global_mean", "global_sum", "is_distributed"]
 
 
 def is_distributed(trainer) -> bool:
-    """More than one process (DDP, FSDP2)."""
-    return trainer.world_size > 1
+    """More than one process (DDP, FSDP2); None (no trainer) is one process."""
+    return trainer is not None and trainer.world_size > 1
 
 
 def global_sum(trainer, value: torch.Tensor) -> torch.Tensor:

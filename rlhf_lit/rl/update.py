@@ -164,7 +164,7 @@ class PPOUpdater:
         clip: ``clip(opt) -> norm before clipping`` (inf / nan when a gradient is; None when the precision
             plugin clips), e.g. :func:`clip_global_grad_norm` bound to the run's settings.
         optimizers: ``() -> (optimizer, lr scheduler)``.
-        world: ``() -> trainer`` for the world size, rank and collectives.
+        world: ``() -> trainer`` for the world size, rank and collectives (None: one process, no trainer).
         schedule: the minibatch schedule (:func:`epoch_schedule` or one with its signature).
         ptx_stream, ptx_coef: the pretraining mix (``ptx.coef > 0``; a ``data.ptx.PTXStream``), None: none.
     """
@@ -217,7 +217,7 @@ class PPOUpdater:
         batch.token_weights = aggregation_weights(batch.mask, aggregation)
         opt, sched = self.optimizers()
         micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
-        world_size, rank = trainer.world_size, trainer.global_rank
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         has_critic = batch.returns is not None
         # Actor and critic on separate adapters have disjoint trainable parameters, so the backward of the
         # policy terms and that of the value term can run one after the other: the same gradients, but the
