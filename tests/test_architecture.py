@@ -196,8 +196,10 @@ def test_the_rl_core_reads_no_private_attribute_of_another_object():
 
 
 def test_the_ppo_module_is_a_shell():
-    """``PPOModule`` holds the Lightning hooks only; the iteration lives in ``rlhf_lit.rl``."""
+    """``PPOModule`` holds the Lightning hooks only, in one file of at most 300 lines with no helper module of its
+    own beside it; its settings, loading, assembly and iteration live in ``rlhf_lit.rl``."""
     assert len((REPO_ROOT / "rlhf_lit/modules/ppo.py").read_text().splitlines()) <= 300
+    assert sorted(p.name for p in (REPO_ROOT / "rlhf_lit/modules").glob("ppo*.py")) == ["ppo.py"]
 
 
 def test_models_and_functional_never_import_lightning():
