@@ -44,6 +44,7 @@ __all__ = [
     "LABEL_SMOOTHING",
     "Range",
     "as_config",
+    "check_arguments",
     "check_field_ranges",
     "check_value",
     "dataclass_in",
@@ -163,6 +164,18 @@ def check_value(name: str, value: Any, allowed: Range) -> None:
     message = allowed.refusal(name, value)
     if message:
         raise ValueError(message)
+
+
+def check_arguments(ranges: dict[str, Range], values: dict[str, Any], prefix: str = "") -> None:
+    """Check plain constructor arguments against their declared ranges (a class's ``ARG_RANGES``, which the
+    CLI's checks read too: ``checks.rules.model_ranges``).
+
+    Raises:
+        ConfigError: ``"<prefix><name> must be <range>, got <value>"`` for the first argument outside its range.
+    """
+    for name, allowed in ranges.items():
+        if name in values and (message := allowed.refusal(prefix + name, values[name])):
+            raise ConfigError(message)
 
 
 def ranged(default: Any, allowed: str, **field_kwargs: Any) -> Any:

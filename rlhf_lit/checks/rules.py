@@ -2,8 +2,9 @@
 
 A stage module's ranges (:func:`model_ranges`) are those declared on the fields of its settings dataclasses
 (:mod:`rlhf_lit.ranges`: ``optimizer.lr``, ``backbone.lora.r``, ``ppo.gamma``, ``kl.kl_coef``, ...), found by
-walking the module's ``__init__`` annotations, plus :data:`MODEL_RULES` for the rest (plain ``__init__``
-arguments and tuple items), by stage name (:mod:`rlhf_lit.stages`).
+walking the module's ``__init__`` annotations, the module class's ``ARG_RANGES`` (its plain ``__init__``
+arguments, which its ``__init__`` checks with the same declarations) and :data:`MODEL_RULES` for the optimizer's
+tuple items.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_lit.errors import ConfigError
-from rlhf_lit.ranges import BETA, LABEL_SMOOTHING, Range, dataclass_ranges
+from rlhf_lit.ranges import Range, dataclass_ranges
 
 __all__ = [
     "DATA_RULES",
@@ -54,33 +55,9 @@ PLAN_RULES: dict[str, Range] = {
 }
 
 
-#: Ranges of the stage modules' settings that their dataclasses do not declare, by stage name (a subclass of a
-#: stage module gets its stage's rules).
-MODEL_RULES: dict[str, dict[str, Range]] = {
-    "sft": {**_OPTIMIZER},
-    "reward": {
-        **_OPTIMIZER,
-        "label_smoothing": LABEL_SMOOTHING,
-        "beta_rm": _ge0(),
-        "center_rewards_coef": _ge0(),
-        "ece_bins": _count(1),
-        "head_init_std": _gt0(optional=True),
-        "length_groups": _count(1),
-    },
-    "dpo": {
-        **_OPTIMIZER,
-        "beta": BETA,
-        "label_smoothing": LABEL_SMOOTHING,
-        "simpo_gamma": Range(),
-        "nll_coef": _ge0(),
-        "desirable_weight": _ge0(),
-        "undesirable_weight": _ge0(),
-    },
-    "ppo": {
-        **_OPTIMIZER,
-        "log_samples_every": _count(0),
-    },
-}
+#: Ranges of the stage modules' settings that neither their dataclasses nor their classes (``ARG_RANGES``: plain
+#: ``__init__`` arguments) declare, by stage name: the optimizer's tuple items.
+MODEL_RULES: dict[str, dict[str, Range]] = {stage: {**_OPTIMIZER} for stage in ("sft", "reward", "dpo", "ppo")}
 
 _DATA_COMMON = {
     "batch_size": _count(1),
@@ -156,7 +133,8 @@ def range_of(key: str, section_class: type | None = None) -> Range | None:
 
 def model_ranges(model_cls: type, stage: Any) -> dict[str, Range]:
     """Every range of a stage module's settings (keys relative to ``model.init_args``): those declared on the
-    dataclasses its ``__init__`` takes, then :data:`MODEL_RULES` for ``stage`` (a :class:`~rlhf_lit.stages.StageSpec`)."""
+    dataclasses its ``__init__`` takes, its class's ``ARG_RANGES`` (plain arguments), then :data:`MODEL_RULES` for
+    ``stage`` (a :class:`~rlhf_lit.stages.StageSpec`)."""
     import inspect
     import sys
 
@@ -177,6 +155,8 @@ def model_ranges(model_cls: type, stage: Any) -> dict[str, Range]:
             nested = dataclass_in(hint)
             if nested is not None and not inspect.isabstract(nested):
                 found.update(dataclass_ranges(nested, f"{name}."))
+    for klass in reversed(getattr(model_cls, "__mro__", ())):
+        found.update(klass.__dict__.get("ARG_RANGES", {}))  # the plain __init__ arguments' ranges
     found.update(MODEL_RULES.get(getattr(stage, "name", stage), {}))
     return found
 

@@ -60,7 +60,7 @@ from rlhf_lit.modules.dpo_reference import (
     sequences,
 )
 from rlhf_lit.parallel import data_parallel_mesh, shard_lm
-from rlhf_lit.ranges import BETA, as_config
+from rlhf_lit.ranges import BETA, LABEL_SMOOTHING, Range, as_config, check_arguments, parse_range
 
 log = logging.getLogger("rlhf_lit")
 
@@ -103,6 +103,17 @@ class DPOModule(L.LightningModule):
         export_mode: ``auto`` | ``merged`` | ``adapter`` (see ``rlhf_lit.models.export``).
     """
 
+    #: The allowed ranges of the plain constructor arguments, declared once: ``__init__`` and the CLI's checks
+    #: (``checks.rules.model_ranges``) read them.
+    ARG_RANGES = {
+        "beta": BETA,
+        "label_smoothing": LABEL_SMOOTHING,
+        "simpo_gamma": Range(),  # any finite number
+        "nll_coef": parse_range(">= 0"),
+        "desirable_weight": parse_range(">= 0"),
+        "undesirable_weight": parse_range(">= 0"),
+    }
+
     def __init__(
         self,
         backbone: BackboneConfig,
@@ -124,7 +135,10 @@ class DPOModule(L.LightningModule):
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
-        _check_settings(backbone, loss_type, beta, label_smoothing, reference_cache, reference_copy, packing)
+        plain = dict(beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma, nll_coef=nll_coef)
+        plain.update(desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+        check_arguments(self.ARG_RANGES, plain)  # ConfigError, one line
+        _check_settings(backbone, loss_type, label_smoothing, reference_cache, reference_copy, packing)
         self.save_hyperparameters(
             plain_hparams(
                 type(self),
@@ -354,15 +368,11 @@ def check_data_kind(loss_type: str, unpaired: bool) -> None:
         )
 
 
-def _check_settings(
-    backbone, loss_type, beta, label_smoothing, reference_cache, reference_copy, packing
-) -> None:
+def _check_settings(backbone, loss_type, label_smoothing, reference_cache, reference_copy, packing) -> None:
     if not isinstance(packing, bool):
         raise ConfigError(f"model.init_args.packing must be true or false, got {packing!r}")
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"model.init_args.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if message := BETA.refusal("model.init_args.beta", beta):
-        raise ConfigError(message)
     if label_smoothing and loss_type not in ("label_smoothing", "robust"):
         raise ConfigError(
             f"model.init_args.label_smoothing is used by loss_type label_smoothing or robust, not {loss_type!r}"

@@ -37,7 +37,7 @@ from rlhf_lit.modules.common import (
     plain_hparams,
 )
 from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
-from rlhf_lit.ranges import as_config
+from rlhf_lit.ranges import as_config, check_arguments, parse_range
 from rlhf_lit.rewards import RewardSourceConfig
 from rlhf_lit.rl.assembly import (
     TrainerHooks,
@@ -93,6 +93,8 @@ class PPOModule(L.LightningModule):
         packing: the policy's forwards (actor, critic, reference) padding-free (``ActorCritic``; docs/scale.md).
     """
 
+    ARG_RANGES = {"log_samples_every": parse_range("int >= 0")}  # its plain arguments' ranges (CLI and __init__)
+
     def __init__(
         self,
         backbone: BackboneConfig,
@@ -115,6 +117,7 @@ class PPOModule(L.LightningModule):
         packing: bool = False,
     ) -> None:
         super().__init__()
+        check_arguments(self.ARG_RANGES, {"log_samples_every": log_samples_every})
         settings = st = PPOSettings.build(backbone, reward_model, sampling, ppo, kl, reward, critic, ptx)
         self.backbone_cfg, self.reward_model_cfg, self.critic_cfg = st.backbone, st.reward_model, st.critic
         self.sampling, self.ppo, self.kl_cfg, self.shaping = st.sampling, st.ppo, st.kl, st.reward

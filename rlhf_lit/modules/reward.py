@@ -63,7 +63,7 @@ from rlhf_lit.modules.reward_eval import (
 from rlhf_lit.modules.reward_length import LengthControl
 from rlhf_lit.outputs import staged
 from rlhf_lit.parallel import data_parallel_mesh, gathered_parameters, shard_head, shard_lm
-from rlhf_lit.ranges import LABEL_SMOOTHING, as_config, check_value
+from rlhf_lit.ranges import LABEL_SMOOTHING, as_config, check_arguments, parse_range
 
 log = logging.getLogger("rlhf_lit")
 
@@ -73,24 +73,18 @@ PACKING_WITH_LENGTH_GROUPS = "packing: true and length_groups > 1 both cut paddi
 
 def _check_arguments(
     backbone: BackboneConfig,
-    label_smoothing: float,
     length_groups: int,
     pooling: str,
     freeze_layers: int,
     packing: bool | None,
 ) -> None:
     """What ``RewardModule`` refuses before it loads the model (ValueError, see its docstring)."""
-    if length_groups < 1:
-        raise ValueError(f"length_groups must be >= 1, got {length_groups}")
     if packing and length_groups > 1:
         raise ValueError(PACKING_WITH_LENGTH_GROUPS)
     if pooling != "auto" and pooling not in POOLINGS:
         raise ValueError(f"pooling must be 'auto' or one of {POOLINGS}, got {pooling!r}")
-    if freeze_layers < 0:
-        raise ValueError(f"freeze_layers must be >= 0, got {freeze_layers}")
     if freeze_layers and backbone.lora is not None:
         raise ValueError("freeze_layers is for full fine-tuning; with backbone.lora the base is frozen already")
-    check_value("label_smoothing", label_smoothing, LABEL_SMOOTHING)
 
 
 class RewardModule(L.LightningModule):
@@ -135,6 +129,18 @@ class RewardModule(L.LightningModule):
             ``length_groups > 1``.
     """
 
+    #: The allowed ranges of the plain constructor arguments, declared once: ``__init__`` and the CLI's checks
+    #: (``checks.rules.model_ranges``) read them.
+    ARG_RANGES = {
+        "label_smoothing": LABEL_SMOOTHING,
+        "beta_rm": parse_range(">= 0"),
+        "center_rewards_coef": parse_range(">= 0"),
+        "ece_bins": parse_range("int >= 1"),
+        "head_init_std": parse_range("> 0 or null"),
+        "length_groups": parse_range("int >= 1"),
+        "freeze_layers": parse_range("int >= 0"),
+    }
+
     def __init__(
         self,
         backbone: BackboneConfig,
@@ -155,7 +161,10 @@ class RewardModule(L.LightningModule):
     ) -> None:
         super().__init__()
         backbone = as_config(BackboneConfig, backbone)
-        _check_arguments(backbone, label_smoothing, length_groups, pooling, freeze_layers, packing)
+        plain = dict(label_smoothing=label_smoothing, beta_rm=beta_rm, center_rewards_coef=center_rewards_coef)
+        plain.update(ece_bins=ece_bins, head_init_std=head_init_std, length_groups=length_groups)
+        check_arguments(self.ARG_RANGES, {**plain, "freeze_layers": freeze_layers})  # ConfigError, one line
+        _check_arguments(backbone, length_groups, pooling, freeze_layers, packing)
         optimizer = as_config(OptimizerConfig, optimizer) or OptimizerConfig()
         self.save_hyperparameters(
             plain_hparams(

@@ -195,3 +195,34 @@ def test_ppo_settings_declare_their_ranges_once_for_python_and_the_cli(cls_name,
     assert str(built.value) == message
     rule = model_ranges(PPOModule, find_stage("ppo"))[key]
     assert not rule.allows(bad) and rule.describe() == expected
+
+
+@pytest.mark.parametrize(
+    ("stage", "key", "bad", "expected"),
+    [
+        ("dpo", "beta", 0.0, "a number > 0"),
+        ("dpo", "nll_coef", -1.0, "a number >= 0"),
+        ("dpo", "label_smoothing", 0.5, "a number in [0, 0.5)"),
+        ("reward", "length_groups", 0, "a whole number >= 1"),
+        ("reward", "freeze_layers", -1, "a whole number >= 0"),
+        ("reward", "beta_rm", -0.5, "a number >= 0"),
+        ("ppo", "log_samples_every", -1, "a whole number >= 0"),
+    ],
+)
+def test_plain_arguments_declare_their_ranges_once_for_python_and_the_cli(stage, key, bad, expected):
+    """A stage module's plain ``__init__`` arguments have their ranges on the class (``ARG_RANGES``): building the
+    module in Python refuses a value outside (one line, before any model loads) with the range the CLI's check
+    reads for ``model.init_args.<key>``."""
+    from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
+    from rlhf_lit.stages import STAGES, import_path
+
+    cls = import_path(STAGES[stage].module)
+    backbone = BackboneConfig(tiny={"model_type": "gpt2"}, tokenizer="byte", lora=LoraSettings(r=2))
+    kwargs = {"backbone": backbone, key: bad}
+    if stage == "ppo":
+        kwargs["reward_model"] = RewardModelConfig(backbone=backbone)
+    with pytest.raises(ConfigError) as built:
+        cls(**kwargs)
+    assert str(built.value) == f"{key} must be {expected}, got {bad!r}"
+    rule = model_ranges(cls, find_stage(stage))[key]
+    assert rule is cls.ARG_RANGES[key] and rule.describe() == expected
