@@ -68,8 +68,7 @@ __all__ = ["PPOModule"]
 
 
 class PPOModule(L.LightningModule):
-    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization; a critic-free
-    ``ppo.advantage_estimator`` (one that declares no critic) runs the same iteration without a critic.
+    """PPO with actor, critic and reference on one base (LoRA adapters), under manual optimization.
 
     Args:
         backbone: the policy's base (normally the SFT export) and how it is held; ``backbone.lora``: the actor
@@ -78,7 +77,8 @@ class PPOModule(L.LightningModule):
         reward_model: the frozen reward model (a separate model or an adapter on this base), or a list of
             weighted reward sources (reward models and ``module:function`` reward functions, e.g.
             ``rlhf_lit.rewards:instruction_constraints``), each logged as ``rollout/score/<name>``.
-        sampling, ppo: how responses are sampled; the update, advantage estimator, loss aggregation, KL placement.
+        sampling, ppo: how responses are sampled; the update, advantage estimator (a critic-free one: no critic),
+            loss aggregation, KL placement.
         kl, reward: the KL penalty and its controller; score normalisation, clipping, the missing-EOS penalty.
         critic, optimizer: the critic adapter and value head; optimizer and schedule (``lr`` the actor's).
         ptx, monitor: the optional pretraining-mix term; the reward-hacking monitors (on by default).
