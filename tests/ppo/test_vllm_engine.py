@@ -25,7 +25,8 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.models import BackboneConfig, LoraSettings, load_backbone
 from rlhf_lit.rl.generation import SamplingConfig
-from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint
+from rlhf_lit.rl.sampler import adapter_fingerprint
+from rlhf_lit.rl.vllm_sampler import VLLMSampler
 from rlhf_lit.vllm_server import INSTALL_HINT
 from tests.cli.helpers import run_cli
 from tests.conftest import REPO_ROOT
