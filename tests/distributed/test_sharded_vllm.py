@@ -6,7 +6,8 @@ One worker launch (``worker.py fsdp2 <out> sharded_vllm``, ``vllm_push.py``) run
 every rank samples its own prompts through the one server; each ``sync`` is gathered one FSDP unit at a time and
 pushed by rank 0 (the peak bytes a rank holds during a push stay far below the whole base), the engine then holds
 the policy's merged weights bit for bit, and every rank expects the digest the engine reports (the rollout-policy
-guard, strict here, finds no stale weights and a log-prob gap of float rounding only).
+guard, strict here, finds no stale weights and a log-prob gap of float rounding only); a push rank 0 cannot
+deliver raises on every rank.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def test_ppo_under_fsdp2_samples_through_one_vllm_server_pushed_one_unit_at_a_ti
     assert all(torch.equal(held[k], v) for k, v in exported.items())
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(held[q], base[q])  # the updates moved the merged weights: the check has teeth
+    # a push that fails on rank 0 (no server) raises on every rank, not only on the rank that pushed
+    assert "http://127.0.0.1:9 (sampling.vllm.url) is not reachable" in ranks[0]["failure"]
+    assert ranks[1]["failure"].startswith("rank 0's weight push to the vLLM engine failed: SamplerEngineError: ")
+    assert "is not reachable" in ranks[1]["failure"]
     # no rank held the whole base while pushing: its shards (not counted) plus about one unit gathered
     assert full > 5 * 2**20
     for rank in ranks:

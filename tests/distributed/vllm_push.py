@@ -6,7 +6,8 @@ the engine behind the real server code, in the test's process).
 Around every ``sync`` each rank records :class:`~tests.distributed.sharded_load.HeldBytes`' peak (the storages the
 push created and still alive, plus the gathered parameters registered, its shards not counted) and the digest it
 expects the engine to report. After the fit every rank takes part in a merged export of the policy (streamed one
-unit at a time) to ``<out>/vllm_policy``, which the test compares with the engine's weights.
+unit at a time) to ``<out>/vllm_policy``, which the test compares with the engine's weights; then one more
+``sync`` against an address where no server listens (``failure``: each rank's error message).
 """
 
 from __future__ import annotations
@@ -66,7 +67,18 @@ def sharded_vllm(out: Path, strategy: str) -> None:
     backbone = BackboneConfig(name_or_path=str(out / "base"), tokenizer="byte")
     save_causal_lm(lm, load_tokenizer("byte"), str(out / "vllm_policy"), backbone, "merged", "actor",
                    writer=S.rank() == 0)
+    # an engine that cannot be reached: rank 0's push fails, and every rank raises at the same sync
+    from rlhf_lit.errors import SamplerEngineError
+    from rlhf_lit.rl.vllm_client import VLLMClient
+
+    sampler.client = VLLMClient("http://127.0.0.1:9", timeout_s=5)  # port 9 (discard): nothing listens
+    try:
+        sampler.sync(module.policy)
+        failure = None
+    except SamplerEngineError as err:
+        failure = str(err)
     result = {
+        "failure": failure,
         **SL.probe_result(module, trainer),
         "history": module.history,
         "iteration": module.iteration,
