@@ -1,5 +1,6 @@
-"""The vLLM weight-push scenario (``worker.py fsdp2 <out> sharded_vllm``): two PPO iterations under FSDP2 with
-``sampling.backend: vllm``, the policy built on meta from the saved tiny Llama in ``<out>/base``, every rank
+"""The vLLM weight-push scenario (``worker.py <fsdp2|ddp> <out> sharded_vllm``): two PPO iterations under FSDP2
+(or DDP) with ``sampling.backend: vllm``, the policy built on meta (DDP: loaded whole) from the saved tiny Llama in
+``<out>/base``, every rank
 sampling through the one server whose address the test wrote to ``<out>/vllm_url`` (a transformers stand-in of
 the engine behind the real server code, in the test's process).
 
@@ -48,7 +49,6 @@ def sharded_vllm(out: Path, strategy: str) -> None:
     from rlhf_lit.rl.settings import PPOConfig
     from tests.ppo.helpers import make_data, make_trainer
 
-    assert strategy == "fsdp2", strategy
     url = (out / "vllm_url").read_text()
     sampling = SamplingConfig(
         max_new_tokens=4,
@@ -57,9 +57,10 @@ def sharded_vllm(out: Path, strategy: str) -> None:
         backend="vllm",
         vllm={"url": url, "weights_dir": str(out / "vllm_weights")},
     )
-    trainer = make_trainer(out / "vllm_run", devices=2, strategy=S.strategy_for("fsdp2"))
+    trainer = make_trainer(out / "vllm_run", devices=2, strategy=S.strategy_for(strategy))
     ppo = PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=2)
-    module = SL.ppo_module(out / "base", True, trainer, sampling=sampling, sampler=measured_sampler, ppo=ppo)
+    empty_init = strategy == "fsdp2"  # built on meta; under DDP every rank holds the whole policy
+    module = SL.ppo_module(out / "base", empty_init, trainer, sampling=sampling, sampler=measured_sampler, ppo=ppo)
     torch.manual_seed(1)
     trainer.fit(module, datamodule=make_data(module, batch_size=2, n=8))
     sampler = module.sampler

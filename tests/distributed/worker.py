@@ -26,8 +26,8 @@ Scenarios:
                  shard by shard (``sharded_load.run_ppo``); ``<out_dir>/base`` must hold the saved base.
     ppo_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/ppo.yaml`` (PPO, policy and reward model on that base).
     sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
-    sharded_vllm  FSDP2 only: 2 PPO iterations on that base with ``sampling.backend: vllm``, through the server
-                 at the address in ``<out_dir>/vllm_url`` (``vllm_push.py``).
+    sharded_vllm  FSDP2 or DDP: 2 PPO iterations on that base with ``sampling.backend: vllm``, through the
+                 server at the address in ``<out_dir>/vllm_url`` (``vllm_push.py``).
 """
 
 from __future__ import annotations
