@@ -152,7 +152,7 @@ def compare_weight_sync(args, model, folder: str, ids: torch.Tensor, mask: torch
     """``sampling.vllm.weight_sync`` merged vs lora (see the module docstring); prints one JSON line."""
     from rlhf_lit.models import LoraSettings
     from rlhf_lit.models.adapters import AdaptedLM
-    from rlhf_lit.rl.sampler import VLLMSampler
+    from rlhf_lit.rl.vllm_sampler import VLLMSampler
 
     modes = args.weight_sync.split(",")
     lm = AdaptedLM(model, {"actor": LoraSettings(r=16, alpha=32, target_modules="all-linear")})

@@ -86,16 +86,20 @@ class VLLMEngine:
             logprobs.append([float(step[t].logprob) for t, step in zip(ids, completion.logprobs)])
         return tokens, logprobs
 
-    def load(self, path: str) -> None:
-        """Load the tensors of the safetensors file ``path`` (Hugging Face names) into the engine's model, in
-        place (vLLM's ``reload_weights`` in each worker; the worker reads the file itself)."""
+    def load(self, files: list[str]) -> None:
+        """Load the tensors of the safetensors ``files`` (Hugging Face names; one file, or the files of a sharded
+        folder) into the engine's model, in place (vLLM's ``reload_weights`` in each worker; the worker reads the
+        files itself, one at a time)."""
 
-        def reload(worker, path):
+        def reload(worker, files):
+            from itertools import chain
+
             from safetensors.torch import load_file
 
-            worker.reload_weights(weights_iterator=iter(load_file(path).items()))
+            tensors = chain.from_iterable(load_file(file).items() for file in files)
+            worker.reload_weights(weights_iterator=tensors)
 
-        self.llm.collective_rpc(reload, args=(path,))
+        self.llm.collective_rpc(reload, args=(list(files),))
 
     def load_lora(self, path: str) -> None:
         """Load the peft adapter folder ``path`` now (vLLM's ``add_lora``), under a new adapter id, and drop the

@@ -26,10 +26,11 @@ an engine failure):
   it was drawn from. Prompts travel as token ids: nothing is re-tokenised. With ``"lora": true`` (optional,
   default false) every row is drawn with the adapter of the last ``/load_lora`` and ``weights`` is
   ``<weights digest>+<adapter digest>``.
-* ``POST /load_weights`` ``{"path": <file>.safetensors}`` -> ``{"weights": <digest>, "load_s": seconds}``: the
-  engine loads those tensors (Hugging Face names) into its model. ``weights`` is the sha256 (16 hex digits) of
-  the bytes it read, which the client compares with the digest of the bytes it wrote (the rollout-policy
-  guard); before any load it is ``"initial"``.
+* ``POST /load_weights`` ``{"path": <file>.safetensors | <folder>/<name>.safetensors.index.json}`` (a sharded
+  folder: the files its ``weight_map`` names) -> ``{"weights": <digest>, "load_s": seconds}``: the engine loads
+  those tensors (Hugging Face names) into its model. ``weights`` is :func:`digest_of` the bytes it read (the
+  files in name order, then any index), which the client compares with the digest of the bytes it wrote (the
+  rollout-policy guard); before any load it is ``"initial"``.
 * ``POST /load_lora`` ``{"path": <folder>}`` -> ``{"lora": <digest>, "load_s": seconds}``: the engine loads the
   peft LoRA adapter in the folder (``adapter_config.json``, ``adapter_model.safetensors``) as a new vLLM
   ``LoRARequest``, replacing the previous one; ``lora`` is :func:`adapter_digest` of the two files' bytes.
@@ -43,6 +44,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from rlhf_lit.ranges import non_finite, parse_range  # standard library only: the options' ranges
@@ -54,12 +56,14 @@ __all__ = [
     "PROTOCOL",
     "GenerateRequest",
     "adapter_digest",
+    "digest_of",
     "fail",
     "file_digest",
     "main",
     "make_server",
     "parse_generate",
     "serve_command",
+    "weight_files",
 ]
 
 PROTOCOL = 2
@@ -82,9 +86,39 @@ class RequestError(ValueError):
     """A request the server refuses (status 400); the message is one line."""
 
 
+def digest_of(pieces: Iterable[bytes]) -> str:
+    """The weights digest of the protocol: sha256 of the pieces' bytes in order, 16 hex digits."""
+    sha = hashlib.sha256()
+    for piece in pieces:
+        sha.update(piece)
+    return sha.hexdigest()[:16]
+
+
 def file_digest(data: bytes) -> str:
-    """The weights digest of the protocol: sha256 of the bytes, 16 hex digits."""
-    return hashlib.sha256(data).hexdigest()[:16]
+    """:func:`digest_of` one piece of bytes."""
+    return digest_of([data])
+
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def weight_files(path) -> list[str]:
+    """The files ``/load_weights`` reads: ``path`` itself, or the files a sharded folder's index names, in name
+    order; raises RequestError for another path, a missing file or index entry."""
+    if not isinstance(path, str) or not path.endswith((".safetensors", INDEX_SUFFIX)):
+        raise RequestError(f'load_weights needs {{"path": "<file>.safetensors" or "<folder>/<name>{INDEX_SUFFIX}"}}')
+    if not os.path.isfile(path):
+        raise RequestError(f"load_weights: no such file {path}")
+    if path.endswith(".safetensors"):
+        return [path]
+    try:
+        names = sorted(set(json.loads(_read(path))["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise RequestError(f"load_weights: {path} is no safetensors index ({type(err).__name__}: {err})") from None
+    files = [os.path.join(os.path.dirname(path), name) for name in names]
+    if not files or (missing := [f for f in files if not os.path.isfile(f)]):
+        raise RequestError(f"load_weights: {path} names no weight files, or missing ones: {files and missing}")
+    return files
 
 
 #: The files of a peft LoRA adapter folder, as ``/load_lora`` reads them.
@@ -208,14 +242,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _load(self, body) -> dict:
         path = body.get("path") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path.endswith(".safetensors"):
-            raise RequestError("load_weights needs {\"path\": \"<file>.safetensors\"}")
-        if not os.path.isfile(path):
-            raise RequestError(f"load_weights: no such file {path}")
+        files = weight_files(path)
         t0 = time.perf_counter()
-        with open(path, "rb") as f:
-            digest = file_digest(f.read())  # what this load reads (the client replaces the file atomically)
-        self.engine.load(path)
+        # what this load reads (the client replaces the file, or the folder, atomically)
+        digest = digest_of(_read(file) for file in (files if files == [path] else [*files, path]))
+        self.engine.load(files)
         self.state["weights"] = digest
         return {"weights": self.state["weights"], "load_s": time.perf_counter() - t0}
 
@@ -242,10 +273,10 @@ def _read(path: str) -> bytes:
 
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
-    """An ``HTTPServer`` (one request at a time: the engine is not thread-safe) serving the protocol with
-    ``engine`` (``generate(GenerateRequest) -> (tokens, logprobs)``, ``load(<file>.safetensors)``,
-    ``load_lora(<folder>)``, ``name``, ``model``, ``max_lora_rank``); port 0 picks a free one
-    (``server.server_address``)."""
+    """An ``HTTPServer`` (one request at a time, the engine is not thread-safe: several ranks' requests queue)
+    serving the protocol with ``engine`` (``generate(GenerateRequest) -> (tokens, logprobs)``, ``load([<file>
+    .safetensors, ...])``, ``load_lora(<folder>)``, ``name``, ``model``, ``max_lora_rank``); port 0 picks a free
+    one (``server.server_address``)."""
     state = {"weights": INITIAL_WEIGHTS, "lora": None}
     handler = type("Handler", (_Handler,), {"engine": engine, "state": state})
     return HTTPServer((host, port), handler)

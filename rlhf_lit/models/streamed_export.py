@@ -19,6 +19,9 @@ whole model. After the last unit the writer writes ``model.safetensors.index.jso
 weights) and ``adapter/`` through peft's ``save_pretrained`` with the collected LoRA matrices. On a failure the
 writer removes the files it wrote (the export transaction, ``rlhf_lit.outputs``, drops its staging folder too).
 
+The walk (steps 1, 2, 5: :func:`unit_weights`) and the writing of the weight files (step 4 and the index:
+:func:`write_weight_files`) are the two pieces the vLLM sampler's weight push (``rl.vllm_sampler.VLLMSampler``) reuses.
+
 Private APIs (checked against transformers 5.24; ``tests/test_library_contracts.py``): ``save_pretrained``'s
 name handling, applied to each unit's tensors as transformers applies them to each shard of an offloaded model:
 ``modeling_utils.remove_tied_weights_from_state_dict`` (tied weights written once, under the name it keeps) and
@@ -31,7 +34,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
@@ -107,7 +111,7 @@ def _plan(
 
 
 def _value(entry: _Entry) -> torch.Tensor:
-    if entry.lora_layer is not None:
+    if entry.lora_layer is not None and not entry.lora_layer.disable_adapters:
         return merged_lora_weight(entry.lora_layer)
     tensor = entry.module._parameters.get(entry.attr)
     return (tensor if tensor is not None else entry.module._buffers[entry.attr]).detach()
@@ -140,6 +144,115 @@ def flatten_adapter_folder(folder: str, name: str) -> None:
         os.rmdir(nested)
 
 
+@dataclass
+class UnitWeights:
+    """What one FSDP unit exports, read while the unit is gathered (:func:`unit_weights`).
+
+    Attributes:
+        merged: the unit's merged weights under the names ``save_pretrained`` writes (a tied weight once, in the
+            unit that owns it); new tensors for a merged LoRA weight, the parameters themselves (detached, not
+            copied: do not write into them) otherwise. Empty for a unit with nothing to export merged.
+        adapter: the exported adapter's LoRA matrices of the unit (copied), by their peft state-dict keys.
+        device: where the unit's tensors live (for the collectives that follow).
+        index: the unit's 0-based place among the walk's units with merged weights; ``count`` their number.
+    """
+
+    merged: dict[str, torch.Tensor]
+    adapter: dict[str, torch.Tensor]
+    device: torch.device
+    index: int = 0
+    count: int = 0
+
+
+def unit_weights(
+    lm: AdaptedLM, adapter_name: str | None, write_merged: bool, write_adapter: bool
+) -> Iterator[UnitWeights]:
+    """The walk of the module docstring (steps 1, 2 and 5): one :class:`UnitWeights` per FSDP unit of the
+    sharded ``lm``, in the same order on every rank (a collective: every rank must draw every item). The unit is
+    gathered while its item is held and resharded when the next one is drawn or the generator is closed (close
+    it, ``contextlib.closing``, when leaving the loop early). LoRA layers are merged over their active adapters
+    (none while adapters are disabled: ``AdaptedLM.reference`` without base adapters).
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    base = lm.model.get_base_model() if lm.is_peft else lm.model
+    plans = _plan(lm, adapter_name, write_merged, write_adapter)
+    files = [p for p in plans if p.merged]
+    for plan in plans:
+        if plan.unit is not None:
+            plan.unit.unshard()
+        try:
+            merged = {e.key: _value(e) for e in plan.merged}
+            if merged:
+                merged = revert_weight_conversion(base, remove_tied_weights_from_state_dict(merged, base))
+            adapter = {e.key: _value(e).clone() for e in plan.adapter}
+            index = files.index(plan) if plan.merged else 0
+            yield UnitWeights(merged, adapter, _unit_device(plan), index, len(files))
+        finally:
+            if plan.unit is not None:
+                plan.unit.reshard()
+
+
+def write_weight_files(
+    units: Iterator[UnitWeights],
+    path: str,
+    writer: bool,
+    on_unit: Callable[[UnitWeights], None] = lambda unit: None,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Write the merged weights of ``units`` (the generator :func:`unit_weights`) to ``path`` as Hugging Face
+    sharded safetensors, ``model-<i>-of-<n>.safetensors`` per unit with merged weights and then
+    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``; written when any unit had merged
+    weights); every rank calls it (one all-reduce of a flag per unit), the ``writer`` writes.
+
+    Args:
+        units: the walk; ``on_unit(unit)`` is called with each item on every rank before its file is written.
+        path: an existing folder (the writer's).
+        writer: whether this rank writes (rank 0).
+        dtype: the dtype the tensors are written in (None: their own).
+
+    Returns:
+        The writer's written paths in order (the index last; ``[]`` on the other ranks).
+
+    Raises:
+        OSError: (or safetensors' ``SafetensorError``) the writer could not write a file; the other ranks raise
+            ``RuntimeError`` at the same unit. The writer removes the files it wrote.
+    """
+    written: list[str] = []
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    try:
+        with closing(units):
+            for unit in units:
+                on_unit(unit)
+                error = None
+                if writer and unit.merged:
+                    name = f"model-{unit.index + 1:05d}-of-{unit.count:05d}.safetensors"
+                    written.append(os.path.join(path, name))
+                    try:
+                        sizes = _write_file(unit.merged, written[-1], dtype)
+                        weight_map.update(dict.fromkeys(sizes, name))
+                        total_size += sum(sizes.values())
+                    except Exception as err:  # every rank must learn of it before the next unit's collective
+                        error = err
+                if _agree(error is not None, unit.device):
+                    if error is not None:
+                        raise error
+                    raise RuntimeError(f"the writer (rank 0) failed to write {path}; see its error")
+        if writer and weight_map:
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            written.append(os.path.join(path, INDEX_FILE))
+            with open(written[-1], "w") as f:
+                json.dump(index, f, indent=2)
+    except BaseException:
+        for file in written:
+            if os.path.isfile(file):
+                os.remove(file)
+        raise
+    return written
+
+
 def save_sharded_weights(
     lm: AdaptedLM,
     path: str,
@@ -161,45 +274,18 @@ def save_sharded_weights(
             ``RuntimeError`` at the same unit.
     """
     base = lm.model.get_base_model() if lm.is_peft else lm.model
-    plans = _plan(lm, adapter_name, write_merged, write_adapter)
-    files = [p for p in plans if p.merged]
-    written: list[str] = []
-    weight_map: dict[str, str] = {}
     adapter_state: dict[str, torch.Tensor] = {}
-    total_size = 0
+
+    def collect(unit: UnitWeights) -> None:
+        check_finite({**unit.merged, **unit.adapter}, path)
+        adapter_state.update(unit.adapter)
+
+    walk = unit_weights(lm, adapter_name, write_merged, write_adapter)
+    written = write_weight_files(walk, path, writer, collect)
+    if not writer:
+        return
     try:
-        for plan in plans:
-            if plan.unit is not None:
-                plan.unit.unshard()
-            try:
-                merged = {e.key: _value(e) for e in plan.merged}
-                adapter = {e.key: _value(e).clone() for e in plan.adapter}
-                check_finite({**merged, **adapter}, path)
-                adapter_state.update(adapter)
-                error = None
-                if writer and merged:
-                    name = f"model-{files.index(plan) + 1:05d}-of-{len(files):05d}.safetensors"
-                    written.append(os.path.join(path, name))
-                    try:
-                        sizes = _write_file(merged, base, written[-1])
-                        weight_map.update(dict.fromkeys(sizes, name))
-                        total_size += sum(sizes.values())
-                    except Exception as err:  # every rank must learn of it before the next unit's collective
-                        error = err
-                if _agree(error is not None, _unit_device(plan)):
-                    if error is not None:
-                        raise error
-                    raise RuntimeError(f"the export's writer (rank 0) failed to write {path}; see its error")
-            finally:
-                if plan.unit is not None:
-                    plan.unit.reshard()
-        if not writer:
-            return
         if write_merged:
-            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            written.append(os.path.join(path, INDEX_FILE))
-            with open(written[-1], "w") as f:
-                json.dump(index, f, indent=2)
             _save_config(base, path, written)
         if write_adapter:
             folder = os.path.join(path, "adapter")
@@ -215,14 +301,10 @@ def save_sharded_weights(
         raise
 
 
-def _write_file(merged: dict[str, torch.Tensor], base: nn.Module, file: str) -> dict[str, int]:
-    """One unit's merged weights as a safetensors file, under the names ``save_pretrained`` gives them (a tied
-    weight once); returns each name's bytes."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    merged = revert_weight_conversion(base, remove_tied_weights_from_state_dict(merged, base))
-    tensors = {k: v.to("cpu").contiguous() for k, v in merged.items()}
+def _write_file(merged: dict[str, torch.Tensor], file: str, dtype: torch.dtype | None) -> dict[str, int]:
+    """One unit's merged weights (already under their file names) as a safetensors file; returns each name's
+    bytes."""
+    tensors = {k: v.to(device="cpu", dtype=dtype or v.dtype).contiguous() for k, v in merged.items()}
     save_file(tensors, file, metadata={"format": "pt"})
     return {k: t.numel() * t.element_size() for k, t in tensors.items()}
 

@@ -61,17 +61,12 @@ def refuse_impossible_settings(backbone, sampling) -> None:
 
 def refuse_sharded_settings(sampling) -> None:
     """Settings that need the whole weights in each process, refused when FSDP shards them
-    (``PPOModule.configure_model``).
+    (``PPOModule.configure_model``). ``sampling.backend: vllm`` is not one of them: its weight push gathers one
+    FSDP unit at a time (``rl.vllm_sampler.VLLMSampler``).
 
     Raises:
-        ConfigError: for ``sampling.copy_dtype`` (its copy is built from the whole weights) and
-            ``sampling.backend: vllm`` (the pushed weights are whole).
+        ConfigError: for ``sampling.copy_dtype`` (its copy is built from the whole weights).
     """
-    if sampling.backend == "vllm":
-        raise ConfigError(
-            "sampling.backend: vllm pushes the whole weights from one process; under FSDP they are sharded. "
-            "Use sampling.backend: hf or one process"
-        )
     if sampling.copy_dtype is not None:
         raise ConfigError(
             "sampling.copy_dtype needs the whole weights in each process; under FSDP they are sharded. "

@@ -43,7 +43,8 @@ class VLLMSettings:
         url: the server's address, ``http://127.0.0.1:<port>`` (started with ``rlhf-lit vllm-serve``).
         timeout_s: the longest wait for one request (a rollout, a weight load), seconds.
         weights_dir: a folder both processes can read where the policy's merged weights are written for the
-            engine before every rollout (``weights.safetensors``, replaced atomically); null: a temporary folder.
+            engine before every rollout (``weights.safetensors``, replaced atomically; under FSDP2 a sharded
+            folder ``weights-<n>/`` written by rank 0 one FSDP unit at a time); null: a temporary folder.
         dtype: the dtype of the pushed weights, the engine's (``rlhf-lit vllm-serve --dtype``): ``float32`` on
             CPU (its log-probs then match a float32 trainer's to ~3e-5 nats), ``bfloat16`` on a GPU.
         weight_sync: how the policy reaches the engine after every update. ``merged``: the whole weights with
@@ -129,7 +130,7 @@ class SamplingConfig:
             project's CPU machine, transformers 5.24, it took 114 s for 4 prompts x 12 new tokens of a 2-layer
             model against 0.5 s for ``generate``, so it cannot be tested here; docs/ppo.md.)
             ``vllm``: the vLLM engine in its own process behind ``rlhf_lit.vllm_server`` (``sampling.vllm``
-            says where; ``rlhf_lit.rl.sampler.VLLMSampler``): the trainer pushes its merged weights (or its actor
+            says where; ``rlhf_lit.rl.vllm_sampler.VLLMSampler``): the trainer pushes its merged weights (or its actor
             adapter, ``sampling.vllm.weight_sync``) before every rollout and the engine returns each drawn token's log-prob after the temperature, so the guard and
             ``ppo.tis_cap`` work as for a copy. Same distribution: full softmax at ``temperature``, the same
             stop tokens and lengths, per-row seeds drawn from torch's generator. Refused for a 4-bit base and

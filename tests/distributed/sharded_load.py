@@ -478,10 +478,11 @@ def response_length(prompts, responses, fields):
     return [float(len(r)) for r in responses]
 
 
-def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae"):
+def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae", **overrides):
     """A PPOModule (``estimator``: GAE with actor and critic LoRA adapters, or GRPO with the actor's only and 2
     responses per prompt) on the saved base whose policy samples ``param_bytes`` after ``__init__``, after
-    ``configure_model`` and around each transformer block's forwards."""
+    ``configure_model`` and around each transformer block's forwards; ``overrides``: other PPOModule
+    arguments (``sampling``, ``sampler``, ``ppo``)."""
     from rlhf_lit.models import BackboneConfig, LoraSettings
     from rlhf_lit.modules import PPOModule
     from rlhf_lit.parallel import transformer_blocks
@@ -505,7 +506,7 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae"):
     group = 2 if estimator == "grpo" else 1
     torch.manual_seed(0)  # LoRA and value head: the same on both ranks
     with trainer.init_module(empty_init=True) if empty_init else torch.device("cpu"):
-        return Probed(
+        settings = dict(
             backbone=BackboneConfig(name_or_path=str(base), tokenizer="byte", lora=LoraSettings(**LORA)),
             reward_model=[RewardSourceConfig(name="len", function=f"{__name__}:response_length")],
             sampling=SamplingConfig(max_new_tokens=4, temperature=1.0, num_samples_per_prompt=group),
@@ -515,6 +516,7 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae"):
             critic=CriticConfig(lora=LoraSettings(**LORA)),
             log_samples_every=0,
         )
+        return Probed(**{**settings, **overrides})
 
 
 def run_ppo(out: Path, empty_init: bool, estimator: str = "gae") -> dict:

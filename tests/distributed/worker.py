@@ -26,6 +26,8 @@ Scenarios:
                  shard by shard (``sharded_load.run_ppo``); ``<out_dir>/base`` must hold the saved base.
     ppo_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/ppo.yaml`` (PPO, policy and reward model on that base).
     sft_cli_sharded  FSDP2 only: ``rlhf-lit fit`` of ``<out_dir>/sft.yaml`` (SFT on that base), 2 steps.
+    sharded_vllm  FSDP2 or DDP: 2 PPO iterations on that base with ``sampling.backend: vllm``, through the
+                 server at the address in ``<out_dir>/vllm_url`` (``vllm_push.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch  # noqa: E402
 
 from tests.distributed import scenarios as S  # noqa: E402
 from tests.distributed.sharded_load import sharded_dpo, sharded_ppo, sharded_sft  # noqa: E402
+from tests.distributed.vllm_push import sharded_vllm  # noqa: E402
 
 
 def _cli_fit(config: str, root: Path, strategy: str, *extra: str) -> object:
@@ -250,6 +253,7 @@ SCENARIOS = {
     "sharded_ppo": sharded_ppo,
     "ppo_cli_sharded": ppo_cli_sharded,
     "sft_cli_sharded": sft_cli_sharded,
+    "sharded_vllm": sharded_vllm,
 }
 
 

@@ -161,3 +161,59 @@ def test_a_failed_write_raises_and_removes_the_files_written_before(mesh, tmp_pa
     with pytest.raises(Exception, match="Is a directory"):  # safetensors' SafetensorError
         save_causal_lm(lm, load_tokenizer("byte"), str(folder), cfg)
     assert os.listdir(folder) == ["model-00002-of-00003.safetensors"]  # the first unit's file removed
+
+
+@pytest.mark.parametrize("weight_sync", ["merged", "lora"])
+def test_the_vllm_push_of_a_sharded_policy_loads_its_merged_weights(mesh, tmp_path, weight_sync):
+    """``VLLMSampler.sync`` of an FSDP2-sharded policy walks the units like the export: the engine (transformers
+    behind the real server) ends up holding ``merged_weights`` of the same policy unsharded, bit for bit (``merged``:
+    the actor merged; ``lora``: the reference weights, then the actor's LoRA matrices), and reports the digest of
+    the bytes pushed."""
+    from peft import get_peft_model_state_dict
+
+    from rlhf_lit.models.inference_copy import merged_weights
+    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.vllm_client import VLLMClient
+    from rlhf_lit.rl.vllm_sampler import VLLMSampler
+    from tests.ppo.vllm_fake import TransformersEngine, serving
+
+    plain, cfg = _lm(TIED_LLAMA, "actor")
+    expected = merged_weights(plain, "actor" if weight_sync == "merged" else None)
+    assert not torch.equal(expected["model.layers.0.self_attn.q_proj.weight"],
+                           merged_weights(plain, "actor" if weight_sync == "lora" else None)[
+                               "model.layers.0.self_attn.q_proj.weight"])  # the adapter moves the weights
+    sharded, _ = _lm(TIED_LLAMA, "actor")
+    shard_lm(sharded, mesh)
+
+    class Policy:
+        lm = sharded
+
+        def actor_parameters(self):
+            return sharded.adapter_parameters("actor")
+
+    torch.manual_seed(1)
+    engine = TransformersEngine(load_backbone(cfg, load_tokenizer("byte")), max_lora_rank=8)
+    with torch.no_grad():
+        for p in engine.lm.parameters():
+            p.zero_()  # nothing of the policy before the push
+    with serving(engine) as url:
+        sampling = SamplingConfig(
+            backend="vllm", vllm={"url": url, "weights_dir": str(tmp_path), "weight_sync": weight_sync}
+        )
+        sampler = VLLMSampler(sampling, [], 0)
+        sampler.sync(Policy())
+        health = VLLMClient(url).health()
+    held = engine.lm.state_dict()
+    assert list(expected) and all(torch.equal(held[k], v) for k, v in expected.items())
+    folder = tmp_path / "weights-1"
+    units = len(fsdp_units(sharded)[0])
+    assert sorted(os.listdir(folder)) == sorted(
+        [*(f"model-{i:05d}-of-{units:05d}.safetensors" for i in range(1, units + 1)), "model.safetensors.index.json"]
+    )
+    assert set(_weights(folder)) == set(expected)  # the tied head once
+    digest = sampler.pushed[0]
+    assert engine.loads == 1 and health["weights"] == digest.split("+")[0] and len(digest.split("+")[0]) == 16
+    if weight_sync == "lora":
+        adapter = get_peft_model_state_dict(plain.model, adapter_name="actor")
+        assert list(adapter) and all(torch.equal(engine.adapter[1][k], v) for k, v in adapter.items())
+        assert engine.lora_loads == 1 and digest == f"{health['weights']}+{health['lora']}"

@@ -26,9 +26,10 @@ from rlhf_lit.errors import ConfigError, SamplerEngineError, SamplerSyncError
 from rlhf_lit.models import BackboneConfig, load_backbone
 from rlhf_lit.modules.common import OptimizerConfig
 from rlhf_lit.rl.generation import GAP_TOLERANCE, SamplingConfig, VLLMSettings
-from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint, build_sampler
+from rlhf_lit.rl.sampler import adapter_fingerprint, build_sampler
 from rlhf_lit.rl.settings import PPOConfig, refuse_impossible_settings, refuse_sharded_settings
 from rlhf_lit.rl.vllm_client import VLLMClient
+from rlhf_lit.rl.vllm_sampler import VLLMSampler
 from rlhf_lit.vllm_server import INITIAL_WEIGHTS, RequestError, adapter_digest, file_digest, parse_generate
 from tests.cli.helpers import run_cli
 from tests.conftest import TINY_GPT2
@@ -104,8 +105,7 @@ def test_the_settings_are_range_checked():
     four_bit = BackboneConfig(tiny=TINY_GPT2, tokenizer="byte", load_in_4bit=True)
     with pytest.raises(ConfigError, match="sampling.backend: vllm cannot push a 4-bit base"):
         refuse_impossible_settings(four_bit, SamplingConfig(backend="vllm"))
-    with pytest.raises(ConfigError, match="under FSDP they are sharded"):
-        refuse_sharded_settings(SamplingConfig(backend="vllm"))
+    refuse_sharded_settings(SamplingConfig(backend="vllm"))  # pushed one FSDP unit at a time: allowed
 
 
 # ------------------------------------------------------------------------------------------- the client
@@ -134,6 +134,37 @@ def test_the_client_reads_replies_and_turns_every_failure_into_one_line():
     message = str(info.value)
     assert f"http://127.0.0.1:{port} (sampling.vllm.url) is not reachable" in message
     assert "rlhf-lit vllm-serve" in message and "\n" not in message
+
+
+def test_load_weights_reads_a_sharded_folder_through_its_index(tmp_path):
+    """A Hugging Face sharded folder (an FSDP2 run's push): the engine is given its files in name order and the
+    digest covers their bytes in that order, then the index's; an index naming a missing file is refused."""
+    import json
+
+    from safetensors.torch import save
+
+    files = {"model-00002-of-00002.safetensors": save({"b": torch.ones(2)}),
+             "model-00001-of-00002.safetensors": save({"a": torch.zeros(3)})}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    index = json.dumps({"metadata": {"total_size": 20}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                                       "b": "model-00002-of-00002.safetensors"}})
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    ordered = sorted(files)
+    engine = ScriptedEngine([])
+    with serving(engine) as url:
+        client = VLLMClient(url, timeout_s=30)
+        reply = client.load_weights(str(tmp_path / "model.safetensors.index.json"))
+        expected = file_digest(b"".join(files[n] for n in ordered) + index.encode())
+        assert reply["weights"] == expected == client.health()["weights"]
+        assert engine.loaded == [[str(tmp_path / n) for n in ordered]]
+        (tmp_path / ordered[1]).unlink()
+        with pytest.raises(SamplerEngineError, match="HTTP 400.*missing ones.*model-00002-of-00002"):
+            client.load_weights(str(tmp_path / "model.safetensors.index.json"))
+        with pytest.raises(SamplerEngineError, match="HTTP 400.*load_weights needs"):
+            client.load_weights(str(tmp_path / "weights.bin"))
+    assert engine.loads == 1
+
 
 
 # ------------------------------------------------------------------------------------------- the sampler
@@ -514,16 +545,20 @@ def test_an_engine_that_dies_mid_run_stops_it_with_one_line_and_the_same_command
     assert len(history) == 4 and history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: the case has teeth
 
 
-def test_vllm_under_fsdp_is_refused_from_the_config_before_any_process_starts(tmp_path):
-    """One writer pushes whole weights: FSDP in the config is refused while the command line is checked (no model
-    built, no server asked, no process launched)."""
+def test_vllm_under_fsdp_passes_the_config_checks(tmp_path):
+    """The weight push gathers one FSDP unit at a time, so FSDP in the config is no longer refused for
+    ``sampling.backend: vllm`` (a copy in ``sampling.copy_dtype`` still is, before any model is built)."""
     from rlhf_lit.cli import cli_main
     from tests.tiny_runs import in_repo_root
 
     args = ["--config", "configs/ppo/tiny.yaml", "--config", "configs/trainer/cpu_fsdp2.yaml"]
     args += [f"--trainer.default_root_dir={tmp_path}", "--model.init_args.sampling.backend=vllm"]
-    with in_repo_root(), pytest.raises(ConfigError, match="^sampling.backend: vllm pushes the whole weights"):
-        cli_main(args, run=False)
+    with in_repo_root(), serving(ScriptedEngine([])) as url:  # the module asks the server for its health
+        cli = cli_main([*args, f"--model.init_args.sampling.vllm.url={url}"], run=False)
+        assert cli.model.sampling.backend == "vllm"
+        copy = [*args[:-1], "--model.init_args.sampling.copy_dtype=bfloat16"]
+        with pytest.raises(ConfigError, match="^sampling.copy_dtype needs the whole weights"):
+            cli_main(copy, run=False)
 
 
 def test_vllm_serve_without_vllm_names_the_install_line(tmp_path):

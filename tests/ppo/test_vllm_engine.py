@@ -6,7 +6,7 @@ CPU) serves the merged-weights tests of this module: the engine draws from the p
 the trainer's float32 recomputation), an update it missed fires the rollout-policy guard, and a tiny PPO and a tiny
 GRPO run go through ``rlhf-lit fit`` end to end. A second one, ``--enable-lora`` on a tiny Llama (vLLM serves no
 LoRA on GPT-2), serves ``sampling.vllm.weight_sync: lora``: the same two checks with the actor adapter as a LoRA
-request. An engine that does not start (GPT-2 with ``--enable-lora``) ends ``vllm-serve`` with its own reason in
+request; it also loads an FSDP2-sharded push through its index (``vllm_sharded_push.py``). An engine that does not start (GPT-2 with ``--enable-lora``) ends ``vllm-serve`` with its own reason in
 one line, exit 2.
 """
 
@@ -25,7 +25,8 @@ import torch
 from rlhf_lit import metrics as M
 from rlhf_lit.models import BackboneConfig, LoraSettings, load_backbone
 from rlhf_lit.rl.generation import SamplingConfig
-from rlhf_lit.rl.sampler import VLLMSampler, adapter_fingerprint
+from rlhf_lit.rl.sampler import adapter_fingerprint
+from rlhf_lit.rl.vllm_sampler import VLLMSampler
 from rlhf_lit.vllm_server import INSTALL_HINT
 from tests.cli.helpers import run_cli
 from tests.conftest import REPO_ROOT
@@ -146,6 +147,24 @@ def test_an_update_the_real_engine_missed_fires_the_guard(engine, tmp_path, capl
     assert len(warnings) == 1 and "PPO iteration 2" in warnings[0] and "not the policy's" in warnings[0]
     gaps = [stats[M.ROLLOUT_SAMPLER_LOGPROB_GAP] for stats in module.history]
     assert gaps[0] < 1e-4 and gaps[2] < 1e-4 < gaps[1], gaps
+
+
+def test_the_real_engine_loads_a_sharded_push_through_its_index(lora_engine_url, tmp_path):
+    """An FSDP2-sharded policy's push (one unit per file, ``model.safetensors.index.json``) reaches vLLM's model:
+    the engine reports the digest pushed and samples with the merged actor's log-probs, not the base's
+    (``vllm_sharded_push.py``, in its own process for its process group)."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.ppo.vllm_sharded_push", lora_engine_url, str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    units = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]  # the root and 2 blocks
+    assert result["files"] == [*units, "model.safetensors.index.json"] and result["digest_matched"]
+    assert result["gap"] < 1e-4 and result["base_gap"] > 1e-3, result
 
 
 @pytest.mark.parametrize("config", ["configs/ppo/tiny.yaml", "configs/ppo/tiny_grpo.yaml"])

@@ -82,10 +82,15 @@ class TransformersEngine:
             logprobs.append(drawn[0, :n].tolist())
         return tokens, logprobs
 
-    def load(self, path: str) -> None:
+    def load(self, files: list[str]) -> None:
         from safetensors.torch import load_file
 
-        missing, unexpected = self.lm.load_state_dict(load_file(path), strict=False)
+        tensors = {}
+        for file in files:
+            part = load_file(file)
+            assert not set(part) & set(tensors), "a tensor in two files"
+            tensors.update(part)
+        missing, unexpected = self.lm.load_state_dict(tensors, strict=False)
         tied = {"lm_head.weight"} if self.lm.config.tie_word_embeddings else set()
         assert not unexpected and set(missing) <= tied, (missing, unexpected)
         self.loads += 1
@@ -102,7 +107,8 @@ class TransformersEngine:
 
 
 class ScriptedEngine:
-    """Returns ``responses`` (a list of ``(tokens, logprobs)`` per row) to every ``/generate``; loads nothing."""
+    """Returns ``responses`` (a list of ``(tokens, logprobs)`` per row) to every ``/generate``; loads nothing
+    (records the files it was given)."""
 
     name = "scripted (test stand-in)"
     model = "<in process>"
@@ -110,10 +116,12 @@ class ScriptedEngine:
 
     def __init__(self, responses) -> None:
         self.responses, self.requests, self.loads = responses, [], 0
+        self.loaded: list[list[str]] = []  # the files of each load
 
     def generate(self, request):
         self.requests.append(request)
         return [list(t) for t, _ in self.responses], [list(lp) for _, lp in self.responses]
 
-    def load(self, path: str) -> None:
+    def load(self, files: list[str]) -> None:
+        self.loaded.append(list(files))
         self.loads += 1
