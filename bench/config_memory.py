@@ -10,6 +10,12 @@ the planner's estimate for the same overrides (``rlhf-lit plan --json``), the im
 that only imports the CLI's libraries: the planner models tensors, not the interpreter), the measured peak, and
 whether memory is flat after warm-up: the peak over the second half of the steps exceeds the peak at the half-way
 step by at most ``--flat-tolerance`` (default 3%).
+
+    python bench/config_memory.py --table [--out bench/results/config_memory.jsonl]
+
+prints the recorded lines as a table: the plan's tensors, what the "fits" line needs for them on a CPU
+(``rlhf_lit.planner.formulas.needed_bytes``: the plan x 1.1 allocator slack + the 0.6 GiB host process), the
+measured peak RSS, their ratio and whether it is within ``--within`` (default 15%).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import time
 from pathlib import Path
 
 import lightning as L
+
+from rlhf_lit.planner.formulas import MiB, needed_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE_ENV = "RLHF_LIT_BENCH_RSS_TRACE"
@@ -95,10 +103,28 @@ def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float
     return growth <= tolerance, growth
 
 
+def table(lines: list[dict], within: float) -> str:
+    """Plan vs measured, one row per recorded line: ``needed = needed_bytes(plan)`` (CPU), ``ratio = needed /
+    peak RSS``, within when ``|ratio - 1| <= within``."""
+    head = f"{'label':<34} {'config':<42} {'steps':>5} {'plan MiB':>9} {'needs MiB':>9} {'peak MiB':>9} {'ratio':>6}  within"
+    rows = [head, "-" * len(head)]
+    for d in lines:
+        need = needed_bytes(d["plan_mb"] * MiB, cpu=True) / MiB
+        ratio = need / d["peak_mb"]
+        ok = "yes" if abs(ratio - 1.0) <= within else "NO"
+        rows.append(
+            f"{d['label'][:34]:<34} {d['config'][:42]:<42} {d['steps']:>5} {d['plan_mb']:>9,.0f} {need:>9,.0f} "
+            f"{d['peak_mb']:>9,.0f} {ratio:>6.2f}  {ok}"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--max-steps", type=int, required=True, help="optimizer steps (PPO: iterations)")
+    ap.add_argument("--table", action="store_true", help="print the recorded lines of --out as a table; run nothing")
+    ap.add_argument("--within", type=float, default=0.15, help="--table: the tolerance on needed / peak")
+    ap.add_argument("--config")
+    ap.add_argument("--max-steps", type=int, help="optimizer steps (PPO: iterations)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a fit/plan override")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--flat-tolerance", type=float, default=0.03)
@@ -106,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "config_memory.jsonl"))
     ap.add_argument("--workdir", default="/tmp/rlhf_lit_config_memory")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([json.loads(ln) for ln in Path(args.out).read_text().splitlines() if ln.strip()], args.within))
+        return
+    if args.config is None or args.max_steps is None:
+        ap.error("--config and --max-steps are required to measure (or --table)")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     env = _env(args.threads)

@@ -26,7 +26,7 @@ from rlhf_lit.generation import SamplingConfig
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.modules import PPOModule
 from rlhf_lit.modules.dpo import sequences
-from rlhf_lit.planner.formulas import GiB
+from rlhf_lit.planner.formulas import GiB, needed_bytes
 from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
 from tests.tiny_runs import CONFIGS_DIR, REPO_ROOT, in_repo_root, one_thread
@@ -133,6 +133,14 @@ def test_plan_prints_a_breakdown_for_every_config(config, capsys):
     if str(model.get("class_path")).endswith("DPOModule"):  # response-only logits; the reference's own phase
         assert "dpo stage" in out and "response logits + loss" in out and "+ training step" in out, out
         assert "+ reference forward" in out, out  # every DPO config has a reference (none is simpo)
+
+
+def test_needed_bytes_by_hand():
+    # 1 GiB of planned tensors: x 1.10 slack = 1.10 GiB; + 0.6 GiB host process on a CPU = 1.70 GiB,
+    # + 1 GiB CUDA context on a GPU = 2.10 GiB
+    assert needed_bytes(1.0 * GiB, cpu=True) == pytest.approx(1.70 * GiB)
+    assert needed_bytes(1.0 * GiB, cpu=False) == pytest.approx(2.10 * GiB)
+    assert needed_bytes(0.0, cpu=True) == pytest.approx(0.6 * GiB)  # an empty plan still pays for the process
 
 
 def test_the_fit_verdict_can_say_no():
