@@ -143,6 +143,18 @@ def test_needed_bytes_by_hand():
     assert needed_bytes(0.0, cpu=True) == pytest.approx(0.6 * GiB)  # an empty plan still pays for the process
 
 
+def test_a_cpu_plan_at_glibcs_dynamic_mmap_threshold_says_its_heap_runs_above_the_fits_figure():
+    heap_trim = "--trainer.callbacks+={class_path: rlhf_lit.callbacks.HeapTrim, init_args: {mmap_threshold: 1048576}}"
+    with in_repo_root():
+        dynamic = planner.plan(["configs/sft/tiny.yaml"], cli_overrides=["--trainer.accelerator=cpu"])
+        fixed = planner.plan(["configs/sft/tiny.yaml"], cli_overrides=["--trainer.accelerator=cpu", heap_trim])
+        gpu = planner.plan(["configs/sft/tiny.yaml"], cli_overrides=["--trainer.accelerator=gpu"])
+    assert dynamic.settings.mmap_threshold is None and fixed.settings.mmap_threshold == 1048576
+    assert any("glibc's dynamic mmap threshold" in n for n in dynamic.notes)
+    assert not any("mmap threshold" in n for n in fixed.notes + gpu.notes)
+    assert dynamic.peak == fixed.peak  # a note, not a term: the tensors are the same
+
+
 def test_the_fit_verdict_can_say_no():
     with in_repo_root():
         est = planner.plan(["configs/ppo/llama3_8b_qlora.yaml", "configs/trainer/single_gpu_qlora.yaml"])
