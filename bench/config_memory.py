@@ -10,6 +10,12 @@ the planner's estimate for the same overrides (``rlhf-lit plan --json``), the im
 that only imports the CLI's libraries: the planner models tensors, not the interpreter), the measured peak, and
 whether memory is flat after warm-up: the peak over the second half of the steps exceeds the peak at the half-way
 step by at most ``--flat-tolerance`` (default 3%).
+
+    python bench/config_memory.py --table [--out bench/results/config_memory.jsonl]
+
+prints the recorded lines as a table: the plan's tensors, what the "fits" line needs for them on a CPU
+(``rlhf_lit.planner.formulas.needed_bytes``: the plan x 1.1 allocator slack + the 0.6 GiB host process), the
+measured peak RSS, their ratio and whether it is within ``--within`` (default 15%).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from pathlib import Path
 
 import lightning as L
 
+from rlhf_lit.planner.formulas import MiB, needed_bytes
+
 REPO = Path(__file__).resolve().parent.parent
 TRACE_ENV = "RLHF_LIT_BENCH_RSS_TRACE"
 FLOOR_IMPORTS = "import torch, lightning, transformers, peft, datasets, rlhf_lit.cli, rlhf_lit.modules"
@@ -35,10 +43,25 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def batch_dims(batch) -> dict:
+    """The drawn batch's sizes, for a plan of the batch that ran: per ``*attention_mask`` (B, T) of a dict batch,
+    ``rows``, ``width`` (T) and ``tokens`` (the mask's sum); per ``*response_len`` (B,), ``response_tokens``
+    (its sum). Summed over the keys (chosen + rejected); {} for a batch that is no dict of tensors."""
+    dims: dict[str, int] = {}
+    for key, value in batch.items() if isinstance(batch, dict) else ():
+        if key.endswith("attention_mask") and getattr(value, "ndim", 0) == 2:
+            dims["rows"] = dims.get("rows", 0) + int(value.shape[0])
+            dims["width"] = max(dims.get("width", 0), int(value.shape[1]))
+            dims["tokens"] = dims.get("tokens", 0) + int(value.sum())
+        elif key.endswith("response_len") and getattr(value, "ndim", 0) == 1:
+            dims["response_tokens"] = dims.get("response_tokens", 0) + int(value.sum())
+    return dims
+
+
 class StepRSS(L.Callback):
-    """Appends ``{"step", "rss_mb", "peak_mb", "t"}`` to the file named by ``$RLHF_LIT_BENCH_RSS_TRACE`` when
-    training starts (step 0) and after every training batch (``peak_mb`` is ``ru_maxrss``, the process's peak so
-    far, in MiB)."""
+    """Appends ``{"step", "rss_mb", "peak_mb", "t"}`` (plus the batch's :func:`batch_dims`) to the file named by
+    ``$RLHF_LIT_BENCH_RSS_TRACE`` when training starts (step 0) and after every training batch (``peak_mb`` is
+    ``ru_maxrss``, the process's peak so far, in MiB)."""
 
     def __init__(self) -> None:
         self.path = Path(os.environ[TRACE_ENV])
@@ -48,14 +71,16 @@ class StepRSS(L.Callback):
         self._write(0)  # step 0: after loading, before the first step (a load-time peak shows here)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._write(int(trainer.global_step) if pl_module.automatic_optimization else batch_idx + 1)
+        step = int(trainer.global_step) if pl_module.automatic_optimization else batch_idx + 1
+        self._write(step, batch_dims(batch))
 
-    def _write(self, step: int) -> None:
+    def _write(self, step: int, dims: dict | None = None) -> None:
         line = {
             "step": step,
             "rss_mb": round(_rss_mb(), 1),
             "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
             "t": round(time.perf_counter() - self.t0, 2),
+            **(dims or {}),
         }
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
@@ -82,6 +107,26 @@ def _peak_of(cmd: list[str], env: dict, log: Path | None = None) -> tuple[int, f
     return proc.returncode, peak
 
 
+def _plan(config: str, overrides: list[str], env: dict, check: bool = True) -> dict | None:
+    """``rlhf-lit plan --json`` of the config with ``overrides``; None when it refuses them and not ``check``
+    (a widest width below the config's ``max_prompt_length``, say)."""
+    plan = subprocess.run(
+        ["rlhf-lit", "plan", "--config", config, *overrides, "--json"],
+        env=env, cwd=REPO, capture_output=True, text=True, check=check,
+    )
+    return json.loads(plan.stdout) if plan.returncode == 0 else None
+
+
+def widest_override(dims_by_step: list[dict], is_ppo: bool) -> str | None:
+    """The override that plans the widest batch the run drew instead of the config's longest: the widest
+    ``width`` over the steps as ``data.init_args.max_prompt_length`` (PPO: the prompts' width) or
+    ``data.init_args.max_length``; None when no step recorded one."""
+    widths = [d["width"] for d in dims_by_step if "width" in d]
+    if not widths:
+        return None
+    return f"--data.init_args.{'max_prompt_length' if is_ppo else 'max_length'}={max(widths)}"
+
+
 def _cpu() -> str:
     with open("/proc/cpuinfo") as f:
         return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
@@ -95,10 +140,35 @@ def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float
     return growth <= tolerance, growth
 
 
+def table(lines: list[dict], within: float) -> str:
+    """Plan vs measured, one row per recorded line: ``needs = needed_bytes(plan)`` (CPU), ``ratio = needs /
+    peak RSS``, within when ``|ratio - 1| <= within``; ``widest``: the same ratio for the plan of the widest batch
+    the run drew (``plan_widest_drawn_mb``, "-" where not recorded); ``flat``: the peak stopped climbing."""
+    head = (
+        f"{'label':<30} {'config':<42} {'steps':>5} {'plan MiB':>9} {'needs MiB':>9} {'peak MiB':>9} {'ratio':>6} "
+        f"{'within':>6} {'widest':>6} {'flat':>5}"
+    )
+    rows = [head, "-" * len(head)]
+    for d in lines:
+        need = needed_bytes(d["plan_mb"] * MiB, cpu=True) / MiB
+        ratio = need / d["peak_mb"]
+        widest = d.get("plan_widest_drawn_mb")
+        widest_ratio = f"{needed_bytes(widest * MiB, cpu=True) / MiB / d['peak_mb']:.2f}" if widest else "-"
+        flat = {True: "yes", False: "no"}.get(d.get("flat"), "-")
+        rows.append(
+            f"{d['label'][:30]:<30} {d['config'][:42]:<42} {d['steps']:>5} {d['plan_mb']:>9,.0f} {need:>9,.0f} "
+            f"{d['peak_mb']:>9,.0f} {ratio:>6.2f} {'yes' if abs(ratio - 1.0) <= within else 'NO':>6} "
+            f"{widest_ratio:>6} {flat:>5}"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--max-steps", type=int, required=True, help="optimizer steps (PPO: iterations)")
+    ap.add_argument("--table", action="store_true", help="print the recorded lines of --out as a table; run nothing")
+    ap.add_argument("--within", type=float, default=0.15, help="--table: the tolerance on needed / peak")
+    ap.add_argument("--config")
+    ap.add_argument("--max-steps", type=int, help="optimizer steps (PPO: iterations)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a fit/plan override")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--flat-tolerance", type=float, default=0.03)
@@ -106,6 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "config_memory.jsonl"))
     ap.add_argument("--workdir", default="/tmp/rlhf_lit_config_memory")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([json.loads(ln) for ln in Path(args.out).read_text().splitlines() if ln.strip()], args.within))
+        return
+    if args.config is None or args.max_steps is None:
+        ap.error("--config and --max-steps are required to measure (or --table)")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     env = _env(args.threads)
@@ -114,11 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = (
         [f"--model.init_args.ppo.total_iterations={args.max_steps}"] if is_ppo else [f"--trainer.max_steps={args.max_steps}"]
     )
-    plan = subprocess.run(
-        ["rlhf-lit", "plan", "--config", args.config, *overrides, "--json"],
-        env=env, cwd=REPO, capture_output=True, text=True, check=True,
-    )
-    estimate = json.loads(plan.stdout)
+    estimate = _plan(args.config, overrides, env)
     _, floor_mb = _peak_of([sys.executable, "-c", FLOOR_IMPORTS], env)
     trace = work / "trace.jsonl"
     trace.unlink(missing_ok=True)
@@ -135,16 +206,23 @@ def main(argv: list[str] | None = None) -> None:
     rows = rows[1:]
     flat, growth = flat_after_warmup([r["peak_mb"] for r in rows], args.flat_tolerance)
     plan_mb = estimate["peak_bytes"] / 2**20
+    dims_by_step = [{k: r[k] for k in ("rows", "width", "tokens", "response_tokens") if k in r} for r in rows]
+    widest = widest_override(dims_by_step, is_ppo)
+    widest_plan = _plan(args.config, [*overrides, widest], env, check=False) if widest else None
+    widest_mb = widest_plan["peak_bytes"] / 2**20 if widest_plan else None
     line = {
         "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
         "threads": args.threads, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "plan_mb": round(plan_mb, 1), "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),
+        "plan_mb": round(plan_mb, 1),
+        "plan_widest_drawn_mb": round(widest_mb, 1) if widest_mb else None, "widest_override": widest,
+        "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),
         "peak_minus_floor_mb": round(peak_mb - floor_mb, 1), "peak_after_loading_mb": loaded_peak,
         "plan_error": round((peak_mb - floor_mb) / plan_mb - 1.0, 3),
         "flat": flat, "growth_second_half": round(growth, 4), "wall_s": round(wall, 1),
         "rss_between_steps_mb": [r["rss_mb"] for r in rows], "peak_by_step_mb": [r["peak_mb"] for r in rows],
+        "batch_dims_by_step": dims_by_step,
     }
-    print(json.dumps({k: v for k, v in line.items() if not k.endswith("_by_step_mb") and k != "rss_between_steps_mb"}))
+    print(json.dumps({k: v for k, v in line.items() if "_by_step" not in k and k != "rss_between_steps_mb"}))
     with open(args.out, "a") as f:
         f.write(json.dumps(line) + "\n")
 

@@ -25,7 +25,7 @@ from rlhf_lit.errors import ConfigError
 from rlhf_lit.models import BackboneConfig, LoraSettings, RewardModelConfig
 from rlhf_lit.modules import PPOModule
 from rlhf_lit.modules.dpo import sequences
-from rlhf_lit.planner.formulas import GiB
+from rlhf_lit.planner.formulas import GiB, needed_bytes
 from rlhf_lit.rl.generation import SamplingConfig
 from tests.conftest import TINY_GPT2, skip_without_model_packages
 from tests.memory_tracker import TensorMemoryTracker, storage_bytes
@@ -133,6 +133,26 @@ def test_plan_prints_a_breakdown_for_every_config(config, capsys):
     if str(model.get("class_path")).endswith("DPOModule"):  # response-only logits; the reference's own phase
         assert "dpo stage" in out and "response logits + loss" in out and "+ training step" in out, out
         assert "+ reference forward" in out, out  # every DPO config has a reference (none is simpo)
+
+
+def test_needed_bytes_by_hand():
+    # 1 GiB of planned tensors: x 1.10 slack = 1.10 GiB; + 0.6 GiB host process on a CPU = 1.70 GiB,
+    # + 1 GiB CUDA context on a GPU = 2.10 GiB
+    assert needed_bytes(1.0 * GiB, cpu=True) == pytest.approx(1.70 * GiB)
+    assert needed_bytes(1.0 * GiB, cpu=False) == pytest.approx(2.10 * GiB)
+    assert needed_bytes(0.0, cpu=True) == pytest.approx(0.6 * GiB)  # an empty plan still pays for the process
+
+
+def test_a_cpu_plan_at_glibcs_dynamic_mmap_threshold_says_its_heap_runs_above_the_fits_figure():
+    heap_trim = "--trainer.callbacks+={class_path: rlhf_lit.callbacks.HeapTrim, init_args: {mmap_threshold: 1048576}}"
+    with in_repo_root():
+        dynamic = planner.plan(["configs/sft/tiny.yaml"], cli_overrides=["--trainer.accelerator=cpu"])
+        fixed = planner.plan(["configs/sft/tiny.yaml"], cli_overrides=["--trainer.accelerator=cpu", heap_trim])
+        gpu = planner.plan(["configs/sft/tiny.yaml"], cli_overrides=["--trainer.accelerator=gpu"])
+    assert dynamic.settings.mmap_threshold is None and fixed.settings.mmap_threshold == 1048576
+    assert any("glibc's dynamic mmap threshold" in n for n in dynamic.notes)
+    assert not any("mmap threshold" in n for n in fixed.notes + gpu.notes)
+    assert dynamic.peak == fixed.peak  # a note, not a term: the tensors are the same
 
 
 def test_the_fit_verdict_can_say_no():

@@ -69,7 +69,10 @@ processes of two, because there the actor's backward cannot run before the criti
 + response logits + gradients). FSDP adds the largest gathered unit.
 
 Not modelled: the CUDA context and allocator fragmentation (the "fits" line adds 10 % + 1 GiB for them; on a
-CPU, 10 % + 0.6 GiB for the host process: interpreter, libraries, tokenizer, data — ``HOST_PROCESS_BYTES``),
+CPU, 10 % + 0.6 GiB for the host process: interpreter, libraries, tokenizer, data — ``HOST_PROCESS_BYTES``;
+``formulas.needed_bytes``), glibc's heap on a CPU at its dynamic mmap threshold, which keeps freed activations
+resident (the shipped SmolLM2 configs peaked at up to 2x the "fits" figure; a note says so unless a ``HeapTrim``
+in ``trainer.callbacks`` fixes ``mmap_threshold``: docs/scale.md, "Plan vs measured"),
 the optimizer's temporary buffers during ``step`` (foreach AdamW: about one more copy of the trainable
 parameters), dataloader tensors, the prompt/response buffers (KBs), and activation memory of attention
 implementations that do store the T x T matrix (``attn_implementation: eager``).

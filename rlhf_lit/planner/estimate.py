@@ -94,6 +94,12 @@ def estimate(settings: RunSettings, shape: ModelShape, reward_shape: ModelShape 
                 "long as the longest); batches whose rows differ in length peak lower"
             )
         _training_step(est, z, grads, grad_bytes_per)
+    if settings.accelerator == "cpu" and settings.mmap_threshold is None:
+        est.notes.append(
+            "a CPU run at glibc's dynamic mmap threshold keeps freed activations in its heap: the shipped SmolLM2 "
+            "configs' peak RSS measured up to 2x the fits figure (docs/scale.md); HeapTrim's mmap_threshold: "
+            "1048576 bounds it"
+        )
     return est
 
 

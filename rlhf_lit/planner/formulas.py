@@ -13,11 +13,13 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "GiB",
     "HOST_PROCESS_BYTES",
+    "ALLOCATOR_SLACK",
     "MiB",
     "NF4_BYTES_PER_PARAM",
     "activation_bytes",
     "layer_activation_bytes",
     "loss_bytes",
+    "needed_bytes",
     "weights_bytes",
 ]
 
@@ -33,6 +35,15 @@ CUDA_CONTEXT_BYTES = GiB
 #: and its prompt data, before its weights were read (``docs/scale.md``, "What the shipped real-model configs
 #: do, measured"). The allocator's heap beyond the live tensors is not in it (the 10 % slack covers part).
 HOST_PROCESS_BYTES = 0.6 * GiB
+#: the "fits" line's allowance for the allocator beyond the planned tensors (fragmentation, caching): 10 %
+ALLOCATOR_SLACK = 0.10
+
+
+def needed_bytes(peak: float, cpu: bool) -> float:
+    """What a run needs beside its planned tensor ``peak`` (bytes): ``peak * (1 + ALLOCATOR_SLACK)`` plus the
+    host process (``HOST_PROCESS_BYTES``) on a CPU, the CUDA context (``CUDA_CONTEXT_BYTES``) on a GPU. The one
+    composition the "fits" line and ``bench/config_memory.py --table`` compare with a measured peak."""
+    return peak * (1.0 + ALLOCATOR_SLACK) + (HOST_PROCESS_BYTES if cpu else CUDA_CONTEXT_BYTES)
 
 
 def weights_bytes(

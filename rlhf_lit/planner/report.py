@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlhf_lit.planner.estimate import Estimate
 
-from rlhf_lit.planner.formulas import CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES, GiB, MiB
+from rlhf_lit.planner.formulas import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT_BYTES,
+    HOST_PROCESS_BYTES,
+    GiB,
+    MiB,
+    needed_bytes,
+)
 
 # the command's --help and its argument errors import nothing heavy: the estimate's modules (which read model
 # configs through transformers) are imported when a plan is made
@@ -55,7 +62,7 @@ def report(est: Estimate, device_memory_gb: float | None = None) -> str:
         need, fits = fit_verdict(est, device_memory_gb)
         lines.append(
             f"  {'fits' if fits else 'does NOT fit'} in {device_memory_gb:g} GiB: needs ~{need / GiB:.2f} GiB "
-            "with 10 % allocator slack"
+            f"with {ALLOCATOR_SLACK * 100:g} % allocator slack"
             + (
                 f" + {HOST_PROCESS_BYTES / GiB:g} GiB host process (interpreter, libraries, tokenizer, data)"
                 if est.settings.accelerator == "cpu"
@@ -70,8 +77,7 @@ def fit_verdict(est: Estimate, device_memory_gb: float) -> tuple[float, bool]:
     (``CUDA_CONTEXT_BYTES``) on a GPU, or the host process (``HOST_PROCESS_BYTES``) when the config's
     ``trainer.accelerator`` is the CPU (tensors in host memory beside the interpreter), against
     ``device_memory_gb`` GiB."""
-    cpu = est.settings.accelerator == "cpu"
-    need = est.peak * 1.10 + (HOST_PROCESS_BYTES if cpu else CUDA_CONTEXT_BYTES)
+    need = needed_bytes(est.peak, est.settings.accelerator == "cpu")
     return need, need <= device_memory_gb * GiB
 
 

@@ -63,6 +63,8 @@ class RunSettings:
     reference_copy: bool = False
     trim_padding: bool = False  # DPO: rows run in length groups (the plan stays the worst batch's)
     packing: bool = False  # DPO: rows run padding-free (the plan stays the worst batch's)
+    # glibc's mmap threshold fixed by trainer.callbacks' HeapTrim (bytes); None: glibc's dynamic threshold
+    mmap_threshold: int | None = None
 
 
 def read_settings(configs: list[str], cli_overrides: list[str] | None = None) -> RunSettings:
@@ -157,6 +159,7 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
         batch_size=int(data.get("batch_size", 1)),
         seq_len=int(data.get("max_length") or UNKNOWN_SEQ_LEN_GUESS),
     )
+    settings.mmap_threshold = _mmap_threshold(trainer.get("callbacks"))
     if stage == "reward":
         settings.rows_per_example = 2
     if stage == "ppo":
@@ -164,6 +167,16 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
     if stage == "dpo":
         _dpo_settings(settings, init)
     return settings
+
+
+def _mmap_threshold(callbacks) -> int | None:
+    """The ``mmap_threshold`` of a ``HeapTrim`` among the parsed ``trainer.callbacks``; None when none sets it."""
+    for cb in callbacks or []:
+        if isinstance(cb, dict) and str(cb.get("class_path", "")).rsplit(".", 1)[-1] == "HeapTrim":
+            threshold = (cb.get("init_args") or {}).get("mmap_threshold")
+            if threshold is not None:
+                return int(threshold)
+    return None
 
 
 def _dpo_settings(settings: RunSettings, init: dict) -> None:
