@@ -191,7 +191,7 @@ def _dpo_settings(settings: RunSettings, init: dict) -> None:
 
     loss_type, cache, copy = init["loss_type"], init["reference_cache"], init["reference_copy"]
     packing = init["packing"]
-    _check_settings(settings.backbone, loss_type, init["beta"], init["label_smoothing"], cache, copy, packing)
+    _check_settings(settings.backbone, loss_type, init["label_smoothing"], cache, copy, packing)
     settings.rows_per_example = 2 if loss_type in PAIRED_LOSS_TYPES else 1
     settings.response_len = None  # the data decides: the estimate bounds it by T - 1
     free = loss_type in REFERENCE_FREE_LOSS_TYPES
