@@ -46,6 +46,7 @@ __all__ = [
     "update_settings",
 ]
 
+
 @dataclass(frozen=True)
 class TrainerHooks:
     """The trainer's side of an iteration, as callables (so no component holds the LightningModule).
@@ -116,7 +117,7 @@ def build_rl(
     """Every component of an iteration (steps of ``rlhf_lit.rl``), each built with what it needs.
 
     Args:
-        settings, models: the run's typed settings and what :func:`build_models` loaded.
+        settings, models: the run's typed settings and what ``rl.loading.build_models`` loaded.
         hooks: the trainer's callables (backward, clipping, optimizers, the trainer itself).
         make_sampler: ``(sampling, stop_ids, pad_token_id) -> Sampler`` (``rl.sampler.build_sampler``).
         schedule: the minibatch schedule (``rl.schedule.epoch_schedule`` or one with its signature).
@@ -143,7 +144,9 @@ def build_rl(
         hooks.world,
     )
     max_rounds = s.ppo.dynamic_sampling_max_rounds
-    dynamic = DynamicSampling(collector, max_rounds, prompts or training_prompts(hooks.world, s.ppo.seed), pad)
+    dynamic = DynamicSampling(
+        collector, max_rounds, prompts or training_prompts(hooks.world, s.ppo.seed), pad
+    )
     ptx = PTXStream(s.ptx, models.tokenizer, s.ppo.seed) if s.ptx.coef > 0 else None
     updater = PPOUpdater(
         models.policy,
@@ -242,5 +245,3 @@ def schedule_steps(
         epochs = max(1, max_epochs or 1)
         iterations = int(batches * epochs) if batches != float("inf") else 1000
     return iterations * optimizer_steps_per_iteration(ppo, sampling, prompts)
-
-

@@ -65,12 +65,16 @@ class PPOSettings:
 
     def __post_init__(self) -> None:  # impossible settings are refused here, before any model loads
         if self.backbone.lora is None:
-            raise ValueError("PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off")
+            raise ValueError(
+                "PPO needs LoRA adapters (backbone.lora): the reference is the base with adapters off"
+            )
         refuse_impossible_settings(self.backbone, self.sampling)
         check_advantage_estimator(self.ppo, self.sampling, self.critic)
 
     @classmethod
-    def build(cls, backbone, reward_model, sampling=None, ppo=None, kl=None, reward=None, critic=None, ptx=None):
+    def build(
+        cls, backbone, reward_model, sampling=None, ppo=None, kl=None, reward=None, critic=None, ptx=None
+    ):
         """From each setting as given: its dataclass, its dict form (a checkpoint's hparams) or None (defaults)."""
         given = {
             "sampling": as_config(SamplingConfig, sampling),
@@ -164,7 +168,9 @@ def build_models(settings: PPOSettings, packing: bool = False, deferred: bool = 
 def reward_adapter_on_base(reward_cfg: RewardConfig) -> bool:
     """Whether the reward model, or a reward model of a ``reward_model`` list, is an adapter on the policy's base."""
     if isinstance(reward_cfg, list):
-        return any(as_config(RewardModelConfig, c.model).mode == "adapter" for c in reward_cfg if c.model is not None)
+        return any(
+            as_config(RewardModelConfig, c.model).mode == "adapter" for c in reward_cfg if c.model is not None
+        )
     return reward_cfg.mode == "adapter"
 
 

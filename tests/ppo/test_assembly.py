@@ -43,10 +43,15 @@ def test_one_iteration_runs_on_the_assembled_components_without_lightning():
         clipped.append(clip_global_grad_norm(opt, settings.ppo.max_grad_norm, "32-true"))
         return clipped[-1]
 
-    hooks = TrainerHooks(backward=lambda loss: loss.backward(), clip=clip, optimizers=lambda: (optimizer, scheduler))
+    hooks = TrainerHooks(
+        backward=lambda loss: loss.backward(), clip=clip, optimizers=lambda: (optimizer, scheduler)
+    )
     rl = build_rl(settings, models, hooks)
     data = PromptDataModule(
-        train_files=["demo:prompts?n=8&seed=0&split=train"], val_size=0, batch_size=4, tokenizer=models.tokenizer
+        train_files=["demo:prompts?n=8&seed=0&split=train"],
+        val_size=0,
+        batch_size=4,
+        tokenizer=models.tokenizer,
     )
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
@@ -60,7 +65,9 @@ def test_one_iteration_runs_on_the_assembled_components_without_lightning():
     assert len(clipped) == 2 * 2  # ppo_epochs x minibatches of 2 responses: one optimizer step each
     assert all(norm is not None and norm > 0 for norm in clipped)
     assert M.PPO_POLICY_LOSS in stats and M.PPO_VALUE_LOSS in stats
-    moved = {n for n, p in models.policy.named_parameters() if p.requires_grad and not torch.equal(p, before[n])}
+    moved = {
+        n for n, p in models.policy.named_parameters() if p.requires_grad and not torch.equal(p, before[n])
+    }
     assert any(".actor." in n for n in moved) and any(".critic." in n or "value_head" in n for n in moved)
     # the components share the models they were built with: the collector samples from the policy the updater trains
     assert rl.collector.policy is rl.updater.policy is models.policy
