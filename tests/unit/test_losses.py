@@ -281,15 +281,17 @@ def test_entropy_property_increases_with_temperature():
 def test_label_smoothing_has_one_range_everywhere_it_is_checked():
     # eps = 0.5 says nothing about a pair (the loss is smallest at a zero margin whatever the label), so every
     # place refuses it: the reward model's loss, DPO's, and the checks `plan`/`validate` run before loading
-    from rlhf_lit.checks.rules import MODEL_RULES
+    from rlhf_lit.checks.rules import model_ranges
     from rlhf_lit.functional.preference import preference_loss
     from rlhf_lit.ranges import LABEL_SMOOTHING
+    from rlhf_lit.stages import STAGES, import_path
 
     zero = torch.zeros(1)
     for eps, allowed in ((0.0, True), (0.49, True), (0.5, False), (-0.01, False), (float("nan"), False)):
         assert LABEL_SMOOTHING.allows(eps) is allowed
         for stage in ("reward", "dpo"):
-            assert MODEL_RULES[stage]["label_smoothing"].allows(eps) is allowed
+            rules = model_ranges(import_path(STAGES[stage].module), STAGES[stage])  # what the CLI's checks read
+            assert rules["label_smoothing"].allows(eps) is allowed
         calls = (
             lambda e=eps: bt_pairwise_loss(zero, zero, label_smoothing=e),
             lambda e=eps: preference_loss(zero, zero, beta=0.1, loss_type="label_smoothing", label_smoothing=e),
