@@ -24,7 +24,8 @@ Parameters are all the module's: the LM's and, for the reward model, its head's 
 reference copy, its blocks hooked too). Not counted: gradients, optimizer state and activations (they are not
 parameters).
 
-The KTO kind also exports at the end of fit (``export_dir``); around that export every rank records
+Every preference kind, and PPO and GRPO built on meta, also export at the end of fit (``export_dir``); around
+that export every rank records
 ``export_held``: the largest, after any op dispatched during the export, of the bytes of the storages created
 during it and still alive (at their size then: FSDP2 frees a gathered parameter by resizing its storage to 0)
 plus the storages of the gathered (non-DTensor) parameters registered at that moment (:class:`HeldBytes`). The
@@ -265,8 +266,8 @@ DPO_KINDS = {
 
 def dpo_settings(base: Path, kind: str, out: Path | None = None) -> dict:
     """DPOModule's arguments for ``kind`` (``DPO_KINDS``) on the saved base. With ``out`` (the 2-rank runs):
-    the ``dpo`` kind keeps its reference log-probs in the cache ``<out>/ref_cache``, the ``kto`` kind exports
-    to ``<out>/kto_export`` at the end of fit; without, the reference runs every step and nothing is
+    the ``dpo`` kind keeps its reference log-probs in the cache ``<out>/ref_cache``, and every kind exports to
+    ``<out>/<kind>_export`` at the end of fit; without, the reference runs every step and nothing is
     exported."""
     from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
 
@@ -276,8 +277,8 @@ def dpo_settings(base: Path, kind: str, out: Path | None = None) -> dict:
     )
     if out is not None and kind == "dpo":
         settings = {**settings, "reference_cache": str(out / "ref_cache")}
-    if out is not None and kind == "kto":
-        settings = {**settings, "export_dir": str(out / "kto_export")}
+    if out is not None:
+        settings = {**settings, "export_dir": str(out / f"{kind}_export")}
     return {"backbone": cfg, **settings}
 
 
@@ -495,6 +496,12 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae", **
             super().__init__(*args, **kwargs)
             self.samples = {"init": sum(param_bytes(self.policy))}
             self.shard_bytes = 0
+            self.export_held = None
+
+        def export(self, path, *args, **kwargs):  # HFExport's, at the end of fit
+            with HeldBytes(self, ignore=local_tensors(self)) as held:
+                super().export(path, *args, **kwargs)
+            self.export_held = held.peak
 
         def configure_model(self) -> None:
             blocks = transformer_blocks(self.policy.lm.model)  # found by class name: before FSDP2 renames them
@@ -521,16 +528,17 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae", **
 
 def run_ppo(out: Path, empty_init: bool, estimator: str = "gae") -> dict:
     """One PPO (GRPO) iteration on 2 ranks x 2 prompts under FSDP2, the policy's base loaded whole or built on
-    meta."""
+    meta; built on meta, the policy is exported to ``<out>/<estimator>_empty_export`` at the end of fit."""
     from tests.ppo.helpers import make_data, make_trainer
 
     name = f"{estimator}_{'empty' if empty_init else 'whole'}"
     trainer = make_trainer(out / name, devices=2, strategy=S.strategy_for("fsdp2"))
-    module = ppo_module(out / "base", empty_init, trainer, estimator)
+    export = {"export_dir": str(out / f"{name}_export")} if empty_init else {}
+    module = ppo_module(out / "base", empty_init, trainer, estimator, **export)
     data = make_data(module, batch_size=2, n=8)
     torch.manual_seed(1)  # the sampling draws: the same in both runs (building consumed the RNG differently)
     trainer.fit(module, datamodule=data)
-    return {**probe_result(module, trainer), "history": module.history}
+    return {**probe_result(module, trainer), "history": module.history, "export_held": module.export_held}
 
 
 def sharded_ppo(out: Path, strategy: str) -> None:

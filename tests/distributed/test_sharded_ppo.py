@@ -8,6 +8,7 @@ whole on every rank, then built under ``trainer.init_module(empty_init=True)``. 
 
 * built on meta, nothing of the base is real after ``__init__`` (the adapters and the value head only), and the
   rank's peak parameter bytes through sampling, the experience pass and the update stay below the whole base;
+  so do its shards plus what it holds during the policy's export at the end of fit (``sharded_load.HeldBytes``);
 * the iteration logs what the whole-loaded run logs (reference perplexity, entropy, value loss, scores, ...: all
   computed before its one optimizer step): the same weights, read shard by shard (the LoRA A matrices are drawn
   on another path, B is zero: the same function until the first update);
@@ -75,6 +76,20 @@ def test_no_rank_holds_the_policys_whole_base(result, estimator):
         assert 0.45 * full < empty["shard_bytes"] < 0.6 * full  # about half the base (+ adapters, head)
         assert len(empty["samples"]) == 2 + 2 * 6  # init, configure_model, and the 6 blocks' forwards
         assert empty["peak_param_bytes"] < full, empty["samples"]
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_no_rank_holds_the_whole_policy_during_the_export(result, estimator):
+    """The policy built on meta is exported at the end of fit one FSDP unit at a time (``models.streamed_export``):
+    a block gathered and its actor adapter merged, never the whole base; the critic adapter is not exported."""
+    full = result["full_bytes"]
+    for rank in result["ranks"]:
+        empty = rank[estimator]["empty"]
+        held, shards = empty["export_held"], empty["shard_bytes"]
+        assert 0.1 * full < held < 0.4 * full, (held, full)
+        assert shards + held < 0.9 * full, (shards, held, full)
+    exported = result["out"] / f"{estimator}_empty_export"
+    assert {"model.safetensors.index.json", "config.json"} <= {p.name for p in exported.iterdir()}
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
