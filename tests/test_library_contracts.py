@@ -201,3 +201,21 @@ def test_lightning_module_trainer_attribute_is_none_until_attached():
     assert attached_trainer(module) is None
     with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
         module.trainer  # noqa: B018
+
+
+def test_only_the_global_zero_rank_writes_exports():
+    """``modules.common.writes_exports``: no trainer (an export by hand) writes; an attached trainer writes on its
+    global-zero rank only (every rank still calls ``export`` for the collective gathers)."""
+    import lightning as L
+
+    from rlhf_lit.modules.common import writes_exports
+
+    class RankOneTrainer(L.Trainer):
+        is_global_zero = property(lambda self: False)
+
+    module = L.LightningModule()
+    assert writes_exports(module) is True
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert writes_exports(module) is True
+    module.trainer = RankOneTrainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert writes_exports(module) is False

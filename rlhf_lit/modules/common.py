@@ -25,6 +25,13 @@ def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
     return module._trainer
 
 
+def writes_exports(module: L.LightningModule) -> bool:
+    """Whether this process writes the module's export files: the global-zero rank, or the one process when the
+    module has no trainer (an export called by hand). Every rank still calls ``export``: under FSDP2 the
+    weights are gathered collectively, one unit at a time."""
+    return getattr(attached_trainer(module), "is_global_zero", True)
+
+
 def plain_hparams(module_class: type, **kwargs: Any) -> dict[str, Any]:
     """Hyper-parameters with dataclasses turned into dicts, so checkpoints load with ``weights_only=True``,
     plus ``_class_path`` (the module's import path): the form in which LightningCLI re-parses a checkpoint's

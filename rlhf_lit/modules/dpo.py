@@ -51,6 +51,7 @@ from rlhf_lit.modules.common import (
     configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
+    writes_exports,
 )
 from rlhf_lit.modules.dpo_reference import (
     ReferenceSource,
@@ -350,7 +351,7 @@ class DPOModule(L.LightningModule):
             self.backbone_cfg,
             self.export_mode,
             meta={"kind": "policy", "stage": "dpo", "loss_type": self.loss_type},
-            writer=getattr(attached_trainer(self), "is_global_zero", True),  # no trainer: one process
+            writer=writes_exports(self),
         )
 
 

@@ -35,6 +35,7 @@ from rlhf_lit.modules.common import (
     log_data_report,
     peak_memory_mb,
     plain_hparams,
+    writes_exports,
 )
 from rlhf_lit.parallel import data_parallel_mesh, is_distributed, shard_head, shard_lm
 from rlhf_lit.ranges import as_config, check_arguments, parse_range
@@ -292,9 +293,8 @@ class PPOModule(L.LightningModule):
         self.updater.load_state_dict(state)  # the PTX stream moves past the batches already used
 
     def export(self, path: str) -> None:
-        """The policy (actor adapter merged or alone per ``export_mode``) in HF format to ``path`` (``models.export``;
-        every rank calls it: under FSDP2 the weights are gathered one unit at a time; rank 0 writes)."""
+        """The policy (actor adapter merged or alone per ``export_mode``) in HF format to ``path``: ``writes_exports``."""
         meta = {"kind": "policy", "stage": "ppo", "iterations": self.iteration}
         meta.update(sampling=asdict(self.sampling), target_kl=self.kl_cfg.target_kl)
-        writer = getattr(attached_trainer(self), "is_global_zero", True)  # no trainer: one process
-        save_causal_lm(self.policy.lm, self.tokenizer, path, self.backbone_cfg, self.export_mode, "actor", meta, writer)
+        save_causal_lm(self.policy.lm, self.tokenizer, path, self.backbone_cfg, self.export_mode, "actor", meta,
+                       writes_exports(self))

@@ -52,6 +52,7 @@ from rlhf_lit.modules.common import (
     configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
+    writes_exports,
 )
 from rlhf_lit.modules.reward_eval import (
     calibration_batches,
@@ -451,7 +452,7 @@ class RewardModule(L.LightningModule):
         )
         if results is not None and "summary" in results:  # what evaluate compares a new file with
             meta["validation_summary"] = results["summary"]
-        writer = getattr(attached_trainer(self), "is_global_zero", True)  # no trainer: one process
+        writer = writes_exports(self)
         mode = self.hparams.export_mode
         save_causal_lm(self.lm, self.tokenizer, path, self.backbone_cfg, mode, meta=meta, writer=writer)
         with gathered_parameters(self.head):  # a collective under FSDP2; nothing otherwise

@@ -32,6 +32,7 @@ from rlhf_lit.modules.common import (
     configure_trainable_optimizer,
     log_data_report,
     plain_hparams,
+    writes_exports,
 )
 from rlhf_lit.parallel import data_parallel_mesh, shard_lm
 from rlhf_lit.ranges import as_config
@@ -189,5 +190,5 @@ class SFTModule(L.LightningModule):
             self.backbone_cfg,
             self.export_mode,
             meta={"kind": "policy", "stage": "sft"},
-            writer=getattr(attached_trainer(self), "is_global_zero", True),  # no trainer: one process
+            writer=writes_exports(self),
         )
