@@ -26,6 +26,11 @@ class VLLMEngine:
         enforce_eager: no CUDA graphs / compilation (faster start; on CPU the measured fast path).
         max_lora_rank: serve LoRA requests of rank up to this (vLLM's ``enable_lora``, one adapter at a time);
             None: no LoRA (``/load_lora`` refused).
+        kv_cache_mib: the KV cache's size, MiB (vLLM's ``kv_cache_memory_bytes``; it then wins over
+            ``VLLM_CPU_KVCACHE_SPACE``, which vLLM 0.32 would otherwise apply on CPU). None: on CPU
+            ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 when unset (vLLM allocates and zeroes it at start, so it counts in
+            the engine's resident memory: a rollout of 16 x 112 tokens of SmolLM2-135M needs ~83 MB of it);
+            on a GPU ``gpu_memory_utilization`` sizes it.
 
     Raises:
         ImportError: vLLM is not installed (``rlhf-lit vllm-serve`` says so in one line before building this).
@@ -33,8 +38,13 @@ class VLLMEngine:
 
     def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 max_lora_rank: int | None = None) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+                 max_lora_rank: int | None = None, kv_cache_mib: int | None = None) -> None:
+        if kv_cache_mib is None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
+            cache = {}
+        else:  # vLLM's CPU platform would replace kv_cache_memory_bytes with the variable's GiB
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            cache = {"kv_cache_memory_bytes": kv_cache_mib * 2**20}
         # load() sends a function to the engine's worker process (its local IPC pickles it): our own code only
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
@@ -55,6 +65,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # after temperature: the distribution a token was drawn from
             seed=0,
             **lora,
+            **cache,
         )
 
     def generate(self, request) -> tuple[list[list[int]], list[list[float]]]:

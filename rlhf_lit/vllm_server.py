@@ -311,12 +311,13 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
     Args:
         argv: the options (None: ``sys.argv[1:]``).
         engine_factory: builds the engine as ``factory(model, dtype, max_model_len,
-            gpu_memory_utilization, max_lora_rank=...)`` (None: ``rlhf_lit.vllm_engine.VLLMEngine``, after
+            gpu_memory_utilization, max_lora_rank=..., kv_cache_mib=...)`` (None: ``rlhf_lit.vllm_engine.VLLMEngine``, after
             checking that vLLM imports).
 
     Raises:
         SystemExit: 2 with one line for an option outside its range (``--port`` 0-65535, 0 picking a free one;
-            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank`` >= 1), a folder
+            ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank``, ``--kv-cache-mib``
+            >= 1), a folder
             without ``config.json``, vLLM not importable, or an engine that did not start
             (``the vLLM engine did not start: <its own reason> (vLLM's log is above)``, see
             ``rlhf_lit.vllm_start``).
@@ -332,6 +333,9 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
                         help="longest prompt + response, tokens (default: the model config's)")
     parser.add_argument("--gpu-memory-utilization", type=_ranged(float, "(0, 1]"), default=0.3,
                         help="the share of the GPU's memory the engine may take, in (0, 1] (ignored on CPU)")
+    parser.add_argument("--kv-cache-mib", type=_ranged(int, "int >= 1"), default=None,
+                        help="the KV cache's size in MiB (vLLM's kv_cache_memory_bytes; default: "
+                        "$VLLM_CPU_KVCACHE_SPACE GiB on CPU, else 1 GiB; on a GPU, --gpu-memory-utilization)")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (sampling.vllm.weight_sync: lora)")
     parser.add_argument("--max-lora-rank", type=_ranged(int, "int >= 1"), default=16,
@@ -350,7 +354,7 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
     try:
         lora_rank = args.max_lora_rank if args.enable_lora else None
         engine = start_engine(engine_factory, args.model, args.dtype, args.max_model_len,
-                              args.gpu_memory_utilization, max_lora_rank=lora_rank)
+                              args.gpu_memory_utilization, max_lora_rank=lora_rank, kv_cache_mib=args.kv_cache_mib)
     except EngineStartError as err:
         fail(f"the vLLM engine did not start: {err} (vLLM's log is above)")
     server = make_server(engine, port=args.port)
@@ -390,7 +394,6 @@ def serve_command(argv: list[str]) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     sys.stdout.flush()
     os.execve(python, [python, "-m", "rlhf_lit.vllm_server", *rest], env)
 

@@ -52,8 +52,9 @@ LLAMA_LORA = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_p
 
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
-    """``http://127.0.0.1:<port>`` of ``rlhf-lit vllm-serve`` on a saved tiny GPT-2 (stopped afterwards)."""
-    with _serving(tmp_path_factory.mktemp("vllm_model"), ARCH) as url:
+    """``http://127.0.0.1:<port>`` of ``rlhf-lit vllm-serve`` on a saved tiny GPT-2 (stopped afterwards), with a
+    64 MiB KV cache instead of vLLM's 1 GiB on CPU."""
+    with _serving(tmp_path_factory.mktemp("vllm_model"), ARCH, "--kv-cache-mib", "64") as url:
         yield url
 
 
@@ -81,6 +82,9 @@ def _serving(folder, arch: dict, *flags: str):
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the vLLM server did not start: {log.read_text()[-3000:]}")
             time.sleep(2)
+        if "--kv-cache-mib" in flags:  # vLLM took our size, not VLLM_CPU_KVCACHE_SPACE's GiB
+            mib = int(flags[flags.index("--kv-cache-mib") + 1])
+            assert f"Explicitly set ({round(mib / 1024, 2)}/" in log.read_text(), log.read_text()[-3000:]
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()

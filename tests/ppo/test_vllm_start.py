@@ -41,8 +41,9 @@ class FailingEngine:
 
     built: list[tuple] = []
 
-    def __init__(self, model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank=None) -> None:
-        FailingEngine.built.append((model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank))
+    def __init__(self, model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank=None,
+                 kv_cache_mib=None) -> None:
+        FailingEngine.built.append((model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank, kv_cache_mib))
         script = ("import sys; print(*sys.argv[1].split('|'), sep='\\n'); "
                   "print(*sys.argv[2].split('|'), sep='\\n', file=sys.stderr)")
         subprocess.run([sys.executable, "-c", script, "|".join(CHILD_STDOUT), "|".join(CHILD_STDERR)], check=True)
@@ -58,10 +59,10 @@ def model_folder(tmp_path):
 def test_an_engine_that_fails_in_a_child_ends_with_its_reason_in_one_line(model_folder, capfd):
     FailingEngine.built.clear()
     with pytest.raises(SystemExit) as stop:
-        main(["--model", model_folder, "--port", "0", "--enable-lora", "--max-lora-rank", "8"],
+        main(["--model", model_folder, "--port", "0", "--enable-lora", "--max-lora-rank", "8", "--kv-cache-mib", "96"],
              engine_factory=FailingEngine)
     assert stop.value.code == 2
-    assert FailingEngine.built == [(model_folder, "float32", None, 0.3, 8)]
+    assert FailingEngine.built == [(model_folder, "float32", None, 0.3, 8, 96)]
     out, err = capfd.readouterr()
     # vLLM's log still reaches both streams, the one error line comes last, the wrapper is not shown
     assert out.splitlines() == CHILD_STDOUT
