@@ -44,7 +44,7 @@ from torch import nn
 
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.peft_compat import merged_lora_weight
-from rlhf_lit.parallel.fsdp import fsdp_units
+from rlhf_lit.parallel.fsdp import fsdp_units, is_sharded, transformer_blocks
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -61,7 +61,7 @@ class _Entry:
 
 @dataclass
 class _UnitPlan:
-    unit: nn.Module | None  # None: tensors outside every FSDP unit (plain tensors, nothing to gather)
+    unit: nn.Module | None  # None: tensors outside every unit (plain tensors, nothing to gather)
     merged: list[_Entry] = field(default_factory=list)
     adapter: list[_Entry] = field(default_factory=list)
 
@@ -88,6 +88,12 @@ def _plan(
     from peft.tuners.lora import LoraLayer
 
     units, owner = fsdp_units(lm)
+    if not units:  # not sharded: one transformer block at a time all the same (nothing to gather)
+        try:
+            blocks = {id(block) for block in transformer_blocks(lm.model)}
+        except ValueError:  # blocks unknown (no _no_split_modules): the whole model as one piece
+            blocks = set()
+        units, owner = fsdp_units(lm, lambda sub: id(sub) in blocks)
     plans = {id(u): _UnitPlan(u) for u in units}
     loose = _UnitPlan(None)
     lora_of = {id(m.get_base_layer()): m for m in lm.model.modules() if isinstance(m, LoraLayer)}
@@ -117,11 +123,12 @@ def _value(entry: _Entry) -> torch.Tensor:
     return (tensor if tensor is not None else entry.module._buffers[entry.attr]).detach()
 
 
-def _agree(failed: bool, device: torch.device) -> bool:
-    """True when any rank ``failed`` (every rank calls it; on one process: ``failed``)."""
+def _agree(failed: bool, device: torch.device, collective: bool) -> bool:
+    """True when any rank ``failed`` (every rank calls it when ``collective``; otherwise, or on one process:
+    ``failed``)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not collective or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return failed
     flag = torch.tensor([float(failed)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -155,6 +162,8 @@ class UnitWeights:
         adapter: the exported adapter's LoRA matrices of the unit (copied), by their peft state-dict keys.
         device: where the unit's tensors live (for the collectives that follow).
         index: the unit's 0-based place among the walk's units with merged weights; ``count`` their number.
+        collective: whether the walk is a collective (the model is FSDP2-sharded: every rank walks it); a model
+            that is not sharded is walked one transformer block at a time by its one writer.
     """
 
     merged: dict[str, torch.Tensor]
@@ -162,6 +171,7 @@ class UnitWeights:
     device: torch.device
     index: int = 0
     count: int = 0
+    collective: bool = True
 
 
 def unit_weights(
@@ -171,7 +181,9 @@ def unit_weights(
     sharded ``lm``, in the same order on every rank (a collective: every rank must draw every item). The unit is
     gathered while its item is held and resharded when the next one is drawn or the generator is closed (close
     it, ``contextlib.closing``, when leaving the loop early). LoRA layers are merged over their active adapters
-    (none while adapters are disabled: ``AdaptedLM.reference`` without base adapters).
+    (none while adapters are disabled: ``AdaptedLM.reference`` without base adapters). An ``lm`` that is not
+    sharded is walked the same way, its transformer blocks (``parallel.transformer_blocks``) taking the units'
+    place, so one block's merged weights are held at a time; that walk is no collective.
     """
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -179,8 +191,9 @@ def unit_weights(
     base = lm.model.get_base_model() if lm.is_peft else lm.model
     plans = _plan(lm, adapter_name, write_merged, write_adapter)
     files = [p for p in plans if p.merged]
+    sharded = is_sharded(lm)
     for plan in plans:
-        if plan.unit is not None:
+        if sharded and plan.unit is not None:
             plan.unit.unshard()
         try:
             merged = {e.key: _value(e) for e in plan.merged}
@@ -188,9 +201,9 @@ def unit_weights(
                 merged = revert_weight_conversion(base, remove_tied_weights_from_state_dict(merged, base))
             adapter = {e.key: _value(e).clone() for e in plan.adapter}
             index = files.index(plan) if plan.merged else 0
-            yield UnitWeights(merged, adapter, _unit_device(plan), index, len(files))
+            yield UnitWeights(merged, adapter, _unit_device(plan), index, len(files), sharded)
         finally:
-            if plan.unit is not None:
+            if sharded and plan.unit is not None:
                 plan.unit.reshard()
 
 
@@ -236,7 +249,7 @@ def write_weight_files(
                         total_size += sum(sizes.values())
                     except Exception as err:  # every rank must learn of it before the next unit's collective
                         error = err
-                if _agree(error is not None, unit.device):
+                if _agree(error is not None, unit.device, unit.collective):
                     if error is not None:
                         raise error
                     raise RuntimeError(f"the writer (rank 0) failed to write {path}; see its error")

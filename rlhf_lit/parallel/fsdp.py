@@ -143,18 +143,20 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
             unit.reshard()
 
 
-def fsdp_units(module: nn.Module) -> tuple[list[nn.Module], dict[int, nn.Module]]:
+def fsdp_units(module: nn.Module, is_unit=None) -> tuple[list[nn.Module], dict[int, nn.Module]]:
     """The FSDP units under ``module`` in ``module.modules()`` order (the same on every rank), and which unit
     owns each submodule: its innermost ancestor (itself included) that is a unit, keyed by ``id(submodule)``.
     A unit's ``unshard()`` gathers the parameters registered on the submodules it owns, no others (a block
-    inside the ``AdaptedLM`` unit is a unit of its own). Submodules outside every unit are not in the map."""
+    inside the ``AdaptedLM`` unit is a unit of its own). Submodules outside every unit are not in the map.
+    ``is_unit(submodule)`` picks other units the same way (default: ``FSDPModule`` instances)."""
     from torch.distributed.fsdp import FSDPModule
 
     units: list[nn.Module] = []
     owner: dict[int, nn.Module] = {}
+    is_unit = is_unit or (lambda sub: isinstance(sub, FSDPModule))
 
     def visit(sub: nn.Module, unit: nn.Module | None) -> None:
-        if isinstance(sub, FSDPModule):
+        if is_unit(sub):
             unit = sub
             units.append(sub)
         if unit is not None:

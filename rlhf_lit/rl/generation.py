@@ -43,12 +43,13 @@ class VLLMSettings:
         url: the server's address, ``http://127.0.0.1:<port>`` (started with ``rlhf-lit vllm-serve``).
         timeout_s: the longest wait for one request (a rollout, a weight load), seconds.
         weights_dir: a folder both processes can read where the policy's merged weights are written for the
-            engine before every rollout (``weights.safetensors``, replaced atomically; under FSDP2 a sharded
-            folder ``weights-<n>/`` written by rank 0 one FSDP unit at a time); null: a temporary folder.
+            engine before every rollout (a folder ``weights-<n>/`` of Hugging Face sharded safetensors, one
+            file per transformer block (under FSDP2 per FSDP unit, written by rank 0), renamed into place when
+            complete, the previous one removed); null: a temporary folder.
         dtype: the dtype of the pushed weights, the engine's (``rlhf-lit vllm-serve --dtype``): ``float32`` on
             CPU (its log-probs then match a float32 trainer's to ~3e-5 nats), ``bfloat16`` on a GPU.
         weight_sync: how the policy reaches the engine after every update. ``merged``: the whole weights with
-            the actor adapter merged (``weights.safetensors``), which the engine loads in place. ``lora``: the
+            the actor adapter merged (``weights-<n>/``), which the engine loads in place. ``lora``: the
             base once (the reference weights), then only the actor adapter, as a peft folder the engine applies
             to every request as a vLLM ``LoRARequest`` (the server started with ``--enable-lora
             --max-lora-rank`` >= ``backbone.lora.r``; vLLM serves no LoRA on GPT-2). Default ``merged``, by

@@ -33,9 +33,10 @@ class VLLMSampler:
     (``truncate_after_stop``), so the rollout is the one the ``hf`` backend builds for the same tokens.
 
     ``sync`` (``sampling.vllm.weight_sync: merged``) writes the policy's weights with the actor adapter merged
-    (``models.inference_copy.merged_weights``, in ``sampling.vllm.dtype``) to ``weights.safetensors`` in
-    ``sampling.vllm.weights_dir`` (atomically), and asks the engine to load it; the first ``sample`` syncs
-    first. With ``weight_sync: lora`` the first ``sync`` pushes the base that way (the reference weights: every
+    (in ``sampling.vllm.dtype``) to a folder ``weights-<n>/`` in ``sampling.vllm.weights_dir`` (renamed into place
+    when complete) one transformer block at a time (Hugging Face sharded safetensors and their index, the
+    export's walk: never a merged copy of the whole model), and asks the engine to load it through the index;
+    the first ``sample`` syncs first. With ``weight_sync: lora`` the first ``sync`` pushes the base that way (the reference weights: every
     frozen base adapter merged, the actor off), and every ``sync`` writes the actor adapter alone as a peft
     folder ``adapter-<n>`` (renamed into place when complete) and asks the engine to load it as its LoRA
     request (``/load_lora``); the rollouts then ask for it (``lora: true``). The engine answers every request
@@ -53,7 +54,7 @@ class VLLMSampler:
     on every rank). Under FSDP2 the weights are gathered one FSDP unit at a time on every rank, the walk of the
     streamed export (``models.streamed_export``), and rank 0 writes them as Hugging Face sharded safetensors
     (``weights-<n>/``, one file per unit and ``model.safetensors.index.json``), which the engine loads through
-    the index: no rank ever holds the whole model. Under DDP rank 0 pushes its own whole copy. With ``lora``, the
+    the index: no rank ever holds the whole model. Under DDP rank 0 pushes its own copy. With ``lora``, the
     adapter's matrices are gathered whole on every rank (they are small) and written by rank 0.
 
     Args:
@@ -158,46 +159,21 @@ class VLLMSampler:
 
     def _push_weights(self, lm, name: str | None, writer: bool) -> tuple[str | None, float]:
         """The weights with adapter ``name`` (None: the reference weights) merged, to the engine: ``(digest of
-        the bytes, the engine's load seconds)`` on the writer, ``(None, 0.0)`` elsewhere. Unsharded: the writer
-        writes ``weights.safetensors``; sharded (FSDP2): every rank walks the FSDP units and the writer writes
-        a sharded folder (:meth:`_push_sharded`)."""
-        from rlhf_lit.models.inference_copy import merged_weights
-        from rlhf_lit.parallel.fsdp import is_sharded
-
-        if is_sharded(lm):
-            return self._push_sharded(lm, name, writer)
-        if not writer:  # DDP: every rank holds the same whole weights; rank 0 pushes them
-            return None, 0.0
-        return self._push_file(merged_weights(lm, name))
-
-    def _push_file(self, tensors: dict[str, torch.Tensor]) -> tuple[str, float]:
-        """Write ``tensors`` to ``weights.safetensors`` (atomically) and have the engine load them:
-        ``(digest of the bytes, the engine's load seconds)``."""
-        from safetensors.torch import save
-
-        from rlhf_lit.vllm_server import file_digest
-
-        data = save({k: v.to(device="cpu", dtype=self.dtype).contiguous() for k, v in tensors.items()})
-        os.makedirs(self.weights_dir, exist_ok=True)
-        path = os.path.join(self.weights_dir, "weights.safetensors")
-        partial = path + ".partial"
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
-        reply = self.client.load_weights(path)
-        return file_digest(data), float(reply.get("load_s", 0.0))
-
-    def _push_sharded(self, lm, name: str | None, writer: bool) -> tuple[str | None, float]:
-        """The weights of an FSDP2-sharded ``lm``, gathered one FSDP unit at a time on every rank
-        (``models.streamed_export.unit_weights``, the export's walk) and written by the writer as Hugging Face
-        sharded safetensors in ``weights-<n>`` (``.partial`` until complete), which the engine loads through its
-        index; the previous folder is then removed. No rank holds more than its shards and one unit's gathered
-        (and merged) weights."""
+        the bytes, the engine's load seconds)`` on the writer, ``(None, 0.0)`` elsewhere. They are walked one
+        unit at a time (``models.streamed_export.unit_weights``, the export's walk: an FSDP unit, gathered on
+        every rank, or a transformer block of a model that is not sharded) and written by the writer as Hugging
+        Face sharded safetensors in ``weights-<n>`` (``.partial`` until complete), which the engine loads
+        through its index; the previous folder is then removed. No process holds more than its weights (its
+        shards) and one unit's gathered and merged weights: not a merged copy of the whole model. Under DDP
+        every rank holds the same whole weights and rank 0 alone pushes them."""
         from contextlib import nullcontext
 
         from rlhf_lit.models.streamed_export import INDEX_FILE, unit_weights, write_weight_files
+        from rlhf_lit.parallel.fsdp import is_sharded
         from rlhf_lit.vllm_server import digest_of
 
+        if not writer and not is_sharded(lm):  # DDP: rank 0's walk is no collective
+            return None, 0.0
         self.pushes += 1
         folder = os.path.join(self.weights_dir, f"weights-{self.pushes}")
         partial = folder + ".partial"

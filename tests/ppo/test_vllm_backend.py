@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import sys
 
@@ -193,7 +194,12 @@ def test_the_sampler_pushes_the_merged_policy_and_the_record_follows_the_engine(
         assert isinstance(sampler, VLLMSampler)
         torch.manual_seed(0)
         response, response_mask, _ = sampler.sample(policy, ids, mask)
-        assert engine.loads == 1 and (tmp_path / "weights.safetensors").exists()  # the first sample pushed
+        assert engine.loads == 1  # the first sample pushed, one file per transformer block, the rest, the index
+        blocks = policy.lm.model.config.num_hidden_layers
+        pushed = sorted(os.listdir(tmp_path / "weights-1"))
+        assert pushed == [f"model-{i:05d}-of-{blocks + 1:05d}.safetensors" for i in range(1, blocks + 2)] + [
+            "model.safetensors.index.json"
+        ]
         sent = engine.requests[0]
         assert sent.prompts == [[70, 71, 72], [60, 61, 62, 63, 64]]  # token ids, left padding dropped
         assert (sent.temperature, sent.max_new_tokens, sent.stop_token_ids) == (0.7, 6, module.stop_ids)
@@ -582,6 +588,7 @@ def test_vllm_serve_without_vllm_names_the_install_line(tmp_path):
         ("--gpu-memory-utilization", "1.5", "argument --gpu-memory-utilization: must be a number in (0, 1], got 1.5"),
         ("--gpu-memory-utilization", "nan", "must be a finite number in (0, 1], got nan"),
         ("--max-model-len", "0", "argument --max-model-len: must be a whole number >= 1, got 0"),
+        ("--kv-cache-mib", "0", "argument --kv-cache-mib: must be a whole number >= 1, got 0"),
     ],
 )
 def test_vllm_serve_options_out_of_range_are_one_line_before_vllm_loads(option, value, expected, tmp_path, capsys):
@@ -640,3 +647,55 @@ def test_the_server_module_imports_nothing_of_the_project_but_its_ranges_and_sta
     assert out.strip() == (
         "['rlhf_lit', 'rlhf_lit.errors', 'rlhf_lit.ranges', 'rlhf_lit.vllm_server', 'rlhf_lit.vllm_start']"
     )
+
+
+def test_a_push_holds_one_blocks_merged_weights_not_a_merged_model(tmp_path):
+    """One process, no FSDP: ``sync`` merges and writes one transformer block at a time. A tiny Llama (12 blocks,
+    LoRA on every projection, a block ~8% of the model): the tensors created during the push and alive at once
+    (measured: the block being merged, the previous one until the walk lets go of it, a LoRA delta) stay below
+    30% of the model (measured 18%); merging the whole model first, as pushes did before, holds every
+    projection's LoRA delta and merged copy at once (measured 1.9x the model), and the file's bytes on top. The
+    files hold the merged weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    from rlhf_lit.models import BackboneConfig, LoraSettings, load_backbone
+    from rlhf_lit.models.adapters import AdaptedLM
+    from rlhf_lit.models.inference_copy import merged_weights
+    from rlhf_lit.rl.vllm_sampler import VLLMSampler
+    from tests.memory_tracker import TensorMemoryTracker, storage_bytes
+
+    arch = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 12,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    lm = AdaptedLM(load_backbone(BackboneConfig(tiny=arch, tokenizer="byte")),
+                   {"actor": LoraSettings(r=4, alpha=8, target_modules="all-linear")})
+    with torch.no_grad():
+        for p in lm.adapter_parameters("actor"):
+            p.add_(0.05 * torch.randn(p.shape))
+
+    class Client:  # the engine's side of a load: nothing to run here
+        loaded: list[str] = []
+
+        def load_weights(self, path):
+            self.loaded.append(path)
+            return {"weights": "-", "load_s": 0.0}
+
+    sampling = SamplingConfig(backend="vllm", vllm={"weights_dir": str(tmp_path)})
+    sampler = VLLMSampler(sampling, stop_ids=[0], pad_token_id=0, client=Client())
+    model_bytes = storage_bytes(lm.model.parameters())
+    with TensorMemoryTracker(ignore=[*lm.model.parameters(), *lm.model.buffers()]) as tracker:
+        sampler.sync(_Policy(lm))
+    assert 0 < tracker.peak < 0.3 * model_bytes, (tracker.peak, model_bytes)
+    folder = tmp_path / "weights-1"
+    assert Client.loaded == [str(folder / "model.safetensors.index.json")]
+    pushed = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            pushed.update(load_file(folder / name))
+    expected = merged_weights(lm, "actor")
+    assert pushed.keys() == expected.keys()
+    assert all(torch.equal(pushed[k], expected[k]) for k in expected)
+    with TensorMemoryTracker(ignore=[*lm.model.parameters(), *lm.model.buffers()]) as whole:
+        held = merged_weights(lm, "actor")
+    assert whole.peak > model_bytes, (whole.peak, model_bytes)  # the control: the whole merged copy
+    del held
