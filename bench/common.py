@@ -51,6 +51,32 @@ def current_rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def tree_peak_rss_mb(pid: int) -> dict[str, float]:
+    """Peak resident memory (``VmHWM``, MB) of process ``pid`` and of each of its descendants, by
+    ``"<pid> <name>"`` (Linux ``/proc``); read before the processes end. Their sum bounds the tree's peak from
+    above (each process's own peak, whenever it happened)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, up in parent.items() if up in frontier]
+        tree += frontier
+    peaks = {}
+    for member in tree:
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{member}/status").read_text().splitlines())
+        except OSError:
+            continue
+        peaks[f"{member} {status['Name'].strip()}"] = int(status["VmHWM"].split()[0]) / 1024
+    return peaks
+
+
 def setup_child(threads: int) -> None:
     """Environment of a measured process: offline, quiet, ``torch.set_num_threads(threads)``."""
     for key, value in (

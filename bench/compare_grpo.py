@@ -46,7 +46,9 @@ SIDE_BY_SIDE = (
     "first_step_ratio_max_dev",
     "kl_ref_iter1",
 )
-BACKENDS = ("hf", "static", "bf16copy")  # bf16copy: hf on a bf16 copy (sampling.copy_dtype)
+# bf16copy: hf on a bf16 copy (sampling.copy_dtype); vllm: the engine behind rlhf-lit vllm-serve, which the run
+# starts in $RLHF_LIT_VLLM_PYTHON (its processes' peaks count in the run's peak RSS)
+BACKENDS = ("hf", "static", "bf16copy", "vllm")
 SAMPLING_TARGET = 1.5  # sampling tokens/s of the best backend / hf's
 
 

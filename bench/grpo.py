@@ -9,7 +9,11 @@ mean over the minibatch as the loss aggregation (TRL's default ``dapo``), GRPO's
 4 minibatches of 4, gradient clipping at 1.0, lr 3e-6 decayed linearly per optimizer step (the module's
 schedule: the same as TRL's Trainer), 2 iterations, fp32, seed 42. ``model`` picks the base
 (``grpo_workload.MODELS``: ``tiny`` or ``smollm2``) and ``backend`` the sampler's ``sampling.backend`` (``hf``, the
-default, or ``static``).
+default, or ``static``), or ``bf16copy`` (``hf`` on a bf16 copy), or ``vllm``: the run starts ``rlhf-lit
+vllm-serve`` on the same model folder in ``$RLHF_LIT_VLLM_PYTHON`` (float32, ``--max-model-len 512``, a 128 MiB KV
+cache, ``--threads`` threads; its start is not timed and is reported as ``vllm_start_s``), samples through it with
+``sampling.vllm.weight_sync: merged`` (the weights pushed after every update), and counts the server's processes
+in ``peak_rss_mb`` (the sum of each one's peak, ``vllm_peak_rss_mb``, added to this process's).
 
 Measured like the PPO workload (``bench/ppo.py``): ``iter_wall_s`` between iteration ends (the first from
 ``on_train_start``), phases from ``PPOModule.history`` (``perf/*``) and timers around the reference and
@@ -20,20 +24,32 @@ module's code is not modified). It must be 0.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
 
-from bench.common import T_PROCESS_START, W, current_rss_mb, env_info, peak_rss_mb, setup_child
+from bench.common import (
+    T_PROCESS_START,
+    W,
+    current_rss_mb,
+    env_info,
+    peak_rss_mb,
+    setup_child,
+    tree_peak_rss_mb,
+)
 from bench.grpo_workload import GRPO, LORA, model_dir, steps_per_iteration, tokenizer_dir, workload
 from bench.ppo import instrument, prompt_datamodule
 
 
-def build_module(iterations: int, model: str = "tiny", backend: str = "hf"):
+def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm_url: str | None = None):
     from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
     from rlhf_lit.modules import PPOModule
     from rlhf_lit.modules.common import OptimizerConfig
     from rlhf_lit.rewards import RewardSourceConfig
-    from rlhf_lit.rl.generation import SamplingConfig
+    from rlhf_lit.rl.generation import SamplingConfig, VLLMSettings
     from rlhf_lit.rl.settings import KLConfig, PPOConfig, RewardShapingConfig
 
     g = GRPO
@@ -50,6 +66,7 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf"):
             merge_adapter=True,  # a speed knob, off by default (as in the PPO workload)
             backend="hf" if backend == "bf16copy" else backend,  # hf (default) or static (--grpo-backends)
             copy_dtype="bfloat16" if backend == "bf16copy" else None,  # bf16copy: hf on a bf16 copy
+            vllm=VLLMSettings(url=vllm_url) if vllm_url else VLLMSettings(),  # vllm: float32, merged weights
         ),
         ppo=PPOConfig(
             advantage_estimator="grpo",
@@ -97,7 +114,48 @@ def watch_first_ratio(module) -> dict:
     return seen
 
 
+@contextmanager
+def vllm_server(model: str, threads: int):
+    """``rlhf-lit vllm-serve`` on ``model_dir(model)`` in ``$RLHF_LIT_VLLM_PYTHON`` (see the module docstring):
+    yields ``(url, server process, start seconds)``; stopped on exit."""
+    import socket
+    import tempfile
+
+    from bench.vllm_sampling import start_server, wait_ready
+
+    python = os.environ.get("RLHF_LIT_VLLM_PYTHON")
+    if not python:
+        raise SystemExit("--grpo-backends ...,vllm needs RLHF_LIT_VLLM_PYTHON (the vLLM environment's python)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_file = Path(tempfile.mkdtemp(prefix="grpo_vllm_")) / "server.log"
+    t0 = time.perf_counter()
+    server = start_server(SimpleNamespace(threads=threads, vllm_python=python), str(model_dir(model)), port,
+                          log_file, "--kv-cache-mib", "128")
+    try:
+        wait_ready(server, log_file)
+        yield f"http://127.0.0.1:{port}", server, time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
 def child_grpo(threads: int, iterations: int, model: str = "tiny", backend: str = "hf") -> dict:
+    if backend != "vllm":
+        return _child_grpo(threads, iterations, model, backend)
+    setup_child(threads)
+    with vllm_server(model, threads) as (url, server, start_s):
+        result = _child_grpo(threads, iterations, model, backend, url)
+        peaks = tree_peak_rss_mb(server.pid)
+    result["metrics"].update(vllm_start_s=start_s, vllm_peak_rss_mb=sum(peaks.values()),
+                             trainer_peak_rss_mb=result["peak_rss_mb"])
+    result["details"]["vllm_processes_peak_rss_mb"] = peaks
+    result["peak_rss_mb"] += sum(peaks.values())  # all processes
+    return result
+
+
+def _child_grpo(threads: int, iterations: int, model: str, backend: str, vllm_url: str | None = None) -> dict:
     setup_child(threads)
     import lightning as L
     from transformers import AutoTokenizer
@@ -107,7 +165,7 @@ def child_grpo(threads: int, iterations: int, model: str = "tiny", backend: str 
     L.seed_everything(GRPO["seed"], verbose=False)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(model), padding_side="left")
     datamodule = prompt_datamodule(tok, W.load_ppo_prompts(tok), GRPO["prompts_per_rollout"], GRPO["seed"])
-    module = build_module(iterations, model, backend)
+    module = build_module(iterations, model, backend, vllm_url)
     assert module.tokenizer.get_vocab() == tok.get_vocab()
     assert not module.policy.has_critic, "GRPO must build no critic"
     timers = instrument(module)
