@@ -293,7 +293,7 @@ class PPOModule(L.LightningModule):
         self.updater.load_state_dict(state)  # the PTX stream moves past the batches already used
 
     def export(self, path: str) -> None:
-        """The policy (actor adapter merged or alone per ``export_mode``) in HF format to ``path``: ``writes_exports``."""
+        """The policy in HF format to ``path`` (``export_mode``); every rank calls it, ``writes_exports`` writes."""
         meta = {"kind": "policy", "stage": "ppo", "iterations": self.iteration}
         meta.update(sampling=asdict(self.sampling), target_kl=self.kl_cfg.target_kl)
         save_causal_lm(self.policy.lm, self.tokenizer, path, self.backbone_cfg, self.export_mode, "actor", meta,

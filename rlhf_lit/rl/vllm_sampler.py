@@ -33,14 +33,14 @@ class VLLMSampler:
     (``truncate_after_stop``), so the rollout is the one the ``hf`` backend builds for the same tokens.
 
     ``sync`` (``sampling.vllm.weight_sync: merged``) writes the policy's weights with the actor adapter merged
-    (in ``sampling.vllm.dtype``) to a folder ``weights-<n>/`` in ``sampling.vllm.weights_dir`` (renamed into place
-    when complete) one transformer block at a time (Hugging Face sharded safetensors and their index, the
+    (in ``sampling.vllm.dtype``) to a folder ``weights-<n>/`` in ``sampling.vllm.weights_dir`` (renamed into
+    place when complete) one transformer block at a time (Hugging Face sharded safetensors and their index, the
     export's walk: never a merged copy of the whole model), and asks the engine to load it through the index;
-    the first ``sample`` syncs first. With ``weight_sync: lora`` the first ``sync`` pushes the base that way (the reference weights: every
-    frozen base adapter merged, the actor off), and every ``sync`` writes the actor adapter alone as a peft
-    folder ``adapter-<n>`` (renamed into place when complete) and asks the engine to load it as its LoRA
-    request (``/load_lora``); the rollouts then ask for it (``lora: true``). The engine answers every request
-    with the sha256 of the bytes it last loaded (``<weights>+<adapter>`` with the adapter); the
+    the first ``sample`` syncs first. With ``weight_sync: lora`` the first ``sync`` pushes the base that way
+    (the reference weights: every frozen base adapter merged, the actor off), and every ``sync`` writes the
+    actor adapter alone as a peft folder ``adapter-<n>`` (renamed into place when complete) and asks the engine
+    to load it as its LoRA request (``/load_lora``); the rollouts then ask for it (``lora: true``). The engine
+    answers every request with the sha256 of the bytes it last loaded (``<weights>+<adapter>`` with the adapter); the
     :class:`SampleRecord`'s fingerprint is the adapter's at the last push when that digest is the one of the
     bytes pushed, else ``engine:<digest>``, which never matches the policy's: an engine that missed a push (a
     skipped ``sync``, a restarted server) is caught by the rollout-policy guard on the next iteration (a
