@@ -82,8 +82,9 @@ def _serving(folder, arch: dict, *flags: str):
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the vLLM server did not start: {log.read_text()[-3000:]}")
             time.sleep(2)
-        if "--kv-cache-mib" in flags:  # vLLM took our size, not VLLM_CPU_KVCACHE_SPACE's GiB
-            mib = int(flags[flags.index("--kv-cache-mib") + 1])
+        # vLLM took our size, not VLLM_CPU_KVCACHE_SPACE's GiB; without --kv-cache-mib the engine's 1 GiB
+        mib = int(flags[flags.index("--kv-cache-mib") + 1]) if "--kv-cache-mib" in flags else 1024
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ or "--kv-cache-mib" in flags:
             assert f"Explicitly set ({round(mib / 1024, 2)}/" in log.read_text(), log.read_text()[-3000:]
         yield f"http://127.0.0.1:{port}"
     finally:
