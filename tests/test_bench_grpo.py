@@ -20,9 +20,10 @@ def test_our_systems_maps_backends_to_systems_and_child_kinds():
     assert our_systems("hf,static") == [("rlhf_lit", "grpo"), ("rlhf_lit[static]", "grpo-static")]
     assert our_systems(" static , hf,static") == [("rlhf_lit[static]", "grpo-static"), ("rlhf_lit", "grpo")]
     assert our_systems("hf,bf16copy") == [("rlhf_lit", "grpo"), ("rlhf_lit[bf16copy]", "grpo-bf16copy")]
+    assert our_systems("hf,vllm") == [("rlhf_lit", "grpo"), ("rlhf_lit[vllm]", "grpo-vllm")]
 
 
-@pytest.mark.parametrize("bad", ["static", "hf,vllm", ""])
+@pytest.mark.parametrize("bad", ["static", "hf,sglang", "vllm", ""])
 def test_our_systems_needs_hf_and_known_backends(bad):
     with pytest.raises(ValueError, match="--grpo-backends"):
         our_systems(bad)
@@ -98,3 +99,32 @@ def test_grpo_loss_cases_map_trl_options_to_ours():
         assert o["clip_range"] == t["epsilon"] and o["clip_range_high"] == t["epsilon_high"]
         assert o["kl_coef"] == t["beta"] and not t["use_bias_correction_kl"]
         assert o["dual_clip"] == t["delta"] and o["top_entropy_quantile"] == t["top_entropy_quantile"]
+
+
+def test_tree_peak_rss_counts_every_descendant():
+    """``bench.common.tree_peak_rss_mb`` (the vLLM server's processes in the GRPO race): a process and the child
+    it started, which touched 64 MB, are both listed, each with its own peak."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bench.common import tree_peak_rss_mb
+
+    grandchild = "import time; b = bytearray(64 * 2**20); print('ready', flush=True); time.sleep(60)"
+    child = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+             "stdout=subprocess.PIPE, text=True); print(p.stdout.readline(), end='', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    peaks = {}
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        peaks = tree_peak_rss_mb(proc.pid)
+    finally:
+        for key in list(peaks)[1:]:  # the grandchild
+            os.kill(int(key.split()[0]), signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert len(peaks) == 2, peaks
+    parent, descendant = peaks
+    assert parent.startswith(f"{proc.pid} ") and not descendant.startswith(f"{proc.pid} ")
+    assert peaks[descendant] > 64 > peaks[parent], peaks
