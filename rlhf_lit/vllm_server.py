@@ -311,16 +311,14 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
     Args:
         argv: the options (None: ``sys.argv[1:]``).
         engine_factory: builds the engine as ``factory(model, dtype, max_model_len,
-            gpu_memory_utilization, max_lora_rank=..., kv_cache_mib=...)`` (None: ``rlhf_lit.vllm_engine.VLLMEngine``, after
-            checking that vLLM imports).
+            gpu_memory_utilization, max_lora_rank=..., kv_cache_mib=...)`` (None:
+            ``rlhf_lit.vllm_engine.VLLMEngine``, after checking that vLLM imports).
 
     Raises:
         SystemExit: 2 with one line for an option outside its range (``--port`` 0-65535, 0 picking a free one;
             ``--gpu-memory-utilization`` in (0, 1]; ``--max-model-len``, ``--max-lora-rank``, ``--kv-cache-mib``
-            >= 1), a folder
-            without ``config.json``, vLLM not importable, or an engine that did not start
-            (``the vLLM engine did not start: <its own reason> (vLLM's log is above)``, see
-            ``rlhf_lit.vllm_start``).
+            >= 1), a folder without ``config.json``, vLLM not importable, or an engine that did not start
+            (``the vLLM engine did not start: <its own reason> (vLLM's log is above)``, ``rlhf_lit.vllm_start``).
     """
     parser = _Parser(prog="rlhf-lit vllm-serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", help="the vLLM environment's python (read by rlhf-lit vllm-serve; default "
@@ -334,8 +332,7 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=_ranged(float, "(0, 1]"), default=0.3,
                         help="the share of the GPU's memory the engine may take, in (0, 1] (ignored on CPU)")
     parser.add_argument("--kv-cache-mib", type=_ranged(int, "int >= 1"), default=None,
-                        help="the KV cache's size in MiB (vLLM's kv_cache_memory_bytes; default: "
-                        "$VLLM_CPU_KVCACHE_SPACE GiB on CPU, else 1 GiB; on a GPU, --gpu-memory-utilization)")
+                        help="the KV cache's size in MiB (default: $VLLM_CPU_KVCACHE_SPACE GiB, else 1, on CPU)")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (sampling.vllm.weight_sync: lora)")
     parser.add_argument("--max-lora-rank", type=_ranged(int, "int >= 1"), default=16,
