@@ -173,13 +173,24 @@ def probe_result(module, trainer) -> dict:
     }
 
 
+class ExportProbe:
+    """Records ``export_held`` (:class:`HeldBytes`) around the first ``export`` (the one at the end of fit) of the
+    stage module it is mixed into, before it in the bases; the module sets ``export_held = None``."""
+
+    def export(self, path, *args, **kwargs):
+        with HeldBytes(self, ignore=local_tensors(self)) as held:
+            super().export(path, *args, **kwargs)
+        if self.export_held is None:
+            self.export_held = held.peak
+
+
 def probed(cls):
     """``cls`` (SFTModule, RewardModule or DPOModule) sampling ``param_bytes`` of all its parameters (module
     docstring) and recording its first training loss (SFT, DPO) or pair scores (reward) on this rank, and
     (DPO) the reference fingerprint its reference cache was keyed with."""
     from rlhf_lit.parallel import transformer_blocks
 
-    class Probed(cls):
+    class Probed(ExportProbe, cls):
         def __init__(self, *args, **kwargs) -> None:
             with TensorMemoryTracker() as tracker:
                 super().__init__(*args, **kwargs)
@@ -187,12 +198,6 @@ def probed(cls):
             self.shard_bytes = 0
             self.first_loss = None
             self.export_held = None
-
-        def export(self, path, *args, **kwargs):
-            with HeldBytes(self, ignore=local_tensors(self)) as held:
-                super().export(path, *args, **kwargs)
-            if self.export_held is None:  # the export at the end of fit
-                self.export_held = held.peak
 
         def configure_model(self) -> None:
             lms = [self.lm, getattr(self, "reference_lm", None)]  # DPOModule's reference copy
@@ -491,17 +496,12 @@ def ppo_module(base: Path, empty_init: bool, trainer, estimator: str = "gae", **
     from rlhf_lit.rl.generation import SamplingConfig
     from rlhf_lit.rl.settings import CriticConfig, PPOConfig
 
-    class Probed(PPOModule):
+    class Probed(ExportProbe, PPOModule):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.samples = {"init": sum(param_bytes(self.policy))}
             self.shard_bytes = 0
             self.export_held = None
-
-        def export(self, path, *args, **kwargs):  # HFExport's, at the end of fit
-            with HeldBytes(self, ignore=local_tensors(self)) as held:
-                super().export(path, *args, **kwargs)
-            self.export_held = held.peak
 
         def configure_model(self) -> None:
             blocks = transformer_blocks(self.policy.lm.model)  # found by class name: before FSDP2 renames them
