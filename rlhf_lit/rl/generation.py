@@ -54,7 +54,7 @@ class VLLMSettings:
             to every request as a vLLM ``LoRARequest`` (the server started with ``--enable-lora
             --max-lora-rank`` >= ``backbone.lora.r``; vLLM serves no LoRA on GPT-2). Default ``merged``, by
             measurement: SmolLM2-135M float32 with an r 16 adapter on all projections, 16 x 48 tokens, one thread
-            (AMD EPYC, bench/RESULTS.md, two runs): ``merged`` 119-133 tokens/s and a 4.6-4.8 s sync, ``lora``
+            (AMD EPYC, bench/RESULTS.md, two runs): ``merged`` 119-133 tokens/s and a 4.6-4.8 s sync (one whole file then), ``lora``
             39-43 tokens/s and a 0.27-0.29 s sync, so ``merged`` gives the faster iteration above ~240-310
             sampled tokens per iteration.
     """
