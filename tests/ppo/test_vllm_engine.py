@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -86,10 +87,29 @@ def _serving(folder, arch: dict, *flags: str):
         mib = int(flags[flags.index("--kv-cache-mib") + 1]) if "--kv-cache-mib" in flags else 1024
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ or "--kv-cache-mib" in flags:
             assert f"Explicitly set ({round(mib / 1024, 2)}/" in log.read_text(), log.read_text()[-3000:]
+        engine_processes = _descendants(server.pid)  # vLLM's engine core, its worker, multiprocessing's tracker
+        assert engine_processes, "vLLM on CPU runs its engine core in a child process"
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
-        server.wait(60)
+        code = server.wait(60)
+    # a SIGTERM ends the server through vLLM's own shutdown: none of its processes outlives it
+    deadline = time.monotonic() + 60
+    while (left := [pid for pid in engine_processes if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+        time.sleep(1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert (code, left) == (0, []), f"exit {code}; still running after the server: {left}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The process ids under ``pid`` (Linux ``/proc/<pid>/task/<tid>/children``)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                found += [child, *_descendants(child)]
+    return found
 
 
 def _models(weight_sync: str) -> dict:

@@ -134,3 +134,49 @@ def test_start_engine_raises_the_reason_chained_to_the_original():
     with pytest.raises(EngineStartError, match=r"^KeyError: 'x'$") as caught:
         start_engine(fails)
     assert caught.value.__cause__ is original
+
+
+class ChildProcessEngine:
+    """Holds a child process, as vLLM's engine core does; ``close`` stops it (``VLLMEngine.close``)."""
+
+    def __init__(self, model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank=None,
+                 kv_cache_mib=None) -> None:
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.path.join(model, "child.pid"), "w") as f:
+            f.write(str(self.child.pid))
+
+    def close(self) -> None:
+        self.child.terminate()
+        self.child.wait(30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_stops_the_server_and_the_engines_processes(model_folder):
+    """A SIGTERM (a process manager, a test's ``terminate``) exits 0 through the engine's shutdown; a bare kill
+    left vLLM's engine-core and worker processes running (~1.3 GB for the tiny test model)."""
+    script = ("import sys; from rlhf_lit.vllm_server import main; "
+              "from tests.ppo.test_vllm_start import ChildProcessEngine; "
+              "main(sys.argv[1:], engine_factory=ChildProcessEngine)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    server = subprocess.Popen([sys.executable, "-c", script, "--model", model_folder, "--port", "0"], cwd=root,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
+    try:
+        assert "ready on http://127.0.0.1:" in server.stdout.readline()
+        child = int(open(os.path.join(model_folder, "child.pid")).read())
+        assert _alive(child)
+        server.terminate()
+        assert server.wait(60) == 0
+        assert not _alive(child)
+    finally:
+        server.kill()
+        if os.path.exists(os.path.join(model_folder, "child.pid")):
+            pid = int(open(os.path.join(model_folder, "child.pid")).read())
+            if _alive(pid):
+                os.kill(pid, 9)
