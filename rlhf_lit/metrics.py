@@ -95,6 +95,7 @@ HELDOUT_RM_SCORE = "heldout/rm_score"
 PERF_GENERATION_S = "perf/generation_s"
 PERF_EXPERIENCE_S = "perf/experience_s"
 PERF_UPDATE_S = "perf/update_s"
+PERF_SYNC_S = "perf/sync_s"
 PERF_ITERATION_S = "perf/iteration_s"
 PERF_GENERATION_TOKENS_PER_S = "perf/generation_tokens_per_s"
 PERF_PEAK_MEMORY_MB = "perf/peak_memory_mb"
@@ -225,6 +226,8 @@ GLOSSARY: dict[str, str] = {
     PERF_GENERATION_S: "seconds spent sampling responses, per iteration",
     PERF_EXPERIENCE_S: "seconds for the old-logprob, reference, value and reward passes plus GAE, per iteration",
     PERF_UPDATE_S: "seconds for the PPO epochs and the sampler's refresh (Sampler.sync), per iteration",
+    PERF_SYNC_S: "seconds of the sampler's refresh alone (part of perf/update_s), per iteration: vLLM's weight push "
+    "and the engine's load, the bf16 sampling copy's refresh; ~0 for hf and static",
     PERF_ITERATION_S: "seconds per PPO iteration",
     PERF_GENERATION_TOKENS_PER_S: "sampled tokens per second",
     PERF_PEAK_MEMORY_MB: "peak accelerator memory (CUDA) or peak resident memory (CPU), MiB",

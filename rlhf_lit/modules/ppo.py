@@ -231,15 +231,15 @@ class PPOModule(L.LightningModule):
         # 6. PPO epochs over shuffled minibatches
         update_batch = UpdateBatch.from_rollout(rollout, adv, kl_coef if kl_in_loss else None)
         update_stats = self.updater.update(update_batch, self.iteration)
-        self.sampler.sync(self.policy)  # 7. the sampler sees the new weights (timed with the update)
+        t_sync = time.perf_counter()
+        self.sampler.sync(self.policy)  # 7. the sampler sees the new weights (timed with the update, and alone)
         t3 = time.perf_counter()
         # KL controller (every rank moves beta alike); metrics
         self.kl_ctl.update(*global_kl_per_response(self.trainer, rollout))
         self.iteration += 1
         stats = all_stats(self.trainer, rollout, adv, update_stats, bool(self.stop_ids), (t0, t1, t2, t3))
-        stats.update(
-            {M.PPO_ITERATION: self.iteration, M.PPO_KL_COEF: kl_coef, **peak_memory(peak_memory_mb())}
-        )
+        stats.update({M.PPO_ITERATION: self.iteration, M.PPO_KL_COEF: kl_coef, M.PERF_SYNC_S: t3 - t_sync})
+        stats.update(peak_memory(peak_memory_mb()))
         self.last_rollout = rollout.as_text(self.tokenizer, rollout.prompt_ids)  # for RolloutSamples & co.
         self._log_iteration(stats)
         if self.ppo.total_iterations and self.iteration >= self.ppo.total_iterations:
@@ -282,8 +282,7 @@ class PPOModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint.get("ppo_state")
-        if state is None:
+        if (state := checkpoint.get("ppo_state")) is None:
             return
         self.iteration = state["iteration"]
         self.kl_ctl.load_state_dict(state["kl_controller"])

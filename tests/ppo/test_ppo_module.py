@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -84,6 +85,7 @@ def test_one_iteration_writes_the_metric_keys(tmp_path):
         M.CRITIC_EXPLAINED_VARIANCE,
         M.PERF_GENERATION_S,
         M.PERF_UPDATE_S,
+        M.PERF_SYNC_S,
         M.PERF_GENERATION_TOKENS_PER_S,
         "rollout/kl_ref_k1",
         "rollout/kl_ref_k3",
@@ -97,6 +99,20 @@ def test_one_iteration_writes_the_metric_keys(tmp_path):
     assert any(tag.startswith("rollout/samples") for tag in events.Tags()["tensors"]), events.Tags()[
         "tensors"
     ]
+
+
+def test_perf_sync_s_times_the_samplers_refresh_inside_the_update(tmp_path):
+    """``perf/sync_s`` is the sampler's ``sync`` (vLLM's weight push) alone, and part of ``perf/update_s``."""
+    from rlhf_lit.rl.sampler import HFSampler
+
+    class SlowSync(HFSampler):
+        def sync(self, policy):
+            time.sleep(0.25)
+
+    module = make_module(ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=2, total_iterations=1), sampler=SlowSync)
+    _fit(module, tmp_path, batch_size=2)
+    figures = module.history[0]
+    assert 0.25 <= figures[M.PERF_SYNC_S] < figures[M.PERF_UPDATE_S] < figures[M.PERF_ITERATION_S]
 
 
 def test_score_lands_on_the_last_real_token_with_pad_equal_eos(tmp_path, monkeypatch):
