@@ -12,8 +12,9 @@ to the batch maximum T), full fine-tuning of the 4-layer GPT-2 (d = 256, d_ff = 
 * ``12 * n_layer * T^2 * d``: QK^T and attention x V, 2 T^2 d each forward (4 T^2 d), times 3 with the
   backward; the full T x T square is counted, as the padded batch runs it (SDPA gets an explicit mask).
 * Padded positions are counted where they are computed. TRL runs each step as one batch padded to the
-  longest sequence (221,552 positions over the run vs 118,630 real ones); rlhf_lit's ``RewardModule`` runs
-  the 16 sequences as ``length_groups`` forwards of similar length, each cut to its own longest sequence
+  longest sequence (221,552 positions over the run vs 118,630 real ones); rlhf_lit's ``RewardModule`` packs
+  the 16 sequences end to end into bins no longer than the longest (``packing``, its default on a causal LM),
+  or with ``length_groups`` runs them as forwards of similar length, each cut to its own longest sequence
   (``flops`` counts those widths; ``flops_padded`` is TRL's count, used for TRL's achieved FLOP/s).
 
 The simpler "6 * params * tokens" with all 4.34M parameters and real tokens is also reported
@@ -25,12 +26,18 @@ from __future__ import annotations
 import time
 
 
-def rm_flops(pairs: list[dict], model_cfg: dict, batch_size: int, length_groups: int = 1) -> dict:
+def rm_flops(pairs: list[dict], model_cfg: dict, batch_size: int, length_groups: int = 1,
+             packing: bool = False) -> dict:
     """Total training FLOPs over all RM steps for the workload's pairs, batched in file order.
 
-    ``flops``: as rlhf_lit computes them (``length_groups`` forwards per step, each over its own width);
-    ``flops_padded``: one forward per step padded to the step's longest sequence (TRL).
+    ``flops``: as rlhf_lit computes them: with ``packing``, one forward over the step's bins
+    (``rlhf_lit.functional.packing.first_fit_decreasing``, the longest sequence as capacity, as ``pack_layout``
+    cuts them; every bin as wide as the fullest, attention over each bin's whole square, as the block-diagonal
+    mask runs it); else ``length_groups`` forwards per step, each over its own width; ``flops_padded``: one
+    forward per step padded to the step's longest sequence (TRL).
     """
+    from rlhf_lit.functional.packing import first_fit_decreasing
+
     d = model_cfg["n_embd"]
     d_ff = model_cfg.get("n_inner") or 4 * d
     n_layer = model_cfg["n_layer"]
@@ -46,13 +53,17 @@ def rm_flops(pairs: list[dict], model_cfg: dict, batch_size: int, length_groups:
         batch = pairs[start : start + batch_size]
         lengths = sorted([len(p["chosen_ids"]) for p in batch] + [len(p["rejected_ids"]) for p in batch])
         padded += cost(len(lengths), max(lengths))
-        groups = length_groups if len(lengths) >= 2 * length_groups else 1
-        total += sum(cost(len(g), max(g)) for g in np.array_split(np.array(lengths), groups))
+        if packing:
+            bins = first_fit_decreasing(lengths, max(lengths))
+            total += cost(len(bins), max(sum(lengths[i] for i in rows) for rows in bins))
+        else:
+            groups = length_groups if len(lengths) >= 2 * length_groups else 1
+            total += sum(cost(len(g), max(g)) for g in np.array_split(np.array(lengths), groups))
         real_tokens += sum(lengths)
     return dict(flops=total, flops_padded=padded, n_matmul_params=n_matmul,
                 flops_simple=6 * 4.34e6 * real_tokens,
                 formula="sum over forwards of n_seq * (6 * N_matmul * T + 12 * n_layer * T^2 * d), T = the "
-                        "forward's padded width")
+                        "forward's padded width (packed: n_seq = bins, T = the widest bin)")
 
 
 def matmul_throughput(threads: int, sizes=(1024, 2048), model_shape=(4096, 256, 1024), repeats: int = 5) -> dict:

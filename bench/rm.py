@@ -13,10 +13,12 @@ splits each transcript into prompt and response and could tokenise the boundary 
 Differences from TRL's run (also in ``details.differences``):
 
 * our ``ScalarHead`` has a bias; it is held at 0 and frozen, so the model equals TRL's bias-free ``score``;
-* rlhf_lit's speed-ups, all exact (tests in ``tests/``): the 16 sequences of a step run as
-  ``length_groups`` (4, set here; default 1) forwards of similar length, each cut to its own longest sequence, instead of one
-  forward padded to the longest of the 16; the GPT-2 tanh-GELU runs as one fused kernel; AdamW is fused in
-  both (set ``BENCH_RM_LENGTH_GROUPS=1`` to run TRL's single padded forward);
+* rlhf_lit's speed-ups, all exact (tests in ``tests/``): the 16 sequences of a step are packed padding-free
+  (``RewardModule``'s default on a causal LM: end to end in bins no longer than the longest, position ids
+  restarting, attention confined to each sequence) instead of one forward padded to the longest of the 16;
+  the GPT-2 tanh-GELU runs as one fused kernel; AdamW is fused in both. ``BENCH_RM_LENGTH_GROUPS=4`` runs the
+  earlier cut (4 forwards of similar length, each cut to its own longest sequence); ``BENCH_RM_PACKING=0``
+  (with ``length_groups`` 1) TRL's single padded forward;
 * our backbone is loaded as ``AutoModelForCausalLM`` (the tied LM head is never run: the RM reads the
   trunk's hidden states), TRL's as ``GPT2ForSequenceClassification`` (which scores every position).
 """
@@ -84,9 +86,11 @@ def build_module():
         optimizer=OptimizerConfig(lr=cfg["learning_rate"], weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
                                   scheduler="linear", warmup_steps=0),
         calibrate=False,  # TRL does not calibrate; calibration is a separate pass after fit anyway
-        # RewardModule.length_groups (default 1): 4 forwards of similar length per step, each cut to its own
-        # longest sequence; BENCH_RM_LENGTH_GROUPS=1 gives TRL's single padded forward
-        length_groups=int(os.environ.get("BENCH_RM_LENGTH_GROUPS", "4")),
+        # the module's default: a causal LM packs each step's 16 sequences padding-free (packing: null);
+        # BENCH_RM_LENGTH_GROUPS=4: 4 forwards of similar length instead, each cut to its own longest sequence;
+        # BENCH_RM_PACKING=0 with BENCH_RM_LENGTH_GROUPS=1: TRL's single padded forward
+        length_groups=int(os.environ.get("BENCH_RM_LENGTH_GROUPS", "1")),
+        packing=None if os.environ.get("BENCH_RM_PACKING", "1") == "1" else False,
     )
     score = load_file(str(W.rm_dir() / "model.safetensors"))["score.weight"]
     with torch.no_grad():
@@ -128,7 +132,7 @@ def child_rm(threads: int) -> dict:
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
     )
     n_tokens = sum(len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
-    flops = rm_flops(pairs, W.MODEL, cfg["batch_size"], module.hparams.length_groups)
+    flops = rm_flops(pairs, W.MODEL, cfg["batch_size"], module.hparams.length_groups, module.packing)
     padded = 0
     for i in range(0, len(pairs), cfg["batch_size"]):
         b = pairs[i : i + cfg["batch_size"]]
@@ -174,7 +178,7 @@ def child_rm(threads: int) -> dict:
         details=dict(
             optimizer_steps=trainer.global_step, real_tokens=n_tokens, padded_positions=padded,
             train_flops=flops["flops"], train_flops_padded=flops["flops_padded"],
-            length_groups=module.hparams.length_groups, flops_formula=flops["formula"], n_matmul_params=flops["n_matmul_params"],
+            length_groups=module.hparams.length_groups, packing=module.packing, flops_formula=flops["formula"], n_matmul_params=flops["n_matmul_params"],
             heldout_pairs=len(heldout), heldout_records=[heldout[0]["record_index"], heldout[-1]["record_index"]],
             optimizer=f"{type(opt).__name__}(fused={opt.defaults.get('fused')}, foreach={opt.defaults.get('foreach')})",
             driver="lightning.Trainer.fit(RewardModule) (logger off, checkpointing off, as TRL's report_to=none)",
@@ -185,9 +189,10 @@ def child_rm(threads: int) -> dict:
                            grad_clip=f"norm {cfg['max_grad_norm']}"),
             differences=[
                 "ScalarHead has a bias: held at 0 and frozen, so the model equals TRL's bias-free score head",
-                f"rlhf_lit speed-ups (exact): {module.hparams.length_groups} length groups per step, each cut "
-                "to its own longest sequence (TRL: one forward padded to the longest of 16); fused tanh-GELU; "
-                "AdamW fused in both",
+                ("rlhf_lit speed-ups (exact): the 16 sequences of a step packed padding-free into bins "
+                 if module.packing else f"rlhf_lit speed-ups (exact): {module.hparams.length_groups} length "
+                 "groups per step, each cut to its own longest sequence ")
+                + "(TRL: one forward padded to the longest of 16); fused tanh-GELU; AdamW fused in both",
                 "backbone is AutoModelForCausalLM with the tied LM head unused; TRL's "
                 "GPT2ForSequenceClassification also scores every position (negligible)",
                 "driven by Lightning's Trainer (what users run), not transformers' Trainer",
