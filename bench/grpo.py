@@ -222,6 +222,7 @@ def _child_grpo(threads: int, iterations: int, model: str, backend: str, vllm_ur
             gen_s_per_iter=mean(h[M.PERF_GENERATION_S] for h in hist),
             experience_s_per_iter=mean(h[M.PERF_EXPERIENCE_S] for h in hist),
             update_s_per_iter=mean(h[M.PERF_UPDATE_S] for h in hist),
+            sync_s_per_iter=mean(h[M.PERF_SYNC_S] for h in hist),  # part of update_s: the engine's weight push
             reference_s_per_iter=mean(p.get("reference_s", 0.0) for p in phase),
             old_logprobs_s_per_iter=mean(p.get("old_logprobs_values_s", 0.0) for p in phase),
             reward_s_per_iter=mean(p.get("reward_s", 0.0) for p in phase),
