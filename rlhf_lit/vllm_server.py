@@ -340,20 +340,21 @@ def main(argv: list[str] | None = None, engine_factory=None) -> None:
             fail(f"vLLM is not installed for {sys.executable} ({err}); install it in its own environment: "
                  f"{INSTALL_HINT}")
         from rlhf_lit.vllm_engine import VLLMEngine as engine_factory
+    engine = server = None  # a SIGTERM may come at any point below: the finally closes what exists
     try:
         lora_rank = args.max_lora_rank if args.enable_lora else None
         engine = start_engine(engine_factory, args.model, args.dtype, args.max_model_len,
                               args.gpu_memory_utilization, max_lora_rank=lora_rank, kv_cache_mib=args.kv_cache_mib)
+        server = make_server(engine, port=args.port)
+        print(f"rlhf-lit vllm-serve: ready on http://127.0.0.1:{server.server_address[1]}", flush=True)
+        server.serve_forever()
     except EngineStartError as err:
         fail(f"the vLLM engine did not start: {err} (vLLM's log is above)")
-    server = make_server(engine, port=args.port)
-    print(f"rlhf-lit vllm-serve: ready on http://127.0.0.1:{server.server_address[1]}", flush=True)
-    try:
-        server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        if server is not None:
+            server.server_close()
         getattr(engine, "close", lambda: None)()  # VLLMEngine.close; engines without one hold no processes
 
 
