@@ -30,13 +30,14 @@ def rm_flops(pairs: list[dict], model_cfg: dict, batch_size: int, length_groups:
              packing: bool = False) -> dict:
     """Total training FLOPs over all RM steps for the workload's pairs, batched in file order.
 
-    ``flops``: as rlhf_lit computes them: with ``packing``, one forward over the step's bins
-    (``rlhf_lit.functional.packing.first_fit_decreasing``, the longest sequence as capacity, as ``pack_layout``
-    cuts them; every bin as wide as the fullest, attention over each bin's whole square, as the block-diagonal
-    mask runs it); else ``length_groups`` forwards per step, each over its own width; ``flops_padded``: one
+    ``flops``: as rlhf_lit computes them: with ``packing``, one forward over the step's bins as
+    ``rlhf_lit.functional.packing.pack_layout`` cuts them (every bin as wide as the fullest, attention over each
+    bin's whole square, as the block-diagonal mask runs it); else ``length_groups`` forwards per step, each over its own width; ``flops_padded``: one
     forward per step padded to the step's longest sequence (TRL).
     """
-    from rlhf_lit.functional.packing import first_fit_decreasing
+    import torch
+
+    from rlhf_lit.functional.packing import pack_layout
 
     d = model_cfg["n_embd"]
     d_ff = model_cfg.get("n_inner") or 4 * d
@@ -54,8 +55,8 @@ def rm_flops(pairs: list[dict], model_cfg: dict, batch_size: int, length_groups:
         lengths = sorted([len(p["chosen_ids"]) for p in batch] + [len(p["rejected_ids"]) for p in batch])
         padded += cost(len(lengths), max(lengths))
         if packing:
-            bins = first_fit_decreasing(lengths, max(lengths))
-            total += cost(len(bins), max(sum(lengths[i] for i in rows) for rows in bins))
+            mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+            total += cost(*pack_layout(mask).valid.shape)  # (bins, widest bin)
         else:
             groups = length_groups if len(lengths) >= 2 * length_groups else 1
             total += sum(cost(len(g), max(g)) for g in np.array_split(np.array(lengths), groups))

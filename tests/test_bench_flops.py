@@ -26,7 +26,7 @@ def test_one_step_padded_grouped_and_packed():
     assert out["flops"] == out["flops_padded"] == padded
     # two groups of similar length: (1, 2) at width 2, (2, 3) at width 3
     assert rm_flops(pairs, MODEL, 2, length_groups=2)["flops"] == cost(2, 2) + cost(2, 3)
-    # first-fit decreasing, capacity 3 (the longest, as pack_layout cuts): [3], [2, 1], [2] -> 3 bins of 3
+    # pack_layout: first-fit decreasing, capacity 3 (the longest): [3], [2, 1], [2] -> 3 bins of 3
     packed = rm_flops(pairs, MODEL, 2, packing=True)
     assert packed["flops"] == cost(3, 3) and packed["flops_padded"] == padded
 
