@@ -171,9 +171,10 @@ def run_result_process(cmd: list[str], logfile: Path, label: str) -> dict:
     return result
 
 
-def run_child(workload: str, rep: int, args, extra: list[str] | None = None) -> dict:
-    """One repetition of one of our workloads in a fresh process (``bench/run.py --_child``)."""
-    cmd = [sys.executable, str(REPO / "bench" / "run.py"), "--_child", workload, "--threads", str(args.threads),
+def run_child(workload: str, rep: int, args, extra: list[str] | None = None, python: str | None = None) -> dict:
+    """One repetition of one of our workloads in a fresh process (``bench/run.py --_child``), with ``python``
+    (default this interpreter)."""
+    cmd = [python or sys.executable, str(REPO / "bench" / "run.py"), "--_child", workload, "--threads", str(args.threads),
            "--ppo-iterations", str(args.ppo_iterations), "--grpo-model", getattr(args, "grpo_model", "tiny"),
            *(extra or [])]
     logfile = W.ARTIFACTS / "logs" / f"rlhf_lit_{workload}_run{rep}.log"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import sys
 
 from bench.common import (
@@ -47,8 +48,10 @@ SIDE_BY_SIDE = (
     "kl_ref_iter1",
 )
 # bf16copy: hf on a bf16 copy (sampling.copy_dtype); vllm: the engine behind rlhf-lit vllm-serve, which the run
-# starts in $RLHF_LIT_VLLM_PYTHON (its processes' peaks count in the run's peak RSS)
-BACKENDS = ("hf", "static", "bf16copy", "vllm")
+# starts in $RLHF_LIT_VLLM_PYTHON (its processes' peaks count in the run's peak RSS); colocated: the engine in the
+# training process (sampling.vllm.mode: colocated), the whole run in $RLHF_LIT_VLLM_PYTHON (the project installed
+# there, with vLLM's transformers)
+BACKENDS = ("hf", "static", "bf16copy", "vllm", "colocated")
 SAMPLING_TARGET = 1.5  # sampling tokens/s of the best backend / hf's
 
 
@@ -157,7 +160,11 @@ def main(args, fingerprint: dict) -> None:
     for rep in range(args.repeats):
         for system, child in [("trl", "grpo_trl"), *ours]:
             log(f"[bench] {system} grpo[{args.grpo_model}] run {rep + 1}/{args.repeats} ...")
-            runs[system].append(run_child(child, rep, args))
+            python = os.environ.get("RLHF_LIT_VLLM_PYTHON") if child == "grpo-colocated" else None
+            if child == "grpo-colocated" and not python:
+                raise SystemExit("--grpo-backends ...,colocated needs RLHF_LIT_VLLM_PYTHON (the vLLM environment's "
+                                 "python, with this project installed there)")
+            runs[system].append(run_child(child, rep, args, python=python))
             log_run(system, runs[system][-1])
             log(f"[bench]   {system}: iter_wall={runs[system][-1]['metrics']['iter_wall_s']:.2f}s "
                 f"gen_tokens_per_s={runs[system][-1]['metrics']['gen_tokens_per_s']:.1f}")

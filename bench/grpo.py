@@ -9,7 +9,9 @@ mean over the minibatch as the loss aggregation (TRL's default ``dapo``), GRPO's
 4 minibatches of 4, gradient clipping at 1.0, lr 3e-6 decayed linearly per optimizer step (the module's
 schedule: the same as TRL's Trainer), 2 iterations, fp32, seed 42. ``model`` picks the base
 (``grpo_workload.MODELS``: ``tiny`` or ``smollm2``) and ``backend`` the sampler's ``sampling.backend`` (``hf``, the
-default, or ``static``), or ``bf16copy`` (``hf`` on a bf16 copy), or ``vllm``: the run starts ``rlhf-lit
+default, or ``static``), or ``bf16copy`` (``hf`` on a bf16 copy), or ``colocated`` (``vllm`` with
+``sampling.vllm.mode: colocated``: the engine in this process, run by the vLLM environment's python with the same
+options as the server below), or ``vllm``: the run starts ``rlhf-lit
 vllm-serve`` on the same model folder in ``$RLHF_LIT_VLLM_PYTHON`` (float32, ``--max-model-len 512``, a 128 MiB KV
 cache, ``--threads`` threads; its start is not timed and is reported as ``vllm_start_s``), samples through it with
 ``sampling.vllm.weight_sync: merged`` (the weights pushed after every update), and counts the server's processes
@@ -49,7 +51,7 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm
     from rlhf_lit.modules import PPOModule
     from rlhf_lit.modules.common import OptimizerConfig
     from rlhf_lit.rewards import RewardSourceConfig
-    from rlhf_lit.rl.generation import SamplingConfig, VLLMSettings
+    from rlhf_lit.rl.generation import SamplingConfig
     from rlhf_lit.rl.settings import KLConfig, PPOConfig, RewardShapingConfig
 
     g = GRPO
@@ -64,9 +66,9 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm
             stop_at_eos=True,
             num_samples_per_prompt=g["group_size"],
             merge_adapter=True,  # a speed knob, off by default (as in the PPO workload)
-            backend="hf" if backend == "bf16copy" else backend,  # hf (default) or static (--grpo-backends)
+            backend={"bf16copy": "hf", "colocated": "vllm"}.get(backend, backend),  # hf (default), static, vllm
             copy_dtype="bfloat16" if backend == "bf16copy" else None,  # bf16copy: hf on a bf16 copy
-            vllm=VLLMSettings(url=vllm_url) if vllm_url else VLLMSettings(),  # vllm: float32, merged weights
+            vllm=vllm_settings(backend, vllm_url),
         ),
         ppo=PPOConfig(
             advantage_estimator="grpo",
@@ -93,6 +95,16 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm
         ),
         log_samples_every=0,
     )
+
+
+def vllm_settings(backend: str, url: str | None):
+    """``sampling.vllm`` of a backend: float32, merged weights; ``colocated``: the engine in this process, with the
+    server's options (``--max-model-len 512``, a 128 MiB KV cache)."""
+    from rlhf_lit.rl.generation import VLLMSettings
+
+    if backend == "colocated":
+        return VLLMSettings(mode="colocated", max_model_len=512, kv_cache_mib=128)
+    return VLLMSettings(url=url) if url else VLLMSettings()
 
 
 def watch_first_ratio(module) -> dict:
@@ -198,15 +210,20 @@ def _child_grpo(threads: int, iterations: int, model: str, backend: str, vllm_ur
     setup_s = time.perf_counter() - T_PROCESS_START
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
-    wall = time.perf_counter() - t0
+    # colocated: the engine starts inside the first rollout; like the server's start (vllm_start_s), not timed
+    engine_start_s = getattr(module.sampler, "start_s", 0.0)
+    wall = time.perf_counter() - t0 - engine_start_s
 
     hist = module.history
     assert len(hist) == iterations == len(marks["ends"]), (len(hist), len(marks["ends"]))
     starts = [marks["train_begin"]] + marks["ends"][:-1]
     it_wall = [e - s for s, e in zip(starts, marks["ends"])]
+    it_wall[0] -= engine_start_s
     phase = timers.done
     sequences = GRPO["prompts_per_rollout"] * GRPO["group_size"]
     gen_tokens = [h[M.PERF_GENERATION_TOKENS_PER_S] * h[M.PERF_GENERATION_S] for h in hist]
+    gen_s = [h[M.PERF_GENERATION_S] for h in hist]
+    gen_s[0] -= engine_start_s
     mean = statistics.fmean
     return dict(
         wall_s=wall,
@@ -216,10 +233,10 @@ def _child_grpo(threads: int, iterations: int, model: str, backend: str, vllm_ur
         metrics=dict(
             iter_wall_s=mean(it_wall),
             iter2_wall_s=it_wall[-1],
-            gen_tokens_per_s=sum(gen_tokens) / sum(h[M.PERF_GENERATION_S] for h in hist),
+            gen_tokens_per_s=sum(gen_tokens) / sum(gen_s),
             gen_tokens_per_iter=mean(gen_tokens),  # rows x decoding steps (B x R), as TRL's side counts them
             response_len_mean=mean(h[M.ROLLOUT_RESPONSE_LEN] for h in hist),
-            gen_s_per_iter=mean(h[M.PERF_GENERATION_S] for h in hist),
+            gen_s_per_iter=mean(gen_s),
             experience_s_per_iter=mean(h[M.PERF_EXPERIENCE_S] for h in hist),
             update_s_per_iter=mean(h[M.PERF_UPDATE_S] for h in hist),
             sync_s_per_iter=mean(h[M.PERF_SYNC_S] for h in hist),  # part of update_s: the engine's weight push
@@ -232,6 +249,7 @@ def _child_grpo(threads: int, iterations: int, model: str, backend: str, vllm_ur
             reward_mean=mean(h[M.ROLLOUT_SCORE_MEAN] for h in hist),
             first_step_ratio_max_dev=first_ratio.get("max_dev"),
             kl_ref_iter1=hist[0][M.ROLLOUT_KL_REF],
+            **({"vllm_start_s": engine_start_s} if backend == "colocated" else {}),
         ),
         details=details(trainer, module, iterations, it_wall, first_ratio, threads, model, backend),
     )

@@ -44,7 +44,7 @@ from rlhf_lit.models.backbone import BackboneConfig  # noqa: E402
 from rlhf_lit.models.model_files import dequantized_gguf_folder  # noqa: E402
 from rlhf_lit.rl.generation import SamplingConfig, sample_responses  # noqa: E402
 from rlhf_lit.rl.vllm_client import VLLMClient  # noqa: E402
-from rlhf_lit.vllm_server import file_digest  # noqa: E402
+from rlhf_lit.vllm_protocol import file_digest  # noqa: E402
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+from rlhf_lit.vllm_protocol import GPU_MEMORY_UTILIZATION
+
 __all__ = ["VLLMEngine"]
 
 
@@ -32,20 +34,26 @@ class VLLMEngine:
             ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 when unset (vLLM allocates and zeroes it at start, so it counts in
             the engine's resident memory: a rollout of 16 x 112 tokens of SmolLM2-135M needs ~83 MB of it);
             on a GPU ``gpu_memory_utilization`` sizes it.
+        in_process: run vLLM's engine core (and on CPU its worker) in this process instead of child processes
+            (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the colocated sampler's engine
+            (``sampling.vllm.mode: colocated``), which then adds no process, no second import of torch and vLLM,
+            and no inter-process copy of the rollouts or the weights.
 
     Raises:
         ImportError: vLLM is not installed (``rlhf-lit vllm-serve`` says so in one line before building this).
     """
 
     def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
-                 max_lora_rank: int | None = None, kv_cache_mib: int | None = None) -> None:
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, enforce_eager: bool = True,
+                 max_lora_rank: int | None = None, kv_cache_mib: int | None = None, in_process: bool = False) -> None:
         if kv_cache_mib is None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU
             cache = {}
         else:  # vLLM's CPU platform would replace kv_cache_memory_bytes with the variable's GiB
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             cache = {"kv_cache_memory_bytes": kv_cache_mib * 2**20}
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # load() sends a function to the engine's worker process (its local IPC pickles it): our own code only
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
@@ -70,7 +78,7 @@ class VLLMEngine:
         )
 
     def generate(self, request) -> tuple[list[list[int]], list[list[float]]]:
-        """``(tokens, logprobs)`` per prompt of a ``rlhf_lit.vllm_server.GenerateRequest`` (see ``/generate``)."""
+        """``(tokens, logprobs)`` per prompt of a ``rlhf_lit.vllm_protocol.GenerateRequest`` (see ``/generate``)."""
         params = [
             self.vllm.SamplingParams(
                 n=1,

@@ -299,7 +299,7 @@ def save_sharded_weights(
         return
     try:
         if write_merged:
-            _save_config(base, path, written)
+            save_config(base, path, written)
         if write_adapter:
             folder = os.path.join(path, "adapter")
             written.append(folder)
@@ -322,7 +322,7 @@ def _write_file(merged: dict[str, torch.Tensor], file: str, dtype: torch.dtype |
     return {k: t.numel() * t.element_size() for k, t in tensors.items()}
 
 
-def _save_config(base: nn.Module, path: str, written: list[str]) -> None:
+def save_config(base: nn.Module, path: str, written: list[str]) -> None:
     """``config.json`` (and ``generation_config.json`` for a model that generates) as ``save_pretrained`` writes
     them beside the weights: the dtype and architecture recorded in the config first."""
     base.config.dtype = str(base.dtype).split(".")[1]

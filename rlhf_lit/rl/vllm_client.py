@@ -14,9 +14,9 @@ import urllib.error
 import urllib.request
 
 from rlhf_lit.errors import SamplerEngineError
-from rlhf_lit.vllm_server import PROTOCOL
+from rlhf_lit.vllm_protocol import PROTOCOL
 
-__all__ = ["START_HINT", "VLLMClient"]
+__all__ = ["START_HINT", "LocalVLLMClient", "VLLMClient"]
 
 #: How to start the server the client looks for.
 START_HINT = (
@@ -36,6 +36,7 @@ class VLLMClient:
     def __init__(self, url: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.name = f"the server at {self.url}"  # who answers, in error messages
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -65,7 +66,7 @@ class VLLMClient:
         except ValueError:
             out = None
         if not isinstance(out, dict):
-            raise SamplerEngineError(f"the server at {self.url} answered {method} {path} with no JSON object")
+            raise SamplerEngineError(f"{self.name} answered {method} {path} with no JSON object")
         return out
 
     def health(self) -> dict:
@@ -77,7 +78,7 @@ class VLLMClient:
         out = self._call("GET", "/health")
         if out.get("protocol") != PROTOCOL:
             raise SamplerEngineError(
-                f"the server at {self.url} speaks protocol {out.get('protocol')!r}, this trainer {PROTOCOL}: "
+                f"{self.name} speaks protocol {out.get('protocol')!r}, this trainer {PROTOCOL}: "
                 "start rlhf_lit.vllm_server from this repository"
             )
         return out
@@ -122,7 +123,7 @@ class VLLMClient:
         )
         if not ok:
             raise SamplerEngineError(
-                f"the server at {self.url} answered /generate for {len(prompts)} prompts with no valid "
+                f"{self.name} answered /generate for {len(prompts)} prompts with no valid "
                 f"{{tokens, logprobs, weights}} (one list of 1..{max_new_tokens} tokens and as many log-probs "
                 "per prompt)"
             )
@@ -147,5 +148,25 @@ class VLLMClient:
     def _load(self, endpoint: str, path: str, key: str, what: str) -> dict:
         out = self._call("POST", endpoint, {"path": path})
         if not isinstance(out.get(key), str):
-            raise SamplerEngineError(f"the server at {self.url} answered {endpoint} with no {what}")
+            raise SamplerEngineError(f"{self.name} answered {endpoint} with no {what}")
+        return out
+
+
+class LocalVLLMClient(VLLMClient):
+    """The same requests answered in this process (``sampling.vllm.mode: colocated``): the replies of
+    ``rlhf_lit.vllm_protocol.EngineService`` on an engine built here, checked as :class:`VLLMClient` checks the
+    server's, without HTTP or JSON.
+
+    Args:
+        service: the ``EngineService`` of the in-process engine.
+    """
+
+    def __init__(self, service) -> None:
+        self.service, self.url, self.timeout_s = service, "in-process", None
+        self.name = "the in-process vLLM engine (sampling.vllm.mode: colocated)"
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        status, out = self.service.handle(method, path, body)
+        if status != 200:
+            raise SamplerEngineError(f"{self.name} refused {method} {path}: {out.get('error', '')}")
         return out

@@ -1,7 +1,7 @@
 """Step 1 of an iteration with ``sampling.backend: vllm``: responses from a vLLM engine in its own process.
 
 :class:`VLLMSampler` is the :class:`~rlhf_lit.rl.sampler.Sampler` that asks the engine's server
-(``rlhf_lit.vllm_server``, through ``rl.vllm_client``) for the rollouts and pushes the policy's weights to it at
+(``rlhf_lit.vllm_server``, through ``rl.vllm_client``; or in this process, ``sampling.vllm.mode: colocated``) for the rollouts and pushes the policy's weights to it at
 every ``sync`` (its docstring). Notation: B rows, R response width (right padded).
 """
 
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from rlhf_lit.errors import SamplerEngineError
@@ -57,23 +59,41 @@ class VLLMSampler:
     the index: no rank ever holds the whole model. Under DDP rank 0 pushes its own copy. With ``lora``, the
     adapter's matrices are gathered whole on every rank (they are small) and written by rank 0.
 
+    With ``sampling.vllm.mode: colocated`` the engine is built in this process (vLLM's engine core too, no child
+    process; the random states of torch, ``random`` and numpy, which vLLM reseeds, kept) at the first push, from its folder
+    (``config.json`` written beside the merged weights; with ``lora``, the reference weights, served rank
+    ``vllm_protocol.served_lora_rank(backbone.lora.r)``), and answers through ``rl.vllm_client.LocalVLLMClient``:
+    the same requests, digests and checks without HTTP (the engine's start failure is one line, its own reason).
+    It is closed (vLLM's engine-core shutdown) by :meth:`close`, when the sampler is garbage collected, or at exit. Refused under
+    several training processes (each would need its own engine).
+
     Args:
-        sampling: the sampling settings (``sampling.vllm``: where the server is).
+        sampling: the sampling settings (``sampling.vllm``: where the engine runs).
         stop_ids: token ids that end a response.
         pad_token_id: the id responses are padded with after their stop token.
-        client: the protocol client; default a ``rl.vllm_client.VLLMClient`` on ``sampling.vllm.url``.
+        client: the protocol client; default a ``rl.vllm_client.VLLMClient`` on ``sampling.vllm.url``
+            (``colocated``: built with the engine).
+        engine_factory: ``colocated``: builds the engine as ``factory(model_folder, dtype, max_model_len,
+            gpu_memory_utilization, max_lora_rank=..., kv_cache_mib=..., in_process=True)`` (default
+            ``rlhf_lit.vllm_engine.VLLMEngine``).
 
     Attributes:
         sync_s: seconds of the latest ``sync`` (merge or adapter state, write, the engine's load); ``load_s`` the
             engine's part.
+        start_s: ``colocated``: seconds the engine took to start (part of the first ``sync``); 0 otherwise.
     """
 
-    def __init__(self, sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int, client=None) -> None:
+    def __init__(self, sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int, client=None,
+                 engine_factory=None) -> None:
         from rlhf_lit.rl.vllm_client import VLLMClient
 
         self.sampling, self.stop_ids, self.pad_token_id = sampling, list(stop_ids), pad_token_id
         settings = sampling.vllm
-        self.client = client or VLLMClient(settings.url, settings.timeout_s)
+        self.colocated, self.engine_factory = settings.mode == "colocated", engine_factory
+        if client is None and not self.colocated:
+            client = VLLMClient(settings.url, settings.timeout_s)
+        self.client = client  # colocated: built with the engine at the first push
+        self._finalizer = None  # colocated: closes the engine (at close(), garbage collection or exit)
         self._tmp = None
         if settings.weights_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="rlhf_lit_vllm_")
@@ -85,7 +105,12 @@ class VLLMSampler:
         self.base_pushed: str | None = None  # weight_sync lora: the digest of the base weights pushed
         self.adapters = 0  # weight_sync lora: adapter folders written
         self.pushes = 0  # sharded weight folders written
-        self.sync_s = self.load_s = 0.0
+        self.sync_s = self.load_s = self.start_s = 0.0
+
+    def close(self) -> None:
+        """``colocated``: stop the in-process engine now (vLLM's engine-core shutdown); nothing otherwise."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def sample(self, policy, prompt_ids, prompt_mask, *, synced_gpus=False, merge=False):
         from rlhf_lit.functional.sequence import truncate_after_stop
@@ -124,6 +149,13 @@ class VLLMSampler:
 
         t0 = time.perf_counter()
         rank, world_size = _rank_and_world()
+        if self.colocated and world_size > 1:
+            from rlhf_lit.errors import ConfigError
+
+            raise ConfigError(
+                f"sampling.vllm.mode: colocated runs one engine in one training process; this run has {world_size}. "
+                "Start one server (rlhf-lit vllm-serve) for all ranks and use mode: server"
+            )
         outcome, error = (None, None, 0.0), None
         try:
             outcome = self._push(policy.lm, writer=rank == 0)
@@ -168,9 +200,9 @@ class VLLMSampler:
         every rank holds the same whole weights and rank 0 alone pushes them."""
         from contextlib import nullcontext
 
-        from rlhf_lit.models.streamed_export import INDEX_FILE, unit_weights, write_weight_files
+        from rlhf_lit.models.streamed_export import INDEX_FILE, save_config, unit_weights, write_weight_files
         from rlhf_lit.parallel.fsdp import is_sharded
-        from rlhf_lit.vllm_server import digest_of
+        from rlhf_lit.vllm_protocol import digest_of
 
         if not writer and not is_sharded(lm):  # DDP: rank 0's walk is no collective
             return None, 0.0
@@ -188,10 +220,47 @@ class VLLMSampler:
         if not writer:
             return None, 0.0
         digest = digest_of(_read(file) for file in written)  # one file at a time, as the server reads them
+        if self.client is None:  # colocated: the engine starts from this folder
+            save_config(lm.model.get_base_model() if lm.is_peft else lm.model, partial, [])
         os.replace(partial, folder)
+        if self.client is None:
+            self._start_engine(lm, folder)
         reply = self.client.load_weights(os.path.join(folder, INDEX_FILE))
         shutil.rmtree(os.path.join(self.weights_dir, f"weights-{self.pushes - 1}"), ignore_errors=True)
         return digest, float(reply.get("load_s", 0.0))
+
+    def _start_engine(self, lm, folder: str) -> None:
+        """``colocated``: build the engine in this process on ``folder`` (a Hugging Face folder: the first push and
+        its ``config.json``) with ``sampling.vllm``'s options, and the client that asks it.
+
+        Raises:
+            SamplerEngineError: the engine did not start (its own reason, ``rlhf_lit.vllm_start``).
+        """
+        import weakref
+
+        from rlhf_lit.rl.vllm_client import LocalVLLMClient
+        from rlhf_lit.vllm_protocol import EngineService, served_lora_rank
+        from rlhf_lit.vllm_start import EngineStartError, start_engine
+
+        settings, factory = self.sampling.vllm, self.engine_factory
+        if factory is None:
+            from rlhf_lit.vllm_engine import VLLMEngine as factory
+        rank = served_lora_rank(lm.model.peft_config["actor"].r) if self.lora else None
+        states, t0 = (random.getstate(), np.random.get_state()), time.perf_counter()
+        try:  # vLLM seeds torch, random and numpy of the process that builds it: the run's draws must not move
+            with torch.random.fork_rng():
+                engine = start_engine(factory, folder, settings.dtype, settings.max_model_len,
+                                      settings.gpu_memory_utilization, max_lora_rank=rank,
+                                      kv_cache_mib=settings.kv_cache_mib, in_process=True)
+        except EngineStartError as err:
+            raise SamplerEngineError(f"the vLLM engine did not start: {err} (vLLM's log is above)") from None
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+        self.start_s = time.perf_counter() - t0
+        # engines without a close() hold no processes
+        self._finalizer = weakref.finalize(self, getattr(engine, "close", lambda: None))
+        self.client = LocalVLLMClient(EngineService(engine))
 
     def _push_adapter(self, lm, writer: bool) -> tuple[str | None, float]:
         """Write the actor adapter as a peft folder ``adapter-<n>`` (renamed into place when complete), have the
@@ -204,7 +273,7 @@ class VLLMSampler:
         from peft import get_peft_model_state_dict
         from safetensors.torch import save
 
-        from rlhf_lit.vllm_server import ADAPTER_FILES, adapter_digest
+        from rlhf_lit.vllm_protocol import ADAPTER_FILES, adapter_digest
 
         if not lm.is_peft or "actor" not in lm.model.peft_config:
             raise ValueError("sampling.vllm.weight_sync: lora needs a LoRA actor adapter (backbone.lora)")

@@ -31,7 +31,7 @@ from rlhf_lit.rl.sampler import adapter_fingerprint, build_sampler
 from rlhf_lit.rl.settings import PPOConfig, refuse_impossible_settings, refuse_sharded_settings
 from rlhf_lit.rl.vllm_client import VLLMClient
 from rlhf_lit.rl.vllm_sampler import VLLMSampler
-from rlhf_lit.vllm_server import INITIAL_WEIGHTS, RequestError, adapter_digest, file_digest, parse_generate
+from rlhf_lit.vllm_protocol import INITIAL_WEIGHTS, RequestError, adapter_digest, file_digest, parse_generate
 from tests.cli.helpers import run_cli
 from tests.conftest import TINY_GPT2
 from tests.ppo.helpers import make_data, make_module, make_trainer
@@ -664,9 +664,9 @@ def test_an_interpreter_from_the_environment_is_named_as_such(tmp_path):
     assert result.returncode == 2 and f"rlhf-lit: error: --python {missing}2: no such interpreter" in result.stderr
 
 
-def test_the_server_module_imports_nothing_of_the_project_but_its_ranges_and_start():
-    """It runs in vLLM's own environment: the standard library, and of this project the range notation and the
-    engine's start (both standard library only)."""
+def test_the_server_module_imports_nothing_of_the_project_but_its_ranges_protocol_and_start():
+    """It runs in vLLM's own environment: the standard library, and of this project the range notation, the
+    protocol and the engine's start (all standard library only)."""
     import subprocess
 
     from tests.tiny_runs import REPO_ROOT
@@ -676,7 +676,8 @@ def test_the_server_module_imports_nothing_of_the_project_but_its_ranges_and_sta
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     out = run.stdout
     assert out.strip() == (
-        "['rlhf_lit', 'rlhf_lit.errors', 'rlhf_lit.ranges', 'rlhf_lit.vllm_server', 'rlhf_lit.vllm_start']"
+        "['rlhf_lit', 'rlhf_lit.errors', 'rlhf_lit.ranges', 'rlhf_lit.vllm_protocol', 'rlhf_lit.vllm_server', "
+        "'rlhf_lit.vllm_start']"
     )
 
 

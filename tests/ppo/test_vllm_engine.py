@@ -105,10 +105,18 @@ def _serving(folder, arch: dict, *flags: str):
 def _descendants(pid: int) -> list[int]:
     """The process ids under ``pid`` (Linux ``/proc/<pid>/task/<tid>/children``)."""
     found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            for child in map(int, f.read().split()):
-                found += [child, *_descendants(child)]
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:  # the process ended meanwhile
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = list(map(int, f.read().split()))
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
     return found
 
 
