@@ -27,7 +27,9 @@ overstates the useful work by up to 1.5x and is comparable between runs, not wit
 
 The PPO/GRPO iterations sample through the module's own samplers: ``hf`` on every size and ``static``
 (``sampling.backend: static``; on CUDA transformers compiles its decoding step) on the sizes where the compiled
-sampler is measured; ``paged`` iterations are reported unavailable (the module does not offer continuous
+sampler is measured, and there ``vllm`` too (``sampling.vllm.mode: colocated``, the engine in the trainer's
+process and dtype) when vLLM imports (it is not on the lent GPU machine: reported skipped); ``paged`` iterations are
+reported unavailable (the module does not offer continuous
 batching: ``rlhf_lit.rl.generation.SamplingConfig``'s ``backend`` says why).
 
     python scripts/gpu_check.py --out DIR [--sizes 0.5b,1.5b] [--budget-s 360] [--dry-run]
@@ -106,7 +108,10 @@ GPU_WORK = {
 }
 DRY_WORK = {"batch": 4, "prompt_len": 8, "new_tokens": 6, "ppo_prompts": 4, "grpo_prompts": 2, "group": 2}
 BACKENDS = ("hf", "static", "static_compiled", "paged")
-ITERATION_BACKENDS = ("hf", "static", "paged")
+ITERATION_BACKENDS = ("hf", "static", "vllm", "paged")
+#: Why the vLLM iterations are not measured where vLLM does not import (the lent GPU machine has no network, and a
+#: vLLM wheel is far larger than the 64 MiB a call carries).
+VLLM_MISSING = "skipped: vllm not installed (pip install vllm where this runs to measure sampling.backend: vllm, colocated)"
 
 
 class Clock:
@@ -368,6 +373,8 @@ def build_module(
             temperature=1.0,
             num_samples_per_prompt=group,
             backend=backend,
+            # vllm: the engine in this process (sampling.vllm.mode: colocated), in the trainer's dtype
+            **({"vllm": {"mode": "colocated", "dtype": dtype}} if backend == "vllm" else {}),
         ),
         ppo=PPOConfig(
             ppo_epochs=1,
@@ -510,6 +517,7 @@ def measure_size(
             # after every size's hf iterations (main: static_iterations), so a slow compile costs only what follows
             "static": f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
             "(time budget)",
+            "vllm": f"skipped: vLLM iterations measured on {', '.join(sorted(compile_sizes))} only (time budget)",
             "paged": "unavailable: PPOModule's sampling.backend is hf or static; continuous batching "
             "(generate_batch) is not offered (rlhf_lit.rl.generation.SamplingConfig, backend)",
         }
@@ -526,6 +534,17 @@ def static_iterations(name: str, spec: dict, work: dict, device, dry_run: bool, 
     run after every size's ``hf`` iterations, so a slow compile costs only what comes after it."""
     for algorithm in ("ppo", "grpo"):
         result[algorithm]["static"] = _iteration(name, spec, algorithm, "static", work, device, dry_run, clock, out)
+
+
+def vllm_iterations(name: str, spec: dict, work: dict, device, dry_run: bool, clock: Clock, out: Path, result):
+    """One PPO and one GRPO iteration sampling with ``sampling.backend: vllm`` (colocated: the engine in this
+    process), into ``result[algorithm]["vllm"]``, when vLLM imports; else :data:`VLLM_MISSING`."""
+    for algorithm in ("ppo", "grpo"):
+        result[algorithm]["vllm"] = (
+            _iteration(name, spec, algorithm, "vllm", work, device, dry_run, clock, out)
+            if installed("vllm")
+            else VLLM_MISSING
+        )
 
 
 def _iteration(name: str, spec: dict, algorithm: str, backend: str, work: dict, device, dry_run: bool, clock, out):
@@ -702,6 +721,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, spec in sizes.items():
         if name in compile_sizes and isinstance(results["models"][name], dict):
             static_iterations(name, spec, work, device, dry, clock, out, results["models"][name])
+            _reset_peak(device)
+            vllm_iterations(name, spec, work, device, dry, clock, out, results["models"][name])
             _reset_peak(device)
     results["elapsed_s"] = clock.used()
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=_json_default))

@@ -8,6 +8,9 @@
 #     (after every size's hf runs, 0.5B only by default) with sampling.backend: static: tokens/s, the phase
 #     split generation / experience / update, update MFU (6 x params per token, against 989 TFLOP/s, the H200's
 #     dense bf16 datasheet rate), peak GPU memory;
+#   - the same PPO and GRPO iterations sampling with sampling.backend: vllm (colocated: the engine in the
+#     trainer's process, 0.5B only by default) when vLLM imports, else "skipped: vllm not installed" (the lent
+#     machine has no network and a vLLM wheel is far over the 64 MiB a call carries);
 #   - the 4-bit NF4 base (sampling + one GRPO iteration, 0.5B) when bitsandbytes is there, else
 #     "skipped: bitsandbytes not installed".
 # It writes <out>/gpu_check.json and <out>/gpu_check.md (a README-ready table) and prints the table last.

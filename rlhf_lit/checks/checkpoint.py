@@ -27,6 +27,11 @@ RUN_CONTROL_SETTINGS: dict[str, str | None] = {
     "sampling.vllm.url": None,
     "sampling.vllm.timeout_s": None,
     "sampling.vllm.weights_dir": None,
+    # where and with what resources the engine runs (server or in the training process): not what it samples
+    "sampling.vllm.mode": None,
+    "sampling.vllm.max_model_len": None,
+    "sampling.vllm.gpu_memory_utilization": None,
+    "sampling.vllm.kv_cache_mib": None,
     "ppo.total_iterations": "the learning-rate schedule is sized from it (unless optimizer.scheduler is "
     "constant), so the learning rates from here on differ from the checkpoint's run",
 }

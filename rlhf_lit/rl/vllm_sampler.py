@@ -1,8 +1,10 @@
-"""Step 1 of an iteration with ``sampling.backend: vllm``: responses from a vLLM engine in its own process.
+"""Step 1 of an iteration with ``sampling.backend: vllm``: responses from a vLLM engine, in its own process or in
+this one.
 
 :class:`VLLMSampler` is the :class:`~rlhf_lit.rl.sampler.Sampler` that asks the engine's server
-(``rlhf_lit.vllm_server``, through ``rl.vllm_client``; or in this process, ``sampling.vllm.mode: colocated``) for the rollouts and pushes the policy's weights to it at
-every ``sync`` (its docstring). Notation: B rows, R response width (right padded).
+(``rlhf_lit.vllm_server``, through ``rl.vllm_client``), or the engine it built in this process
+(``sampling.vllm.mode: colocated``), for the rollouts and pushes the policy's weights to it at every ``sync`` (its
+docstring). Notation: B rows, R response width (right padded).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ __all__ = ["VLLMSampler"]
 
 
 class VLLMSampler:
-    """Responses from a vLLM engine in its own process (``sampling.backend: vllm``; ``rlhf_lit.vllm_server``).
+    """Responses from a vLLM engine (``sampling.backend: vllm``): a server (``rlhf_lit.vllm_server``) or colocated.
 
     ``sample`` sends the prompts as token ids (each row without its left padding) with the temperature, the
     lengths, the stop tokens and a seed drawn from torch's generator (so a seeded run, and validation under its
@@ -60,11 +62,12 @@ class VLLMSampler:
     adapter's matrices are gathered whole on every rank (they are small) and written by rank 0.
 
     With ``sampling.vllm.mode: colocated`` the engine is built in this process (vLLM's engine core too, no child
-    process; the random states of torch, ``random`` and numpy, which vLLM reseeds, kept) at the first push, from its folder
-    (``config.json`` written beside the merged weights; with ``lora``, the reference weights, served rank
-    ``vllm_protocol.served_lora_rank(backbone.lora.r)``), and answers through ``rl.vllm_client.LocalVLLMClient``:
-    the same requests, digests and checks without HTTP (the engine's start failure is one line, its own reason).
-    It is closed (vLLM's engine-core shutdown) by :meth:`close`, when the sampler is garbage collected, or at exit. Refused under
+    process; the random states of torch, ``random`` and numpy, which vLLM reseeds, kept) at the first push, from
+    its folder (``config.json`` written beside the merged weights; with ``lora``, the reference weights, served
+    rank ``vllm_protocol.served_lora_rank(backbone.lora.r)``), which it then loads again as every push (the
+    protocol's digest); it answers through ``rl.vllm_client.LocalVLLMClient``: the same requests, digests and
+    checks without HTTP (the engine's start failure is one line, its own reason). It is closed (vLLM's
+    engine-core shutdown) by :meth:`close`, when the sampler is garbage collected, or at exit. Refused under
     several training processes (each would need its own engine).
 
     Args:

@@ -8,7 +8,7 @@ iterations. Checked: every rank samples its own prompts through the one server; 
 (FSDP2: gathered one FSDP unit at a time, the peak bytes a rank holds during a push far below the whole base), the
 engine then holds the policy's merged weights bit for bit, and every rank expects the digest the engine reports
 (the rollout-policy guard, strict here, finds no stale weights and a log-prob gap of float rounding only); a push
-rank 0 cannot deliver raises on every rank.
+rank 0 cannot deliver raises on every rank; a colocated sampler is refused on every rank.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def test_ppo_on_two_ranks_samples_through_one_vllm_server(tmp_path, strategy):
     assert "http://127.0.0.1:9 (sampling.vllm.url) is not reachable" in ranks[0]["failure"]
     assert ranks[1]["failure"].startswith("rank 0's weight push to the vLLM engine failed: SamplerEngineError: ")
     assert "is not reachable" in ranks[1]["failure"]
+    # sampling.vllm.mode: colocated is one engine in one process: refused on every rank, no engine started
+    for rank in ranks:
+        assert rank["colocated_refusal"].startswith(
+            "sampling.vllm.mode: colocated runs one engine in one training process; this run has 2."
+        ), rank["colocated_refusal"]
     # FSDP2: no rank held the whole base while pushing: its shards (not counted) plus about one unit gathered
     assert full > 5 * 2**20
     for rank in ranks:

@@ -8,7 +8,8 @@ Around every ``sync`` each rank records :class:`~tests.distributed.sharded_load.
 push created and still alive, plus the gathered parameters registered, its shards not counted) and the digest it
 expects the engine to report. After the fit every rank takes part in a merged export of the policy (streamed one
 unit at a time) to ``<out>/vllm_policy``, which the test compares with the engine's weights; then one more
-``sync`` against an address where no server listens (``failure``: each rank's error message).
+``sync`` against an address where no server listens (``failure``: each rank's error message), and a colocated
+sampler's ``sync`` (``colocated_refusal``: refused under two processes).
 """
 
 from __future__ import annotations
@@ -78,8 +79,19 @@ def sharded_vllm(out: Path, strategy: str) -> None:
         failure = None
     except SamplerEngineError as err:
         failure = str(err)
+    # colocated: one engine in one training process, refused on each rank before any engine starts
+    from rlhf_lit.errors import ConfigError
+    from rlhf_lit.rl.vllm_sampler import VLLMSampler
+
+    colocated = VLLMSampler(SamplingConfig(backend="vllm", vllm={"mode": "colocated"}), [], 0)
+    try:
+        colocated.sync(module.policy)
+        refusal = None
+    except ConfigError as err:
+        refusal = str(err)
     result = {
         "failure": failure,
+        "colocated_refusal": refusal,
         **SL.probe_result(module, trainer),
         "history": module.history,
         "iteration": module.iteration,

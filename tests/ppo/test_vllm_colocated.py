@@ -247,3 +247,23 @@ def test_the_real_engine_colocated_samples_the_policy_and_a_missed_push_fires_th
             vllm_children.append(f"{pid} {command.decode(errors='replace')}")
     assert vllm_children == []  # the engine core and the worker run in this process
     module.sampler.close()
+
+
+def test_where_the_engine_runs_follows_the_command_line_on_resume(tmp_path, with_vllm):
+    """``mode`` and the engine's memory options are run settings (``RUN_CONTROL_SETTINGS``): a run whose server
+    died may resume colocated, on a machine with another memory budget. Each key must name a setting of the parsed
+    config, or the resume machinery would skip it silently."""
+    from rlhf_lit.checks.checkpoint import run_control_values
+    from rlhf_lit.cli import cli_main
+    from tests.tiny_runs import in_repo_root
+
+    args = ["--config", "configs/ppo/tiny.yaml", f"--trainer.default_root_dir={tmp_path}",
+            "--model.init_args.sampling.backend=vllm", "--model.init_args.sampling.vllm.mode=colocated",
+            "--model.init_args.sampling.vllm.kv_cache_mib=96", "--model.init_args.sampling.vllm.max_model_len=256",
+            "--model.init_args.sampling.vllm.gpu_memory_utilization=0.4"]
+    with in_repo_root():
+        cli = cli_main(args, run=False)
+    values = run_control_values(cli.config)
+    prefix = "model.init_args.sampling.vllm."
+    assert {k: values[prefix + k] for k in ("mode", "kv_cache_mib", "max_model_len", "gpu_memory_utilization")} == {
+        "mode": "colocated", "kv_cache_mib": 96, "max_model_len": 256, "gpu_memory_utilization": 0.4}

@@ -132,7 +132,9 @@ def test_dry_run_measures_every_backend_without_the_missing_packages(tmp_path):
     for backend in ("hf", "static", "static_compiled"):
         assert isinstance(model["sampling"][backend], dict), model["sampling"][backend]
     for algorithm in ("ppo", "grpo"):
-        assert set(model[algorithm]) == {"hf", "static", "paged"}
+        assert set(model[algorithm]) == {"hf", "static", "vllm", "paged"}
+        # vllm: colocated iterations where vLLM imports; this environment has none
+        assert model[algorithm]["vllm"] == gpu_check.VLLM_MISSING
         # paged: the module offers no continuous batching; hf and static run through PPOModule
         assert model[algorithm]["paged"].startswith("unavailable: PPOModule's sampling.backend is hf or static")
         for backend in ("hf", "static"):
@@ -153,6 +155,7 @@ def test_dry_run_measures_every_backend_without_the_missing_packages(tmp_path):
         assert f"| tiny | 0M | {backend} |" in table
     assert "| tiny | PPO | hf |" in table and "| tiny | GRPO | hf |" in table
     assert "| tiny | PPO | static |" in table and "| tiny | GRPO | static |" in table
+    assert "| tiny | PPO | vllm | skipped |" in table and "| tiny | GRPO | vllm | skipped |" in table
 
 
 def test_update_mfu_is_six_n_per_token_over_the_h200_peak():
