@@ -62,7 +62,8 @@ GPU_MEMORY_UTILIZATION = 0.3
 
 
 def served_lora_rank(r: int) -> int:
-    """The smallest LoRA rank vLLM serves (its ``max_lora_rank``: 1, 8, 16, 32, 64, ...) that holds rank ``r``."""
+    """The ``max_lora_rank`` to serve an adapter of rank ``r`` with: 8 for r <= 8, else the next power of two (vLLM
+    accepts 1, 8, 16, 32, 64, ...; 8 also serves the rank-1 adapters 1 would)."""
     return 1 << max(3, (r - 1).bit_length())
 
 
