@@ -45,6 +45,9 @@ from bench.common import (
 from bench.grpo_workload import GRPO, LORA, model_dir, steps_per_iteration, tokenizer_dir, workload
 from bench.ppo import instrument, prompt_datamodule
 
+#: The engine's KV cache, MiB, server and colocated alike (vLLM's 1 GiB default on CPU otherwise).
+KV_CACHE_MIB = 128
+
 
 def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm_url: str | None = None):
     from rlhf_lit.models.backbone import BackboneConfig, LoraSettings
@@ -100,10 +103,11 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm
 def vllm_settings(backend: str, url: str | None):
     """``sampling.vllm`` of a backend: float32, merged weights; ``colocated``: the engine in this process, with the
     server's options (``--max-model-len 512``, a 128 MiB KV cache)."""
+    from bench.vllm_sampling import MAX_MODEL_LEN
     from rlhf_lit.rl.generation import VLLMSettings
 
     if backend == "colocated":
-        return VLLMSettings(mode="colocated", max_model_len=512, kv_cache_mib=128)
+        return VLLMSettings(mode="colocated", max_model_len=MAX_MODEL_LEN, kv_cache_mib=KV_CACHE_MIB)
     return VLLMSettings(url=url) if url else VLLMSettings()
 
 
@@ -144,7 +148,7 @@ def vllm_server(model: str, threads: int):
     log_file = Path(tempfile.mkdtemp(prefix="grpo_vllm_")) / "server.log"
     t0 = time.perf_counter()
     server = start_server(SimpleNamespace(threads=threads, vllm_python=python), str(model_dir(model)), port,
-                          log_file, "--kv-cache-mib", "128")
+                          log_file, "--kv-cache-mib", str(KV_CACHE_MIB))
     try:
         wait_ready(server, log_file)
         yield f"http://127.0.0.1:{port}", server, time.perf_counter() - t0

@@ -46,6 +46,9 @@ from rlhf_lit.rl.generation import SamplingConfig, sample_responses  # noqa: E40
 from rlhf_lit.rl.vllm_client import VLLMClient  # noqa: E402
 from rlhf_lit.vllm_protocol import file_digest  # noqa: E402
 
+#: The engine's longest prompt + response for the benches' servers (and the GRPO bench's colocated engine).
+MAX_MODEL_LEN = 512
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -126,7 +129,7 @@ def start_server(args, folder: str, port: int, log: Path, *flags: str) -> subpro
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", args.vllm_python, "--model", folder,
-             "--port", str(port), "--max-model-len", "512", *flags],
+             "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), *flags],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
 
