@@ -21,7 +21,7 @@ dict of numbers or one string that starts with ``skipped:``, ``unavailable:`` or
 Update MFU = 6 x N x T x passes / update seconds / peak, where N is the policy's parameter count (tied
 embeddings counted once: they are the LM head's matmul), T the tokens (prompt + response) the update reads
 over its epochs, passes 2 for PPO with a separate critic adapter (actor and critic backward run one after the
-other) and 1 for GRPO; peak = 989 TFLOP/s, the H200 SXM's dense bf16 rate by the vendor's datasheet. 6N is the
+other) and 1 for GRPO; peak = 989 TFLOP/s, the H100 and H200 SXM's dense bf16 rate by the vendors' datasheets. 6N is the
 full-training convention: LoRA computes no gradient for the frozen base weights (about 4N), so this MFU
 overstates the useful work by up to 1.5x and is comparable between runs, not with full fine-tuning figures.
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -61,9 +62,9 @@ if str(REPO_ROOT) not in sys.path:  # run as a file: the repository's rlhf_lit, 
     sys.path.insert(0, str(REPO_ROOT))
 
 PEAK_BF16_FLOPS = (
-    989e12  # H200 SXM, dense bf16 (vendor datasheet); the card measured ~790 here on random data
+    989e12  # H100 and H200 SXM, dense bf16 (vendor datasheets); the cards measured ~790 here on random data
 )
-PEAK_NOTE = "989 TFLOP/s: H200 SXM dense bf16, vendor datasheet"
+PEAK_NOTE = "989 TFLOP/s: H100 and H200 SXM dense bf16, vendor datasheets"
 QWEN2_COMMON = {"model_type": "qwen2", "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1e6}
 # the dimensions of Qwen2.5-0.5B and Qwen2.5-1.5B (their config.json); weights are random
 SIZES = {
@@ -293,7 +294,10 @@ def sample_paged(model, work, device, dry_run):
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        kwargs = {"continuous_batching_config": ContinuousBatchingConfig(page_size=256, **sizes)}
+        # the page's size is `page_size` in transformers 5.24 and `block_size` in 5.17 (the GPU image's)
+        fields = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+        page = {"page_size" if "page_size" in fields else "block_size": 256}
+        kwargs = {"continuous_batching_config": ContinuousBatchingConfig(**page, **sizes)}
     except ImportError:  # older transformers read the sizes from the generation config
         kwargs = {}
         for key, value in sizes.items():
@@ -492,6 +496,7 @@ def measure_size(
     out: Path,
     compile_sizes: set[str],
     nf4_sizes: set[str],
+    sampling_backends: tuple[str, ...] = BACKENDS,
 ) -> dict:
     dtype = torch.float32 if dry_run else torch.bfloat16
     print(f"== {name}: building the random Qwen2-shaped model", flush=True)
@@ -500,6 +505,9 @@ def measure_size(
     result: dict = {"config": spec, "params": count_params(model), "build_s": time.perf_counter() - t}
     sampling: dict = {}
     for backend in BACKENDS:
+        if backend not in sampling_backends:
+            sampling[backend] = "skipped: not asked for (--sampling-backends)"
+            continue
         print(f"== {name}: sampling with {backend} ({clock.used():.0f} s so far)", flush=True)
         if backend == "static_compiled" and name not in compile_sizes:
             sampling[backend] = (
@@ -518,7 +526,7 @@ def measure_size(
             "static": f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
             "(time budget)",
             "vllm": f"skipped: vLLM iterations measured on {', '.join(sorted(compile_sizes))} only (time budget)",
-            "paged": "unavailable: PPOModule's sampling.backend is hf or static; continuous batching "
+            "paged": "unavailable: PPOModule's sampling.backend is hf, static or vllm; continuous batching "
             "(generate_batch) is not offered (rlhf_lit.rl.generation.SamplingConfig, backend)",
         }
     if name in nf4_sizes:
@@ -668,6 +676,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--nf4-sizes", default="0.5b", help="sizes whose NF4 base is measured (bitsandbytes)")
     parser.add_argument(
+        "--sampling-backends",
+        default=",".join(BACKENDS),
+        help="comma-separated backends whose sampling alone is measured (empty: none, iterations only)",
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
         default=360.0,
@@ -692,6 +705,10 @@ def main(argv: list[str] | None = None) -> dict:
     compile_sizes = set(sizes) if dry else set(args.compile_sizes.split(","))
     nf4_sizes = set(sizes) if dry else set(args.nf4_sizes.split(","))
     work = DRY_WORK if dry else GPU_WORK
+    sampling_backends = tuple(b for b in args.sampling_backends.split(",") if b)
+    unknown = set(sampling_backends) - set(BACKENDS)
+    if unknown:
+        parser.error(f"--sampling-backends: unknown {sorted(unknown)}; choose from {list(BACKENDS)}")
     clock = Clock(args.budget_s)
     results: dict = {
         "device": "cpu (dry run)" if dry else torch.cuda.get_device_name(0),
@@ -712,7 +729,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, spec in sizes.items():
         try:
             results["models"][name] = measure_size(
-                name, spec, work, device, dry, clock, out, compile_sizes, nf4_sizes
+                name, spec, work, device, dry, clock, out, compile_sizes, nf4_sizes, sampling_backends
             )
         except Exception as err:  # e.g. out of memory building the model: the other sizes still run
             traceback.print_exc()

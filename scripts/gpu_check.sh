@@ -6,7 +6,7 @@
 #     static_compiled (static cache + compiled decode; 0.5B only by default), paged (generate_batch);
 #   - one PPO and one GRPO iteration end to end (PPOModule + a Lightning Trainer, no CLI), sampling with hf, then
 #     (after every size's hf runs, 0.5B only by default) with sampling.backend: static: tokens/s, the phase
-#     split generation / experience / update, update MFU (6 x params per token, against 989 TFLOP/s, the H200's
+#     split generation / experience / update, update MFU (6 x params per token, against 989 TFLOP/s, the H100's and H200's
 #     dense bf16 datasheet rate), peak GPU memory;
 #   - the same PPO and GRPO iterations sampling with sampling.backend: vllm (colocated: the engine in the
 #     trainer's process, 0.5B only by default) when vLLM imports, else "skipped: vllm not installed" (the lent
@@ -16,10 +16,12 @@
 # It writes <out>/gpu_check.json and <out>/gpu_check.md (a README-ready table) and prints the table last.
 # scripts/gpu_check.py does the work; its docstring defines every number.
 #
-# DEVICE TIME BUDGET: at most 8 minutes of command time on one H200 (an estimate: NOT YET RUN ON A GPU; no
-# new measurement starts after 360 s, --budget-s, and the slowest single step, compiling the 0.5B decode, is
-# expected at 1-2 minutes), plus 1-2 minutes for the machine to start: one run fits a session's 15 minutes, a
-# full rerun does not. If a rerun is needed, run only `--sizes 0.5b --budget-s 150` (about 3 minutes).
+# DEVICE TIME BUDGET, measured on one H100 (2026-12-06, docs/scale.md "GPU check"): with --budget-s 330 the
+# command took 396 s (+~30 s for the machine to start) and measured all of 0.5B (sampling 155 s of it: the
+# compiled decode's warm-up 40 s, paged 55 s) and 1.5B's sampling; 1.5B's iterations and the static iterations
+# did not start. A second run, --sizes 1.5b --sampling-backends "" --compile-sizes 1.5b --nf4-sizes 1.5b
+# --budget-s 170, took 193 s for 1.5B's PPO, GRPO and NF4 (the NF4 build alone 61 s). Both fit one session's
+# 15 device minutes; no measurement starts after --budget-s, so a run ends at most one step past it.
 #
 # RUN IT on a lent GPU with the `run` tool, from the repository root (nothing under ../shared is read):
 #   command:   bash scripts/gpu_check.sh --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
@@ -27,7 +29,7 @@
 #   carry:     []            (or [".whl"] with the bitsandbytes wheel, below)
 # then copy the table from files_at/gpu_check.md into the README (the JSON holds every reason and raw number).
 #
-# The GPU machine has torch, lightning, transformers, peft and torchmetrics, and lacks bitsandbytes, datasets,
+# The GPU machine has torch (2.11.0+cu130 on 2026-12-06), lightning, transformers (5.17.0), peft and torchmetrics, and lacks bitsandbytes, datasets,
 # jsonargparse, docstring-parser and gguf; this check imports none of the missing ones (the CPU dry run's
 # test, tests/scripts/test_gpu_check.py, blocks them). To ALSO measure the NF4 base, carry the bitsandbytes
 # wheel (~43 MB: fits the 64 MiB a call carries, alone) in a git-ignored folder:
@@ -37,7 +39,11 @@
 # and pass carry [".whl"]: this script installs every wheel in .whl/ (WHL_DIR overrides) into .whl/site with
 # `pip install --no-index --no-deps --target` and puts it on PYTHONPATH.
 #
-# Usage: bash scripts/gpu_check.sh --out DIR [--sizes 0.5b,1.5b] [--budget-s 360] [--dry-run]
+# A dry run here with .whl/ present installs the wheel into .whl/site (~124 MB): delete .whl/site before a run
+# call, or the working tree is over the 64 MiB a call carries.
+#
+# Usage: bash scripts/gpu_check.sh --out DIR [--sizes 0.5b,1.5b] [--sampling-backends hf,static,...]
+#          [--compile-sizes 0.5b] [--nf4-sizes 0.5b] [--budget-s 360] [--dry-run]
 #   --dry-run: every step on the CPU with a tiny Qwen2-shaped model (2 layers, hidden 64), about a minute;
 #   tests/scripts/test_gpu_check.py runs it.
 set -euo pipefail

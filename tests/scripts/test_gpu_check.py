@@ -136,7 +136,7 @@ def test_dry_run_measures_every_backend_without_the_missing_packages(tmp_path):
         # vllm: colocated iterations where vLLM imports; this environment has none
         assert model[algorithm]["vllm"] == gpu_check.VLLM_MISSING
         # paged: the module offers no continuous batching; hf and static run through PPOModule
-        assert model[algorithm]["paged"].startswith("unavailable: PPOModule's sampling.backend is hf or static")
+        assert model[algorithm]["paged"].startswith("unavailable: PPOModule's sampling.backend is hf, static or vllm")
         for backend in ("hf", "static"):
             value = model[algorithm][backend]
             assert isinstance(value, dict), (algorithm, backend, value)
@@ -156,6 +156,18 @@ def test_dry_run_measures_every_backend_without_the_missing_packages(tmp_path):
     assert "| tiny | PPO | hf |" in table and "| tiny | GRPO | hf |" in table
     assert "| tiny | PPO | static |" in table and "| tiny | GRPO | static |" in table
     assert "| tiny | PPO | vllm | skipped |" in table and "| tiny | GRPO | vllm | skipped |" in table
+
+
+def test_sampling_backends_chooses_which_samplers_are_timed_alone(tmp_path):
+    # the second H100 run's form: iterations only; every sampling cell says why it is empty
+    results = gpu_check.main(["--out", str(tmp_path), "--dry-run", "--sampling-backends", "", "--budget-s", "0"])
+    sampling = results["models"]["tiny"]["sampling"]
+    assert sampling == {b: "skipped: not asked for (--sampling-backends)" for b in gpu_check.BACKENDS}
+    # --budget-s 0: the iterations give the budget's reason rather than run
+    assert results["models"]["tiny"]["ppo"]["hf"].startswith("skipped: time budget")
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--out", str(tmp_path), "--dry-run", "--sampling-backends", "hf,vllm"])
+    assert exit_info.value.code == 2  # argparse's usage error: vllm is an iteration backend, not a sampler here
 
 
 def test_update_mfu_is_six_n_per_token_over_the_h200_peak():
