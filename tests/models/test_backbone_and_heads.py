@@ -124,6 +124,21 @@ def test_reference_context_equals_the_base_and_adapters_switch():
     assert frozen == []
 
 
+def test_a_4bit_base_keeps_its_unquantized_parameters_in_float32_even_when_bf16_is_asked():
+    """The README's GPU figures and the planner's 4-bit rows rest on this: with ``dtype: bfloat16`` the linear
+    layers are NF4 but peft's k-bit preparation upcasts every other parameter (embedding, tied LM head, norms)
+    to float32, so a large-vocabulary model's head costs 4 bytes per weight and the residual stream is float32."""
+    bnb = pytest.importorskip("bitsandbytes")
+    base = load_backbone(BackboneConfig(tiny=TINY_LLAMA, dtype="bfloat16", load_in_4bit=True), build_byte_tokenizer())
+    quantized = [m.weight for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    # TINY_LLAMA: 2 layers x (q, k, v, o, gate, up, down) are quantized
+    assert len(quantized) == 14 and all(w.dtype == torch.uint8 for w in quantized)
+    others = [(n, p.dtype) for n, p in base.named_parameters() if p.dtype != torch.uint8]
+    assert others and all(dtype == torch.float32 for _, dtype in others), others
+    assert base.get_input_embeddings().weight.dtype == torch.float32
+    assert base.get_output_embeddings().weight.dtype == torch.float32
+
+
 def test_4bit_base_with_lora_and_head_trains_only_adapter_and_head():
     """docs/pitfalls.md: 4-bit with LoRA on CPU: NF4 base, LoRA r=4 on c_attn, fp32 head; one step changes lora_B and the
     head, leaves every 4-bit weight bit-identical, and the trainable count is LoRA + head."""
