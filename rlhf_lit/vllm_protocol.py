@@ -97,7 +97,7 @@ def weight_files(path) -> list[str]:
     if path.endswith(".safetensors"):
         return [path]
     try:
-        names = sorted(set(json.loads(_read(path))["weight_map"].values()))
+        names = sorted(set(json.loads(read_bytes(path))["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise RequestError(f"load_weights: {path} is no safetensors index ({type(err).__name__}: {err})") from None
     files = [os.path.join(os.path.dirname(path), name) for name in names]
@@ -223,7 +223,7 @@ class EngineService:
         files = weight_files(path)
         t0 = time.perf_counter()
         # what this load reads (the client replaces the file, or the folder, atomically)
-        digest = digest_of(_read(file) for file in (files if files == [path] else [*files, path]))
+        digest = digest_of(read_bytes(file) for file in (files if files == [path] else [*files, path]))
         self.engine.load(files)
         self.state["weights"] = digest
         return {"weights": self.state["weights"], "load_s": time.perf_counter() - t0}
@@ -239,12 +239,13 @@ class EngineService:
         if missing:
             raise RequestError(f"load_lora: {path} has no {' or '.join(missing)} (a peft adapter folder)")
         t0 = time.perf_counter()
-        config, weights = (_read(os.path.join(path, name)) for name in ADAPTER_FILES)
+        config, weights = (read_bytes(os.path.join(path, name)) for name in ADAPTER_FILES)
         self.engine.load_lora(path)
         self.state["lora"] = adapter_digest(config, weights)
         return {"lora": self.state["lora"], "load_s": time.perf_counter() - t0}
 
 
-def _read(path: str) -> bytes:
+def read_bytes(path: str) -> bytes:
+    """The whole file at ``path`` (the digests read a pushed file exactly as the engine's side does)."""
     with open(path, "rb") as f:
         return f.read()

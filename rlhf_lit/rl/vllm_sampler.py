@@ -205,7 +205,7 @@ class VLLMSampler:
 
         from rlhf_lit.models.streamed_export import INDEX_FILE, save_config, unit_weights, write_weight_files
         from rlhf_lit.parallel.fsdp import is_sharded
-        from rlhf_lit.vllm_protocol import digest_of
+        from rlhf_lit.vllm_protocol import digest_of, read_bytes
 
         if not writer and not is_sharded(lm):  # DDP: rank 0's walk is no collective
             return None, 0.0
@@ -222,7 +222,7 @@ class VLLMSampler:
             written = write_weight_files(walk, partial, writer, dtype=self.dtype)  # the files, then the index
         if not writer:
             return None, 0.0
-        digest = digest_of(_read(file) for file in written)  # one file at a time, as the server reads them
+        digest = digest_of(read_bytes(file) for file in written)  # one file at a time, as the server reads them
         if self.client is None:  # colocated: the engine starts from this folder
             save_config(lm.model.get_base_model() if lm.is_peft else lm.model, partial, [])
         os.replace(partial, folder)
@@ -313,7 +313,3 @@ def _rank_and_world() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
