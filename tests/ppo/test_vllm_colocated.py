@@ -75,7 +75,8 @@ def _sampler(started: list, skip_sync: int | None = None, factory=FolderEngine):
     return lambda sampling, stop_ids, pad_token_id: Skipping(sampling, stop_ids, pad_token_id, engine_factory=build)
 
 
-def _run(tmp_path, sampler, weight_sync="merged", **vllm):
+def _run(tmp_path, sampler, weight_sync="merged", trainer=None, ckpt_path=None, **vllm):
+    """3 PPO iterations of one step each (``trainer``: ``make_trainer``'s overrides, e.g. ``max_steps``)."""
     torch.manual_seed(0)
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.7, backend="vllm", vllm={
         "mode": "colocated", "weights_dir": str(tmp_path / "pushes"), "weight_sync": weight_sync, **vllm})
@@ -85,7 +86,9 @@ def _run(tmp_path, sampler, weight_sync="merged", **vllm):
         optimizer=OptimizerConfig(lr=1e-2),  # a large lr: the actor moves every iteration
         sampler=sampler,
     )
-    make_trainer(tmp_path / "run").fit(module, datamodule=make_data(module, batch_size=4))
+    fit = make_trainer(tmp_path / "run", **(trainer or {}))
+    fit.fit(module, datamodule=make_data(module, batch_size=4), ckpt_path=ckpt_path)
+    module.fitted_by = fit
     return module
 
 
@@ -174,6 +177,34 @@ def test_the_engines_start_leaves_the_runs_random_draws_alone(tmp_path, with_vll
     assert_same(runs["plain"][0], runs["reseeding"][0], "history")
     assert runs["plain"][1:] == runs["reseeding"][1:]
     assert runs["plain"][0][-1][M.ROLLOUT_KL_REF] != 0.0
+
+
+@pytest.mark.parametrize("weight_sync", ["merged", "lora"])
+def test_a_colocated_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(tmp_path, with_vllm, weight_sync):
+    """Killed after iteration 2 (the process, hence its engine, gone): a new process resumes from the checkpoint,
+    builds a new engine at its first rollout from the policy it restored (an engine that reseeds the process,
+    as vLLM does), and ends where an uninterrupted run ends: every logged figure but wall times, and every
+    trainable weight."""
+    from tests.cli.helpers import assert_same, without_timings
+
+    straight_engines: list[FolderEngine] = []
+    straight = _run(tmp_path / "straight", _sampler(straight_engines, factory=Reseeding), weight_sync)
+    first = _run(tmp_path / "first", _sampler([], factory=Reseeding), weight_sync, trainer={"max_steps": 2})
+    assert first.iteration == 2
+    ckpt = tmp_path / "k.ckpt"
+    first.fitted_by.save_checkpoint(ckpt)
+    first.sampler.close()
+    engines: list[FolderEngine] = []
+    resumed = _run(tmp_path / "resumed", _sampler(engines, factory=Reseeding), weight_sync, ckpt_path=str(ckpt))
+    assert resumed.iteration == straight.iteration == 3
+    assert len(engines) == 1 and engines[0].model == str(tmp_path / "resumed" / "pushes" / "weights-1")
+    history = without_timings(resumed.history)
+    assert_same(without_timings(straight.history), history, "history")
+    assert len(history) == 3 and history[-1][M.ROLLOUT_KL_REF] != 0.0  # the actor moved: the case has teeth
+    assert 0.0 <= history[-1][M.ROLLOUT_SAMPLER_LOGPROB_GAP] < 1e-5  # the new engine holds the restored policy
+    for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+        if a.requires_grad:
+            assert torch.equal(a, b), name
 
 
 def test_the_engines_start_failure_is_its_own_reason_in_one_line(tmp_path, with_vllm):
