@@ -26,6 +26,9 @@ sys.path.insert(0, str(SHARED_BENCH))
 import workload as W  # noqa: E402  (the shared workload definition, unchanged)
 
 RESULT_TAG = "BENCH_RESULT "
+#: The vLLM engine's longest prompt + response in every bench that starts one (the servers, the GRPO bench's
+#: colocated engine, TRL's colocated engine in bench/trl_vllm_probe.py).
+MAX_MODEL_LEN = 512
 SYSTEM = "rlhf_lit"
 
 

@@ -103,7 +103,7 @@ def build_module(iterations: int, model: str = "tiny", backend: str = "hf", vllm
 def vllm_settings(backend: str, url: str | None):
     """``sampling.vllm`` of a backend: float32, merged weights; ``colocated``: the engine in this process, with the
     server's options (``--max-model-len 512``, a 128 MiB KV cache)."""
-    from bench.vllm_sampling import MAX_MODEL_LEN
+    from bench.common import MAX_MODEL_LEN
     from rlhf_lit.rl.generation import VLLMSettings
 
     if backend == "colocated":

@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from bench.common import T_PROCESS_START, W, current_rss_mb, peak_rss_mb, setup_child
+from bench.common import MAX_MODEL_LEN, T_PROCESS_START, W, current_rss_mb, peak_rss_mb, setup_child
 from bench.grpo_workload import (
     GRPO,
     LORA,
@@ -36,12 +36,24 @@ from bench.grpo_workload import (
     workload,
 )
 
+# TRL's own vLLM path (``use_vllm=True``, ``vllm_mode="colocate"``: the engine in the trainer's process), with the
+# engine options our side's colocated engine gets (bench/grpo.py); vLLM's sleep mode is CUDA-only.
+TRL_VLLM = {
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_max_model_length": MAX_MODEL_LEN,
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_enable_sleep_mode": False,
+}
 
-def grpo_config(iterations: int):
+
+def grpo_config(iterations: int, vllm: bool = False):
+    """TRL's GRPOConfig for the workload; ``vllm``: sample with TRL's colocated vLLM engine (:data:`TRL_VLLM`)."""
     from trl import GRPOConfig
 
     g = GRPO
     return GRPOConfig(
+        **(TRL_VLLM if vllm else {}),
         output_dir=str(W.ARTIFACTS / "trainer_output" / "grpo"),
         per_device_train_batch_size=g["mini_batch_size"],
         gradient_accumulation_steps=1,
@@ -147,7 +159,7 @@ def marks_callback(marks: dict):
     return Marks()
 
 
-def child_grpo_trl(threads: int, iterations: int, model_name: str = "tiny") -> dict:
+def child_grpo_trl(threads: int, iterations: int, model_name: str = "tiny", vllm: bool = False) -> dict:
     setup_child(threads)
     import transformers
     from datasets import Dataset
@@ -171,7 +183,7 @@ def child_grpo_trl(threads: int, iterations: int, model_name: str = "tiny") -> d
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[trl_reward],
-        args=grpo_config(iterations),
+        args=grpo_config(iterations, vllm),
         train_dataset=dataset,
         processing_class=tok,
         peft_config=lora,

@@ -39,15 +39,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import cpu_model  # noqa: E402
+from bench.common import MAX_MODEL_LEN, cpu_model  # noqa: E402
 from rlhf_lit.models.backbone import BackboneConfig  # noqa: E402
 from rlhf_lit.models.model_files import dequantized_gguf_folder  # noqa: E402
 from rlhf_lit.rl.generation import SamplingConfig, sample_responses  # noqa: E402
 from rlhf_lit.rl.vllm_client import VLLMClient  # noqa: E402
 from rlhf_lit.vllm_protocol import file_digest  # noqa: E402
-
-#: The engine's longest prompt + response for the benches' servers (and the GRPO bench's colocated engine).
-MAX_MODEL_LEN = 512
 
 
 def main() -> None:
