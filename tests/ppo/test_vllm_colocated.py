@@ -181,10 +181,10 @@ def test_the_engines_start_leaves_the_runs_random_draws_alone(tmp_path, with_vll
 
 @pytest.mark.parametrize("weight_sync", ["merged", "lora"])
 def test_a_colocated_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(tmp_path, with_vllm, weight_sync):
-    """Killed after iteration 2 (the process, hence its engine, gone): a new process resumes from the checkpoint,
-    builds a new engine at its first rollout from the policy it restored (an engine that reseeds the process,
-    as vLLM does), and ends where an uninterrupted run ends: every logged figure but wall times, and every
-    trainable weight."""
+    """Stopped after iteration 2 and its engine closed (a kill's effect, in one test process): a new module and
+    sampler resume from the checkpoint, build a new engine at the first rollout from the policy they restored (an
+    engine that reseeds the process, as vLLM does), and end where an uninterrupted run ends: every logged figure
+    but wall times, and every trainable weight."""
     from tests.cli.helpers import assert_same, without_timings
 
     straight_engines: list[FolderEngine] = []
