@@ -526,7 +526,7 @@ def measure_size(
             "static": f"skipped: static-cache iterations measured on {', '.join(sorted(compile_sizes))} only "
             "(time budget)",
             "vllm": f"skipped: vLLM iterations measured on {', '.join(sorted(compile_sizes))} only (time budget)",
-            "paged": "unavailable: PPOModule's sampling.backend is hf, static or vllm; continuous batching "
+            "paged": f"unavailable: PPOModule's sampling.backend is {_module_backends()}; continuous batching "
             "(generate_batch) is not offered (rlhf_lit.rl.generation.SamplingConfig, backend)",
         }
     if name in nf4_sizes:
@@ -535,6 +535,16 @@ def measure_size(
         reason = f"skipped: NF4 measured on {', '.join(sorted(nf4_sizes))} only (time budget)"
         result["nf4"] = {"sampling_hf": reason, "grpo_hf": reason}
     return result
+
+
+def _module_backends() -> str:
+    """The sampling backends PPOModule offers, read from ``SamplingConfig.backend``'s type: "hf, static or vllm"."""
+    import typing
+
+    from rlhf_lit.rl.generation import SamplingConfig
+
+    names = typing.get_args(typing.get_type_hints(SamplingConfig)["backend"])
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def static_iterations(name: str, spec: dict, work: dict, device, dry_run: bool, clock: Clock, out: Path, result):
