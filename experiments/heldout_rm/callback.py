@@ -13,8 +13,8 @@ from experiments.heldout_rm.report import FIELDS, record_batch, summarize, write
 from rlhf_lit import metrics as M
 from rlhf_lit.functional.sequence import trim_left_padding
 from rlhf_lit.functional.summary import mean_se
-from rlhf_lit.rl.generation import sample_responses
 from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
+from rlhf_lit.rl.generation import sample_responses
 
 log = logging.getLogger("rlhf_lit")
 

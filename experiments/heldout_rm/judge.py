@@ -35,8 +35,8 @@ log = logging.getLogger("rlhf_lit")
 
 def read_settings(config: str) -> dict:
     """The reference backbone, sampling settings and prompt rendering of a fit config (module docstring)."""
-    from rlhf_lit.rl.generation import SamplingConfig
     from rlhf_lit.models import BackboneConfig
+    from rlhf_lit.rl.generation import SamplingConfig
 
     with open(config) as f:
         spec = yaml.safe_load(f)
@@ -140,10 +140,10 @@ def judge(
         batch_size: prompts per sampling batch.
         seed: batch ``i`` is sampled after ``torch.manual_seed(seed + i)``.
     """
-    from rlhf_lit.rl.generation import resolve_stop_ids
     from rlhf_lit.models import BackboneConfig
     from rlhf_lit.models.backbone import load_backbone, load_backbone_tokenizer
     from rlhf_lit.models.reward_source import RewardModelConfig, RewardSource
+    from rlhf_lit.rl.generation import resolve_stop_ids
 
     settings = read_settings(config)
     tokenizer = load_backbone_tokenizer(settings["backbone"])
