@@ -52,5 +52,5 @@ def test_experiment_code_is_importable_from_the_repository_root():
 def test_every_experiment_names_its_report():
     """Each experiment's code is referenced by a report under docs/experiments/."""
     reports = "".join(p.read_text() for p in (REPO_ROOT / "docs" / "experiments").glob("*.md"))
-    for entry in ("heldout_rm", "constraint_proof.py", "minilm_search.sh", "search_table.py"):
+    for entry in ("heldout_rm", "constraint_proof.py", "minilm_search.sh", "search_table.py", "bf16_autocast_step.py"):
         assert f"experiments/{entry}" in reports or f"experiments.{entry}" in reports, entry

@@ -1,8 +1,10 @@
 """Checks of a parsed ``rlhf-lit`` config that run before any model loads (one :class:`ConfigError` line each).
 
 Modules: ``rules`` (value ranges), ``checkpoint`` (``ckpt_path``), ``paths`` (inputs and outputs), ``lengths``
-(against the model's positions); this module runs them in order. The CLI calls :func:`check_ckpt_path` right
-after parsing and :func:`check_config` before it instantiates anything, on the parsed config as plain dicts
+(against the model's positions); this module runs them in order. ``hardware`` holds warnings, not errors (a
+setting that runs, but slowly, on this machine), which the CLI prints itself. The CLI calls
+:func:`check_ckpt_path` right after parsing and :func:`check_config` before it instantiates anything, on the
+parsed config as plain dicts
 (``rlhf-lit plan`` runs :func:`check_settings`: 1, 2 and 4 below, which need no input to exist);
 :func:`check_data_fits_model` runs once the data is read.
 The first problem found is raised, naming the config key as the user writes it

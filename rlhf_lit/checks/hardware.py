@@ -1,0 +1,63 @@
+"""Settings that run, but run many times slower on this machine than an equivalent setting: one warning line
+each, printed by ``rlhf-lit fit`` / ``validate`` before any model loads (a warning, not a refusal: the run's
+numbers do not depend on it).
+
+Today one case: bf16 autocast (``trainer.precision: bf16-mixed``) on an x86 CPU without bf16 matrix instructions
+(neither AVX512_BF16 nor AMX). PyTorch then runs bf16 matrix products in its portable fallback kernel instead of
+a vectorised one, so autocast costs time instead of saving it: a SmolLM2-135M-shaped training step (4 x 256 tokens, one thread)
+took ~18x longer under bf16 autocast than in float32 on an AMD EPYC (family 25, model 1, AVX2 only)
+(docs/experiments/bf16_cpu.md).
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+
+__all__ = ["BF16_PRECISIONS", "bf16_on_cpu_note", "cpu_has_bf16"]
+
+BF16_PRECISIONS = frozenset({"bf16", "bf16-mixed", "bf16-true"})  # Lightning's names for bf16 compute
+
+
+def cpu_has_bf16(
+    machine: str | None = None, probes: dict[str, Callable[[], bool]] | None = None
+) -> bool | None:
+    """Whether this CPU multiplies bf16 matrices natively: True with AVX512_BF16 or AMX tiles, False without
+    either, None where that is not known (not x86, or a PyTorch without the probes).
+
+    Args:
+        machine: ``platform.machine()`` (injected by tests).
+        probes: name -> probe, PyTorch's ``torch.cpu._is_avx512_bf16_supported`` and ``_is_amx_tile_supported``
+            by default (private helpers: a PyTorch without them gives None, never a wrong answer).
+    """
+    machine = (machine if machine is not None else platform.machine()).lower()
+    if machine not in ("x86_64", "amd64"):  # ARM's bf16 (BF16 / SVE) is not what these probes read
+        return None
+    if probes is None:
+        import torch
+
+        names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        probes = {name: getattr(torch.cpu, name, None) for name in names}
+    if not probes or any(probe is None for probe in probes.values()):
+        return None
+    return any(bool(probe()) for probe in probes.values())
+
+
+def bf16_on_cpu_note(trainer: dict, has_bf16: bool | None, cuda_available: bool) -> str | None:
+    """The warning for bf16 compute on a CPU without bf16 instructions, or None.
+
+    Args:
+        trainer: the config's ``trainer`` section as a dict (``precision``, ``accelerator``).
+        has_bf16: :func:`cpu_has_bf16` (None: unknown, no warning).
+        cuda_available: whether ``accelerator: auto`` would pick a GPU.
+    """
+    precision = str(trainer.get("precision") or "32-true")
+    accelerator = str(trainer.get("accelerator") or "auto")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available)
+    if precision not in BF16_PRECISIONS or not on_cpu or has_bf16 is not False:
+        return None
+    return (
+        f"trainer.precision: {precision} on a CPU without bf16 instructions (neither AVX512_BF16 nor AMX): "
+        "PyTorch falls back to slow bf16 kernels here (15-18x slower than float32 on an AVX2 CPU); "
+        "set trainer.precision: 32-true"
+    )

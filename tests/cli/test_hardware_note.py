@@ -1,0 +1,82 @@
+"""bf16 autocast on a CPU without bf16 instructions: ``fit`` says in one line that float32 runs faster there.
+
+On such a CPU PyTorch converts every bf16 matrix product to float32 and back, so ``precision: bf16-mixed`` makes
+a CPU run several times slower instead of faster; the shipped SmolLM2 and MiniLM configs ask for it. The note is
+a warning (the run goes on), printed before any model loads, only where the CPU is known to lack both
+AVX512_BF16 and AMX, and only when the run is on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_lit.checks.hardware import bf16_on_cpu_note, cpu_has_bf16
+from tests.cli.helpers import SFT, run_cli
+
+
+def _probes(avx512_bf16: bool, amx: bool) -> dict:
+    return {"avx512_bf16": lambda: avx512_bf16, "amx": lambda: amx}
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "expected"),
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_a_cpu_has_bf16_when_it_has_either_instruction_set(avx512_bf16, amx, expected):
+    assert cpu_has_bf16("x86_64", _probes(avx512_bf16, amx)) is expected
+    assert cpu_has_bf16("AMD64", _probes(avx512_bf16, amx)) is expected  # Windows' name for x86-64
+
+
+def test_whether_a_cpu_has_bf16_is_unknown_off_x86_or_without_the_probes():
+    """ARM's bf16 is not what the x86 probes read, and a PyTorch without them must not be read as 'no bf16'."""
+    assert cpu_has_bf16("aarch64", _probes(False, False)) is None
+    assert cpu_has_bf16("arm64", _probes(False, False)) is None
+    assert cpu_has_bf16("x86_64", {"avx512_bf16": None, "amx": lambda: False}) is None
+    assert cpu_has_bf16("x86_64", {}) is None
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16", "bf16-true"])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named_with_the_faster_setting(precision):
+    for trainer, cuda in [
+        ({"accelerator": "cpu", "precision": precision}, True),
+        ({"precision": precision}, False),
+    ]:
+        note = bf16_on_cpu_note(trainer, has_bf16=False, cuda_available=cuda)
+        assert note is not None and note.startswith(f"trainer.precision: {precision} on a CPU without bf16")
+        assert "trainer.precision: 32-true" in note and "\n" not in note
+
+
+@pytest.mark.parametrize(
+    ("trainer", "has_bf16", "cuda"),
+    [
+        ({"accelerator": "cpu", "precision": "bf16-mixed"}, True, False),  # the CPU has the instructions
+        ({"accelerator": "cpu", "precision": "bf16-mixed"}, None, False),  # unknown: no warning
+        ({"accelerator": "gpu", "precision": "bf16-mixed"}, False, True),  # not on the CPU
+        ({"accelerator": "auto", "precision": "bf16-mixed"}, False, True),  # auto picks the GPU
+        ({"accelerator": "cpu", "precision": "32-true"}, False, False),
+        ({"accelerator": "cpu", "precision": "16-mixed"}, False, False),
+        ({"accelerator": "cpu"}, False, False),  # Lightning's default precision is float32
+    ],
+)
+def test_no_note_where_bf16_is_not_asked_or_not_emulated(trainer, has_bf16, cuda):
+    assert bf16_on_cpu_note(trainer, has_bf16, cuda) is None
+
+
+def test_fit_prints_the_note_before_it_reads_the_data_and_runs_on(tmp_path):
+    """The real command on this machine: the line appears exactly when this CPU lacks bf16 instructions, once,
+    before the data report (the data is read once the model is built), and the run still finishes (exit 0) with
+    its export written."""
+    out = tmp_path / "run"
+    result = run_cli(
+        "fit", "--config", SFT,
+        "--trainer.precision=bf16-mixed", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+        "--trainer.logger=false", f"--trainer.default_root_dir={out}",
+        f"--model.init_args.export_dir={out / 'hf'}", "--data.init_args.max_train_samples_per_file=16",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "on a CPU without bf16" in line]
+    assert len(lines) == (1 if cpu_has_bf16() is False else 0), lines
+    stderr = result.stderr.splitlines()
+    data_report = next(i for i, line in enumerate(stderr) if "train: kept" in line)
+    assert all(i < data_report for i, line in enumerate(stderr) if "on a CPU without bf16" in line), stderr
+    assert (out / "hf" / "config.json").exists()
