@@ -146,9 +146,8 @@ class RLHFCLI(LightningCLI):
 
             from rlhf_lit.checks.hardware import bf16_on_cpu_note, cpu_has_bf16
 
-            trainer = config.as_dict().get("trainer") or {}
-            if note := bf16_on_cpu_note(trainer, cpu_has_bf16(), torch.cuda.is_available()):
-                log.warning(note)  # a warning, not a refusal: the run's numbers do not depend on it
+            if note := bf16_on_cpu_note(config.as_dict(), cpu_has_bf16(), torch.cuda.is_available()):
+                log.warning(note)  # a warning, not a refusal: the run goes on as configured
         if subcommand == "fit" and self.subcommand and is_first_process():
             self.run_outputs = RunOutputs.from_config(config.as_dict(), overwrite, estimate_export_bytes)
             self.run_outputs.open()  # before any model loads: a locked or full folder stops the run now

@@ -1,12 +1,12 @@
 """Settings that run, but run many times slower on this machine than an equivalent setting: one warning line
-each, printed by ``rlhf-lit fit`` / ``validate`` before any model loads (a warning, not a refusal: the run's
-numbers do not depend on it).
+each, printed by ``rlhf-lit fit`` / ``validate`` before any model loads (a warning, not a refusal: the run goes on
+as configured).
 
-Today one case: bf16 autocast (``trainer.precision: bf16-mixed``) on an x86 CPU without bf16 matrix instructions
-(neither AVX512_BF16 nor AMX). PyTorch then runs bf16 matrix products in its portable fallback kernel instead of
-a vectorised one, so autocast costs time instead of saving it: a SmolLM2-135M-shaped training step (4 x 256 tokens, one thread)
-took ~18x longer under bf16 autocast than in float32 on an AMD EPYC (family 25, model 1, AVX2 only)
-(docs/experiments/bf16_cpu.md).
+Today one case: bf16 compute (``trainer.precision: bf16-mixed``, a bf16 base or sampling copy) on an x86 CPU
+without bf16 matrix instructions (neither AVX512_BF16 nor AMX). PyTorch then runs bf16 matrix products in its
+portable fallback kernel instead of a vectorised one, so bf16 costs time instead of saving it: a
+SmolLM2-135M-shaped training step (4 x 256 tokens, one thread) took ~18x longer under bf16 autocast than in
+float32 on an AMD EPYC (family 25, model 1, AVX2 only) (docs/experiments/bf16_cpu.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable
 
-__all__ = ["BF16_PRECISIONS", "bf16_on_cpu_note", "cpu_has_bf16"]
+from rlhf_lit.checks.rules import get
+
+__all__ = ["BF16_PRECISIONS", "BF16_SETTINGS", "bf16_on_cpu_note", "cpu_has_bf16"]
 
 BF16_PRECISIONS = frozenset({"bf16", "bf16-mixed", "bf16-true"})  # Lightning's names for bf16 compute
 
@@ -43,21 +45,51 @@ def cpu_has_bf16(
     return any(bool(probe()) for probe in probes.values())
 
 
-def bf16_on_cpu_note(trainer: dict, has_bf16: bool | None, cuda_available: bool) -> str | None:
+# config key -> (the values that compute in bf16, the float32 setting); model keys with or without ``init_args``
+BF16_SETTINGS = {
+    "trainer.precision": (BF16_PRECISIONS, "32-true"),
+    "model.init_args.backbone.dtype": (frozenset({"bfloat16"}), "float32"),
+    "model.init_args.sampling.copy_dtype": (frozenset({"bfloat16"}), "null (sample from the float32 policy)"),
+}
+
+
+def _value(config: dict, key: str):
+    found = get(config, key)
+    if found is None and key.startswith("model.init_args.") and key.count(".") == 3:
+        section, name = key.split(".")[
+            2:
+        ]  # a section given as a class: model.init_args.<section>.init_args.<name>
+        found = get(config, f"model.init_args.{section}.init_args.{name}")
+    return found
+
+
+def bf16_on_cpu_note(config: dict, has_bf16: bool | None, cuda_available: bool) -> str | None:
     """The warning for bf16 compute on a CPU without bf16 instructions, or None.
 
     Args:
-        trainer: the config's ``trainer`` section as a dict (``precision``, ``accelerator``).
+        config: the parsed config as a dict (``trainer.precision``, ``trainer.accelerator``, and the keys of
+            :data:`BF16_SETTINGS`: the trainer's precision, the base's dtype, the sampling copy's dtype).
         has_bf16: :func:`cpu_has_bf16` (None: unknown, no warning).
         cuda_available: whether ``accelerator: auto`` would pick a GPU.
+
+    Returns:
+        One line naming every key that asks for bf16 and its float32 setting; None when the run is not on the
+        CPU, the CPU has bf16 instructions or is not known to lack them, or nothing asks for bf16.
     """
-    precision = str(trainer.get("precision") or "32-true")
-    accelerator = str(trainer.get("accelerator") or "auto")
+    accelerator = str(get(config, "trainer.accelerator") or "auto")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda_available)
-    if precision not in BF16_PRECISIONS or not on_cpu or has_bf16 is not False:
+    if not on_cpu or has_bf16 is not False:
         return None
+    asked = [
+        (key, str(value), fix)
+        for key, (bf16, fix) in BF16_SETTINGS.items()
+        if (value := _value(config, key)) in bf16
+    ]
+    if not asked:
+        return None
+    settings = ", ".join(f"{key}: {value}" for key, value, _ in asked)
+    fixes = ", ".join(f"{key}: {fix}" for key, _, fix in asked)
     return (
-        f"trainer.precision: {precision} on a CPU without bf16 instructions (neither AVX512_BF16 nor AMX): "
-        "PyTorch falls back to slow bf16 kernels here (15-18x slower than float32 on an AVX2 CPU); "
-        "set trainer.precision: 32-true"
+        f"{settings} on a CPU without bf16 instructions (neither AVX512_BF16 nor AMX): PyTorch falls back to "
+        f"slow bf16 kernels here (15-18x slower than float32 on an AVX2 CPU); set {fixes}"
     )

@@ -35,31 +35,60 @@ def test_whether_a_cpu_has_bf16_is_unknown_off_x86_or_without_the_probes():
     assert cpu_has_bf16("x86_64", {}) is None
 
 
+def _config(precision=None, accelerator=None, dtype=None, copy_dtype=None, sampling_as_class=False) -> dict:
+    """A parsed config as plain dicts, as the CLI hands it over (unset keys left out)."""
+    trainer = {k: v for k, v in {"precision": precision, "accelerator": accelerator}.items() if v is not None}
+    sampling = {"copy_dtype": copy_dtype} if copy_dtype else {}
+    if sampling_as_class:
+        sampling = {"class_path": "rlhf_lit.rl.generation.SamplingConfig", "init_args": sampling}
+    init = {"backbone": {"dtype": dtype} if dtype else {}, "sampling": sampling}
+    return {"trainer": trainer, "model": {"class_path": "rlhf_lit.modules.PPOModule", "init_args": init}}
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16", "bf16-true"])
 def test_bf16_on_a_cpu_without_bf16_instructions_is_named_with_the_faster_setting(precision):
-    for trainer, cuda in [
-        ({"accelerator": "cpu", "precision": precision}, True),
-        ({"precision": precision}, False),
-    ]:
-        note = bf16_on_cpu_note(trainer, has_bf16=False, cuda_available=cuda)
+    for config, cuda in [(_config(precision, "cpu"), True), (_config(precision), False)]:
+        note = bf16_on_cpu_note(config, has_bf16=False, cuda_available=cuda)
         assert note is not None and note.startswith(f"trainer.precision: {precision} on a CPU without bf16")
-        assert "trainer.precision: 32-true" in note and "\n" not in note
+        assert note.endswith("set trainer.precision: 32-true") and "\n" not in note
+
+
+@pytest.mark.parametrize("as_class", [False, True])
+def test_a_bf16_base_and_a_bf16_sampling_copy_are_named_too(as_class):
+    """bf16 weights compute in bf16 without autocast: the base's dtype and PPO's sampling copy are the other
+    two ways a config asks for it; every one asked is named once, with its float32 setting."""
+    config = _config("bf16-mixed", "cpu", dtype="bfloat16", copy_dtype="bfloat16", sampling_as_class=as_class)
+    note = bf16_on_cpu_note(config, has_bf16=False, cuda_available=False)
+    assert note.startswith(
+        "trainer.precision: bf16-mixed, model.init_args.backbone.dtype: bfloat16, "
+        "model.init_args.sampling.copy_dtype: bfloat16 on a CPU without bf16"
+    ), note
+    assert note.endswith(
+        "set trainer.precision: 32-true, model.init_args.backbone.dtype: float32, "
+        "model.init_args.sampling.copy_dtype: null (sample from the float32 policy)"
+    ), note
+    only_copy = bf16_on_cpu_note(_config(copy_dtype="bfloat16"), has_bf16=False, cuda_available=False)
+    assert (
+        only_copy.startswith("model.init_args.sampling.copy_dtype: bfloat16 on a CPU")
+        and "precision" not in only_copy
+    )
 
 
 @pytest.mark.parametrize(
-    ("trainer", "has_bf16", "cuda"),
+    ("config", "has_bf16", "cuda"),
     [
-        ({"accelerator": "cpu", "precision": "bf16-mixed"}, True, False),  # the CPU has the instructions
-        ({"accelerator": "cpu", "precision": "bf16-mixed"}, None, False),  # unknown: no warning
-        ({"accelerator": "gpu", "precision": "bf16-mixed"}, False, True),  # not on the CPU
-        ({"accelerator": "auto", "precision": "bf16-mixed"}, False, True),  # auto picks the GPU
-        ({"accelerator": "cpu", "precision": "32-true"}, False, False),
-        ({"accelerator": "cpu", "precision": "16-mixed"}, False, False),
-        ({"accelerator": "cpu"}, False, False),  # Lightning's default precision is float32
+        (_config("bf16-mixed", "cpu"), True, False),  # the CPU has the instructions
+        (_config("bf16-mixed", "cpu"), None, False),  # unknown: no warning
+        (_config("bf16-mixed", "gpu", dtype="bfloat16"), False, True),  # not on the CPU
+        (_config("bf16-mixed", "auto"), False, True),  # auto picks the GPU
+        (_config("32-true", "cpu"), False, False),
+        (_config("16-mixed", "cpu", dtype="float16", copy_dtype="float16"), False, False),  # not bf16
+        (_config(accelerator="cpu", dtype="float32", copy_dtype="float32"), False, False),
+        (_config(accelerator="cpu"), False, False),  # Lightning's default precision is float32
     ],
 )
-def test_no_note_where_bf16_is_not_asked_or_not_emulated(trainer, has_bf16, cuda):
-    assert bf16_on_cpu_note(trainer, has_bf16, cuda) is None
+def test_no_note_where_bf16_is_not_asked_or_not_emulated(config, has_bf16, cuda):
+    assert bf16_on_cpu_note(config, has_bf16, cuda) is None
 
 
 def test_fit_prints_the_note_before_it_reads_the_data_and_runs_on(tmp_path):
