@@ -61,8 +61,10 @@ def engine_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_engine_url(tmp_path_factory):
-    """The same with ``--enable-lora --max-lora-rank 8`` on a saved tiny Llama."""
-    with _serving(tmp_path_factory.mktemp("vllm_lora_model"), LLAMA, "--enable-lora", "--max-lora-rank", "8") as url:
+    """The same with ``--enable-lora --max-lora-rank 8`` on a saved tiny Llama, and vLLM's engine core in child
+    processes (``--no-in-process``, the default where CUDA is available) so that path runs here too."""
+    flags = ("--enable-lora", "--max-lora-rank", "8", "--no-in-process")
+    with _serving(tmp_path_factory.mktemp("vllm_lora_model"), LLAMA, *flags) as url:
         yield url
 
 
@@ -88,7 +90,10 @@ def _serving(folder, arch: dict, *flags: str):
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ or "--kv-cache-mib" in flags:
             assert f"Explicitly set ({round(mib / 1024, 2)}/" in log.read_text(), log.read_text()[-3000:]
         engine_processes = _descendants(server.pid)  # vLLM's engine core, its worker, multiprocessing's tracker
-        assert engine_processes, "vLLM on CPU runs its engine core in a child process"
+        if "--no-in-process" in flags:
+            assert engine_processes, "vLLM runs its engine core in a child process"
+        else:  # the CPU default: the engine core and worker in the server's own process, nothing left behind
+            assert engine_processes == [], engine_processes
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
@@ -215,12 +220,13 @@ def test_a_tiny_fit_samples_with_vllm_end_to_end(engine_url, tmp_path, config):
 
 
 
-def test_an_engine_that_does_not_start_ends_the_server_with_its_own_reason(tmp_path):
-    # vLLM serves no LoRA on GPT-2: its worker process refuses, and only the children's log says why
+@pytest.mark.parametrize("where", ["--no-in-process", "--in-process"])
+def test_an_engine_that_does_not_start_ends_the_server_with_its_own_reason(tmp_path, where):
+    # vLLM serves no LoRA on GPT-2: its worker refuses; in a child process only the children's log says why
     load_backbone(BackboneConfig(tiny=ARCH, tokenizer="byte")).save_pretrained(tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "rlhf_lit", "vllm-serve", "--python", VLLM_PYTHON, "--model", str(tmp_path),
-         "--port", "0", "--enable-lora"],
+         "--port", "0", "--enable-lora", where],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 2, result.stderr[-3000:]
@@ -229,4 +235,5 @@ def test_an_engine_that_does_not_start_ends_the_server_with_its_own_reason(tmp_p
                        "(vLLM's log is above)")
     assert [line for line in err if "rlhf-lit: error:" in line] == [err[-1]]
     assert "Engine core initialization failed" not in result.stderr  # the parent's wrapper and its traceback
-    assert "ValueError: GPT2LMHeadModel does not support LoRA yet." in result.stdout  # vLLM's own log, kept
+    if where == "--no-in-process":
+        assert "ValueError: GPT2LMHeadModel does not support LoRA yet." in result.stdout  # vLLM's own log, kept

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rlhf_lit.vllm_server import main
 from rlhf_lit.vllm_start import EngineStartError, failure_reason, start_engine
@@ -42,8 +43,10 @@ class FailingEngine:
     built: list[tuple] = []
 
     def __init__(self, model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank=None,
-                 kv_cache_mib=None) -> None:
-        FailingEngine.built.append((model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank, kv_cache_mib))
+                 kv_cache_mib=None, in_process=None) -> None:
+        FailingEngine.built.append(
+            (model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank, kv_cache_mib, in_process)
+        )
         script = ("import sys; print(*sys.argv[1].split('|'), sep='\\n'); "
                   "print(*sys.argv[2].split('|'), sep='\\n', file=sys.stderr)")
         subprocess.run([sys.executable, "-c", script, "|".join(CHILD_STDOUT), "|".join(CHILD_STDERR)], check=True)
@@ -62,7 +65,8 @@ def test_an_engine_that_fails_in_a_child_ends_with_its_reason_in_one_line(model_
         main(["--model", model_folder, "--port", "0", "--enable-lora", "--max-lora-rank", "8", "--kv-cache-mib", "96"],
              engine_factory=FailingEngine)
     assert stop.value.code == 2
-    assert FailingEngine.built == [(model_folder, "float32", None, 0.3, 8, 96)]
+    on_cpu = not torch.cuda.is_available()  # unset --in-process: the engine in the server's process on CPU
+    assert FailingEngine.built == [(model_folder, "float32", None, 0.3, 8, 96, on_cpu)]
     out, err = capfd.readouterr()
     # vLLM's log still reaches both streams, the one error line comes last, the wrapper is not shown
     assert out.splitlines() == CHILD_STDOUT
@@ -72,6 +76,15 @@ def test_an_engine_that_fails_in_a_child_ends_with_its_reason_in_one_line(model_
     os.write(1, b"after\n")
     os.write(2, b"after\n")
     assert capfd.readouterr() == ("after\n", "after\n")
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("--in-process", True), ("--no-in-process", False)])
+def test_in_process_chooses_where_vllms_engine_core_runs(model_folder, flag, expected, capfd):
+    FailingEngine.built.clear()
+    with pytest.raises(SystemExit):
+        main(["--model", model_folder, flag], engine_factory=FailingEngine)
+    assert [built[-1] for built in FailingEngine.built] == [expected]
+    capfd.readouterr()
 
 
 def test_a_failure_raised_in_this_process_names_its_own_message(model_folder, capfd):
@@ -140,7 +153,7 @@ class ChildProcessEngine:
     """Holds a child process, as vLLM's engine core does; ``close`` stops it (``VLLMEngine.close``)."""
 
     def __init__(self, model, dtype, max_model_len, gpu_memory_utilization, max_lora_rank=None,
-                 kv_cache_mib=None) -> None:
+                 kv_cache_mib=None, in_process=None) -> None:
         self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(os.path.join(model, "child.pid"), "w") as f:
             f.write(str(self.child.pid))
