@@ -54,11 +54,11 @@ BF16_SETTINGS = {
 
 
 def _value(config: dict, key: str):
+    """``key``'s value in ``config``; for ``model.init_args.<section>.<name>`` also where the section is given as
+    a class (``model.init_args.<section>.init_args.<name>``)."""
     found = get(config, key)
     if found is None and key.startswith("model.init_args.") and key.count(".") == 3:
-        section, name = key.split(".")[
-            2:
-        ]  # a section given as a class: model.init_args.<section>.init_args.<name>
+        section, name = key.split(".")[2:]
         found = get(config, f"model.init_args.{section}.init_args.{name}")
     return found
 

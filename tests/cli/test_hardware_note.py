@@ -1,9 +1,9 @@
-"""bf16 autocast on a CPU without bf16 instructions: ``fit`` says in one line that float32 runs faster there.
+"""bf16 on a CPU without bf16 instructions: ``fit`` says in one line that float32 runs faster there.
 
-On such a CPU PyTorch converts every bf16 matrix product to float32 and back, so ``precision: bf16-mixed`` makes
-a CPU run several times slower instead of faster; the shipped SmolLM2 and MiniLM configs ask for it. The note is
-a warning (the run goes on), printed before any model loads, only where the CPU is known to lack both
-AVX512_BF16 and AMX, and only when the run is on the CPU.
+On such a CPU PyTorch runs bf16 matrix products in a portable fallback kernel, so ``precision: bf16-mixed`` (or a
+bf16 base or sampling copy) makes a CPU run 15-18x slower instead of faster (docs/experiments/bf16_cpu.md); the
+shipped SmolLM2 and MiniLM configs ask for it. The note is a warning (the run goes on), printed before any model
+loads, only where the CPU is known to lack both AVX512_BF16 and AMX, and only when the run is on the CPU.
 """
 
 from __future__ import annotations
