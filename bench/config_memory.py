@@ -46,8 +46,10 @@ def _rss_mb() -> float:
 def batch_dims(batch) -> dict:
     """The drawn batch's sizes, for a plan of the batch that ran: per ``*attention_mask`` (B, T) of a dict batch,
     ``rows``, ``width`` (T) and ``tokens`` (the mask's sum); per ``*response_len`` (B,), ``response_tokens``
-    (its sum). Summed over the keys (chosen + rejected); {} for a batch that is no dict of tensors."""
+    (its sum), or where a batch has none (KTO's unpaired rows), the positions of its ``*labels`` (B, T) that are
+    not -100. Summed over the keys (chosen + rejected); {} for a batch that is no dict of tensors."""
     dims: dict[str, int] = {}
+    labelled = 0
     for key, value in batch.items() if isinstance(batch, dict) else ():
         if key.endswith("attention_mask") and getattr(value, "ndim", 0) == 2:
             dims["rows"] = dims.get("rows", 0) + int(value.shape[0])
@@ -55,6 +57,10 @@ def batch_dims(batch) -> dict:
             dims["tokens"] = dims.get("tokens", 0) + int(value.sum())
         elif key.endswith("response_len") and getattr(value, "ndim", 0) == 1:
             dims["response_tokens"] = dims.get("response_tokens", 0) + int(value.sum())
+        elif key.endswith("labels") and getattr(value, "ndim", 0) == 2:
+            labelled += int((value != -100).sum())
+    if "response_tokens" not in dims and labelled:
+        dims["response_tokens"] = labelled
     return dims
 
 
@@ -117,14 +123,20 @@ def _plan(config: str, overrides: list[str], env: dict, check: bool = True) -> d
     return json.loads(plan.stdout) if plan.returncode == 0 else None
 
 
-def widest_override(dims_by_step: list[dict], is_ppo: bool) -> str | None:
-    """The override that plans the widest batch the run drew instead of the config's longest: the widest
-    ``width`` over the steps as ``data.init_args.max_prompt_length`` (PPO: the prompts' width) or
-    ``data.init_args.max_length``; None when no step recorded one."""
+def drawn_overrides(dims_by_step: list[dict], stage: str) -> list[str]:
+    """The plan arguments for the largest batch the run drew instead of the config's worst case: the widest
+    ``width`` over the steps as ``data.init_args.max_prompt_length`` (``stage`` "ppo": the prompts' width) or
+    ``data.init_args.max_length``, and for "dpo" (DPO/KTO, whose response length the data decides) ``plan
+    --response-len``: the most response tokens per row of any step, rounded up. Each taken over the steps on
+    its own, so the plan bounds every step the run took; [] when no step recorded a width."""
     widths = [d["width"] for d in dims_by_step if "width" in d]
     if not widths:
-        return None
-    return f"--data.init_args.{'max_prompt_length' if is_ppo else 'max_length'}={max(widths)}"
+        return []
+    args = [f"--data.init_args.{'max_prompt_length' if stage == 'ppo' else 'max_length'}={max(widths)}"]
+    per_row = [-(-d["response_tokens"] // d["rows"]) for d in dims_by_step if d.get("response_tokens") and d.get("rows")]
+    if stage == "dpo" and per_row:
+        args.append(f"--response-len={min(max(per_row), max(widths) - 1)}")
+    return args
 
 
 def _cpu() -> str:
@@ -142,11 +154,12 @@ def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float
 
 def table(lines: list[dict], within: float) -> str:
     """Plan vs measured, one row per recorded line: ``needs = needed_bytes(plan)`` (CPU), ``ratio = needs /
-    peak RSS``, within when ``|ratio - 1| <= within``; ``widest``: the same ratio for the plan of the widest batch
-    the run drew (``plan_widest_drawn_mb``, "-" where not recorded); ``flat``: the peak stopped climbing."""
+    peak RSS``, within when ``|ratio - 1| <= within``; ``drawn``: the same ratio for the plan of the largest batch
+    the run drew (``plan_widest_drawn_mb``: its width, and for DPO/KTO its response tokens per row since
+    ``drawn_overrides``; "-" where not recorded); ``flat``: the peak stopped climbing."""
     head = (
         f"{'label':<30} {'config':<42} {'steps':>5} {'plan MiB':>9} {'needs MiB':>9} {'peak MiB':>9} {'ratio':>6} "
-        f"{'within':>6} {'widest':>6} {'flat':>5}"
+        f"{'within':>6} {'drawn':>6} {'flat':>5}"
     )
     rows = [head, "-" * len(head)]
     for d in lines:
@@ -185,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     env = _env(args.threads)
     overrides = [f"--{s}" for s in args.set]
-    is_ppo = "/ppo/" in args.config
+    stage = next((st for st in ("ppo", "dpo") if f"/{st}/" in args.config), "other")
+    is_ppo = stage == "ppo"
     steps = (
         [f"--model.init_args.ppo.total_iterations={args.max_steps}"] if is_ppo else [f"--trainer.max_steps={args.max_steps}"]
     )
@@ -207,14 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     flat, growth = flat_after_warmup([r["peak_mb"] for r in rows], args.flat_tolerance)
     plan_mb = estimate["peak_bytes"] / 2**20
     dims_by_step = [{k: r[k] for k in ("rows", "width", "tokens", "response_tokens") if k in r} for r in rows]
-    widest = widest_override(dims_by_step, is_ppo)
-    widest_plan = _plan(args.config, [*overrides, widest], env, check=False) if widest else None
-    widest_mb = widest_plan["peak_bytes"] / 2**20 if widest_plan else None
+    drawn = drawn_overrides(dims_by_step, stage)
+    drawn_plan = _plan(args.config, [*overrides, *drawn], env, check=False) if drawn else None
+    drawn_mb = drawn_plan["peak_bytes"] / 2**20 if drawn_plan else None
     line = {
         "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
         "threads": args.threads, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "plan_mb": round(plan_mb, 1),
-        "plan_widest_drawn_mb": round(widest_mb, 1) if widest_mb else None, "widest_override": widest,
+        "plan_widest_drawn_mb": round(drawn_mb, 1) if drawn_mb else None, "drawn_overrides": drawn,
         "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),
         "peak_minus_floor_mb": round(peak_mb - floor_mb, 1), "peak_after_loading_mb": loaded_peak,
         "plan_error": round((peak_mb - floor_mb) / plan_mb - 1.0, 3),

@@ -20,8 +20,8 @@ def test_table_compares_the_fits_figure_with_the_peak():
     assert rows[2].split()[-5:-2] == ["1,400", "1.22", "NO"]  # 1,714.4 / 1,400 = 1.225: outside
 
 
-def test_table_gives_the_ratio_for_the_widest_drawn_batch_and_flatness():
-    # widest plan 500 MiB -> needs 500 x 1.1 + 614.4 = 1,164.4 MiB; / 1,714.4 = 0.68
+def test_table_gives_the_ratio_for_the_drawn_batch_and_flatness():
+    # drawn plan 500 MiB -> needs 500 x 1.1 + 614.4 = 1,164.4 MiB; / 1,714.4 = 0.68
     row = table([_line("drawn", 1000.0, 1714.4, plan_widest_drawn_mb=500.0, flat=False)], 0.15).splitlines()[2]
     assert row.split()[-4:] == ["1.00", "yes", "0.68", "no"]
 
@@ -29,3 +29,43 @@ def test_table_gives_the_ratio_for_the_widest_drawn_batch_and_flatness():
 def test_table_within_is_the_tolerance():
     # 1,714.4 / 2,000 = 0.857: outside 10 %
     assert table([_line("low", 1000.0, 2000.0)], 0.10).splitlines()[2].split()[-3] == "NO"
+
+
+def test_batch_dims_count_response_tokens_from_lengths_or_from_labels():
+    import torch
+
+    from bench.config_memory import batch_dims
+
+    pair = {  # a paired batch: 2 rows of chosen, 2 of rejected, width 4 and 3
+        "chosen_attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+        "rejected_attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+        "chosen_response_len": torch.tensor([2, 3]),
+        "rejected_response_len": torch.tensor([1, 0]),
+        "chosen_labels": torch.full((2, 4), 7),  # ignored: the lengths are there
+    }
+    assert batch_dims(pair) == {"rows": 4, "width": 4, "tokens": 10, "response_tokens": 6}
+    unpaired = {  # KTO: no *response_len, the labels mark the response (-100 elsewhere)
+        "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "labels": torch.tensor([[-100, 5, 6], [-100, 9, -100]]),
+    }
+    assert batch_dims(unpaired) == {"rows": 2, "width": 3, "tokens": 5, "response_tokens": 3}
+    assert batch_dims([torch.ones(2)]) == {}
+
+
+def test_drawn_overrides_plan_the_widest_batch_and_dpo_the_most_response_tokens_per_row():
+    from bench.config_memory import drawn_overrides
+
+    steps = [
+        {"rows": 16, "width": 300, "tokens": 2000, "response_tokens": 800},  # 50 per row
+        {"rows": 16, "width": 499, "tokens": 3000, "response_tokens": 939},  # 58.7 -> 59
+    ]
+    assert drawn_overrides(steps, "dpo") == ["--data.init_args.max_length=499", "--response-len=59"]
+    assert drawn_overrides(steps, "other") == ["--data.init_args.max_length=499"]  # SFT/reward: every position
+    assert drawn_overrides([{"rows": 4, "width": 66, "tokens": 186}], "ppo") == [
+        "--data.init_args.max_prompt_length=66"
+    ]
+    # a row cannot hold more response tokens than its width - 1 (plan refuses more)
+    assert drawn_overrides([{"rows": 1, "width": 10, "tokens": 10, "response_tokens": 10}], "dpo")[1] == (
+        "--response-len=9"
+    )
+    assert drawn_overrides([{"rows": 2}], "dpo") == []

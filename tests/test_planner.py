@@ -491,6 +491,31 @@ def test_plan_takes_key_value_overrides_as_fit_does(capsys):
     ]
 
 
+def test_plan_response_len_plans_dpo_logits_for_the_datas_response_tokens(capsys):
+    """``rlhf-lit plan --response-len R``: DPO/KTO's response logits (rows x R x V) and the reference's for R
+    tokens per row instead of the T - 1 bound; refused for other stages and above max_length - 1, exit 2."""
+
+    def logits_row(args):
+        with in_repo_root():
+            main(["plan", "--config", "configs/dpo/tiny.yaml", "--json", *args])
+        rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+        return rows["response logits + loss"]
+
+    bound, given = logits_row([]), logits_row(["--response-len", "5"])
+    # 8 pairs = 16 rows, max_length 384: the bound is 383 positions a row, the data's 5
+    assert "16 x 383 x" in bound["note"] and "16 x 5 x" in given["note"]
+    assert given["bytes"] * 383 == pytest.approx(bound["bytes"] * 5)
+    for argv, message in (
+        (["--config", "configs/sft/tiny.yaml", "--response-len", "5"], "only DPO/KTO configs take it"),
+        (["--config", "configs/dpo/tiny.yaml", "--response-len", "384"], "above max_length - 1 = 383"),
+        (["--config", "configs/dpo/tiny.yaml", "--response-len", "0"], "must be a whole number >= 1"),
+    ):
+        with in_repo_root(), pytest.raises(SystemExit) as exit_:
+            main(["plan", *argv])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
 def test_a_dpo_plan_says_packing_or_trim_padding_peaks_lower_than_its_worst_batch():
     unpacked = "--model.init_args.packing=false"
     with in_repo_root():

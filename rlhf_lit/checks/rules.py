@@ -52,6 +52,7 @@ _OPTIMIZER = {
 PLAN_RULES: dict[str, Range] = {
     "device-memory-gb": _gt0(),
     "world-size": _count(1),
+    "response-len": _count(1),
 }
 
 

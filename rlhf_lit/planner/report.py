@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlhf_lit.planner.estimate import Estimate
+    from rlhf_lit.planner.settings import RunSettings
 
 from rlhf_lit.planner.formulas import (
     ALLOCATOR_SLACK,
@@ -86,17 +87,22 @@ def plan(
     model_config: str | None = None,
     overrides: dict | None = None,
     cli_overrides: list[str] | None = None,
+    response_len: int | None = None,
 ) -> Estimate:
     """Estimate the run that ``rlhf-lit fit --config <configs...> <cli_overrides...>`` would start
     (``cli_overrides``: ``--key=value`` arguments as ``fit`` takes them; ``overrides``: fields of
-    :class:`~rlhf_lit.planner.settings.RunSettings` to set after reading the configs)."""
+    :class:`~rlhf_lit.planner.settings.RunSettings` to set after reading the configs; ``response_len``: ``plan
+    --response-len``, DPO/KTO's response tokens per row, checked by :func:`_check_response_len`)."""
     from rlhf_lit.planner.estimate import estimate
     from rlhf_lit.planner.settings import read_settings
     from rlhf_lit.planner.shapes import model_shape
 
     settings = read_settings(configs, cli_overrides)
+    _check_response_len(settings, response_len)
     for key, value in (overrides or {}).items():
         setattr(settings, key, value)
+    if response_len is not None:
+        settings.response_len = response_len
     shape = model_shape(settings.backbone, model_config)
     reward_shape = None
     if (
@@ -106,6 +112,29 @@ def plan(
     ):
         reward_shape = model_shape(settings.reward_backbone)
     return estimate(settings, shape, reward_shape)
+
+
+def _check_response_len(settings: RunSettings, response_len: int | None) -> None:
+    """``--response-len`` plans DPO/KTO's response logits (rows x R x V) for ``R`` tokens per row, which the data
+    decides; other stages fix R themselves (PPO: ``sampling.max_new_tokens``; SFT and reward: every position).
+
+    Raises:
+        ConfigError: for another stage, or an R the rows cannot hold (above ``max_length - 1``).
+    """
+    if response_len is None:
+        return
+    from rlhf_lit.errors import ConfigError
+
+    if settings.stage != "dpo":
+        raise ConfigError(
+            f"plan --response-len: only DPO/KTO configs take it; this config is the {settings.stage} stage "
+            "(PPO plans sampling.max_new_tokens, SFT and reward every position)"
+        )
+    if response_len > settings.seq_len - 1:
+        raise ConfigError(
+            f"plan --response-len={response_len}: above max_length - 1 = {settings.seq_len - 1}, the most "
+            "response tokens a row holds"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,11 +150,22 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="processes (default: trainer.devices x num_nodes; -1 counts as 1)",
     )
+    parser.add_argument(
+        "--response-len",
+        type=int,
+        default=None,
+        help="DPO/KTO: response tokens per row in your data (default: unknown, bounded by max_length - 1, "
+        "the worst case)",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args, cli_overrides = parser.parse_known_args(argv)  # the rest: --key=value overrides, as fit takes them
     from rlhf_lit.checks.rules import PLAN_RULES, check_ranges
 
-    options = {"device-memory-gb": args.device_memory_gb, "world-size": args.world_size}
+    options = {
+        "device-memory-gb": args.device_memory_gb,
+        "world-size": args.world_size,
+        "response-len": args.response_len,
+    }
     check_ranges({k: v for k, v in options.items() if v is not None}, PLAN_RULES, "plan --")
     for config in args.config:
         if not os.path.isfile(config):
@@ -139,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model_config,
         {"world_size": args.world_size} if args.world_size else None,
         cli_overrides,
+        args.response_len,
     )
     if args.json:
         print(
