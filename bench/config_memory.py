@@ -123,13 +123,17 @@ def _plan(config: str, overrides: list[str], env: dict, check: bool = True) -> d
     return json.loads(plan.stdout) if plan.returncode == 0 else None
 
 
-def drawn_overrides(dims_by_step: list[dict], stage: str) -> list[str]:
+def drawn_overrides(dims_by_step: list[dict], stage: str, packed: bool = False) -> list[str]:
     """The plan arguments for the largest batch the run drew instead of the config's worst case: the widest
     ``width`` over the steps as ``data.init_args.max_prompt_length`` (``stage`` "ppo": the prompts' width) or
-    ``data.init_args.max_length``, and for "dpo" (DPO/KTO, whose response length the data decides) ``plan
-    --response-len``: the most response tokens per row of any step, rounded up. Each taken over the steps on
-    its own, so the plan bounds every step the run took; [] when no step recorded a width."""
+    ``data.init_args.max_length`` (``packed``: the most real tokens per row of any step, rounded up, since a
+    packed forward holds the batch's tokens, not rows x width), and for "dpo" (DPO/KTO, whose response length
+    the data decides) ``plan --response-len``: the most response tokens per row of any step, rounded up. Each
+    taken over the steps on its own, so the plan bounds every step the run took; [] when no step recorded a
+    width."""
     widths = [d["width"] for d in dims_by_step if "width" in d]
+    if packed:
+        widths = [-(-d["tokens"] // d["rows"]) for d in dims_by_step if d.get("tokens") and d.get("rows")]
     if not widths:
         return []
     args = [f"--data.init_args.{'max_prompt_length' if stage == 'ppo' else 'max_length'}={max(widths)}"]
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     flat, growth = flat_after_warmup([r["peak_mb"] for r in rows], args.flat_tolerance)
     plan_mb = estimate["peak_bytes"] / 2**20
     dims_by_step = [{k: r[k] for k in ("rows", "width", "tokens", "response_tokens") if k in r} for r in rows]
-    drawn = drawn_overrides(dims_by_step, stage)
+    drawn = drawn_overrides(dims_by_step, stage, bool(estimate.get("packing")))
     drawn_plan = _plan(args.config, [*overrides, *drawn], env, check=False) if drawn else None
     drawn_mb = drawn_plan["peak_bytes"] / 2**20 if drawn_plan else None
     line = {

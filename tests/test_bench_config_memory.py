@@ -69,3 +69,5 @@ def test_drawn_overrides_plan_the_widest_batch_and_dpo_the_most_response_tokens_
         "--response-len=9"
     )
     assert drawn_overrides([{"rows": 2}], "dpo") == []
+    # packed, a batch holds its tokens: 2,000 / 16 = 125, 3,000 / 16 = 187.5 -> 188 token slots a row
+    assert drawn_overrides(steps, "dpo", packed=True) == ["--data.init_args.max_length=188", "--response-len=59"]

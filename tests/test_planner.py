@@ -501,6 +501,9 @@ def test_plan_response_len_plans_dpo_logits_for_the_datas_response_tokens(capsys
         rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
         return rows["response logits + loss"]
 
+    with in_repo_root():  # --json says whether the plan's batch packs (the DPO config's default)
+        main(["plan", "--config", "configs/dpo/tiny.yaml", "--json"])
+    assert json.loads(capsys.readouterr().out)["packing"] is True
     bound, given = logits_row([]), logits_row(["--response-len", "5"])
     # 8 pairs = 16 rows, max_length 384: the bound is 383 positions a row, the data's 5
     assert "16 x 383 x" in bound["note"] and "16 x 5 x" in given["note"]
