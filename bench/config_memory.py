@@ -159,8 +159,9 @@ def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float
 def table(lines: list[dict], within: float) -> str:
     """Plan vs measured, one row per recorded line: ``needs = needed_bytes(plan)`` (CPU), ``ratio = needs /
     peak RSS``, within when ``|ratio - 1| <= within``; ``drawn``: the same ratio for the plan of the largest batch
-    the run drew (``plan_widest_drawn_mb``: its width, and for DPO/KTO its response tokens per row since
-    ``drawn_overrides``; "-" where not recorded); ``flat``: the peak stopped climbing."""
+    the run drew (``plan_widest_drawn_mb``: its width, a packed batch's tokens per row, and for DPO/KTO its
+    response tokens per row: :func:`drawn_overrides`; "-" where not recorded); ``flat``: the peak stopped
+    climbing."""
     head = (
         f"{'label':<30} {'config':<42} {'steps':>5} {'plan MiB':>9} {'needs MiB':>9} {'peak MiB':>9} {'ratio':>6} "
         f"{'within':>6} {'drawn':>6} {'flat':>5}"
