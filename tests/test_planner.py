@@ -495,19 +495,19 @@ def test_plan_response_len_plans_dpo_logits_for_the_datas_response_tokens(capsys
     """``rlhf-lit plan --response-len R``: DPO/KTO's response logits (rows x R x V) and the reference's for R
     tokens per row instead of the T - 1 bound; refused for other stages and above max_length - 1, exit 2."""
 
-    def logits_row(args):
+    def planned(args):
         with in_repo_root():
             main(["plan", "--config", "configs/dpo/tiny.yaml", "--json", *args])
-        rows = {r["component"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
-        return rows["response logits + loss"]
+        out = json.loads(capsys.readouterr().out)
+        return out, {r["component"]: r for r in out["rows"]}["response logits + loss"]
 
-    with in_repo_root():  # --json says whether the plan's batch packs (the DPO config's default)
-        main(["plan", "--config", "configs/dpo/tiny.yaml", "--json"])
-    assert json.loads(capsys.readouterr().out)["packing"] is True
-    bound, given = logits_row([]), logits_row(["--response-len", "5"])
+    (bound_plan, bound), (given_plan, given) = planned([]), planned(["--response-len", "5"])
+    assert bound_plan["packing"] is True  # --json says the plan's batch packs (the DPO config's default)
     # 8 pairs = 16 rows, max_length 384: the bound is 383 positions a row, the data's 5
     assert "16 x 383 x" in bound["note"] and "16 x 5 x" in given["note"]
     assert given["bytes"] * 383 == pytest.approx(bound["bytes"] * 5)
+    # the reference's no-grad forward makes logits for the same positions: its phase shrinks too
+    assert given_plan["phases"]["reference forward"] < bound_plan["phases"]["reference forward"]
     for argv, message in (
         (["--config", "configs/sft/tiny.yaml", "--response-len", "5"], "only DPO/KTO configs take it"),
         (["--config", "configs/dpo/tiny.yaml", "--response-len", "384"], "above max_length - 1 = 383"),
