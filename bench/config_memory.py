@@ -131,9 +131,10 @@ def drawn_overrides(dims_by_step: list[dict], stage: str, packed: bool = False) 
     the data decides) ``plan --response-len``: the most response tokens per row of any step, rounded up. Each
     taken over the steps on its own, so the plan bounds every step the run took; [] when no step recorded a
     width."""
-    widths = [d["width"] for d in dims_by_step if "width" in d]
     if packed:
         widths = [-(-d["tokens"] // d["rows"]) for d in dims_by_step if d.get("tokens") and d.get("rows")]
+    else:
+        widths = [d["width"] for d in dims_by_step if "width" in d]
     if not widths:
         return []
     args = [f"--data.init_args.{'max_prompt_length' if stage == 'ppo' else 'max_length'}={max(widths)}"]
@@ -203,12 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     env = _env(args.threads)
     overrides = [f"--{s}" for s in args.set]
-    stage = next((st for st in ("ppo", "dpo") if f"/{st}/" in args.config), "other")
+    estimate = _plan(args.config, overrides, env)
+    stage = estimate["stage"]  # the planner's reading of the config: sft, reward, ppo or dpo (KTO included)
     is_ppo = stage == "ppo"
     steps = (
         [f"--model.init_args.ppo.total_iterations={args.max_steps}"] if is_ppo else [f"--trainer.max_steps={args.max_steps}"]
     )
-    estimate = _plan(args.config, overrides, env)
     _, floor_mb = _peak_of([sys.executable, "-c", FLOOR_IMPORTS], env)
     trace = work / "trace.jsonl"
     trace.unlink(missing_ok=True)

@@ -60,7 +60,7 @@ def test_drawn_overrides_plan_the_widest_batch_and_dpo_the_most_response_tokens_
         {"rows": 16, "width": 499, "tokens": 3000, "response_tokens": 939},  # 58.7 -> 59
     ]
     assert drawn_overrides(steps, "dpo") == ["--data.init_args.max_length=499", "--response-len=59"]
-    assert drawn_overrides(steps, "other") == ["--data.init_args.max_length=499"]  # SFT/reward: every position
+    assert drawn_overrides(steps, "sft") == ["--data.init_args.max_length=499"]  # SFT/reward: every position
     assert drawn_overrides([{"rows": 4, "width": 66, "tokens": 186}], "ppo") == [
         "--data.init_args.max_prompt_length=66"
     ]

@@ -502,7 +502,8 @@ def test_plan_response_len_plans_dpo_logits_for_the_datas_response_tokens(capsys
         return out, {r["component"]: r for r in out["rows"]}["response logits + loss"]
 
     (bound_plan, bound), (given_plan, given) = planned([]), planned(["--response-len", "5"])
-    assert bound_plan["packing"] is True  # --json says the plan's batch packs (the DPO config's default)
+    # --json says the stage and whether the plan's batch packs (the DPO config's default)
+    assert bound_plan["stage"] == "dpo" and bound_plan["packing"] is True
     # 8 pairs = 16 rows, max_length 384: the bound is 383 positions a row, the data's 5
     assert "16 x 383 x" in bound["note"] and "16 x 5 x" in given["note"]
     assert given["bytes"] * 383 == pytest.approx(bound["bytes"] * 5)

@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                     "peak_bytes": est.peak,
                     "static_bytes": est.static,
                     "phases": est.phases,
+                    "stage": est.settings.stage,
                     "packing": est.settings.packing,
                     "rows": [{"component": n, "bytes": b, "note": t} for n, b, t in est.rows],
                     **_verdict_json(est, args.device_memory_gb),
