@@ -64,6 +64,10 @@ def batch_dims(batch) -> dict:
     return dims
 
 
+MEMORY_ENV = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "LD_PRELOAD")
+"""Environment variables that change how the process allocates memory: a line records those that were set."""
+
+
 class StepRSS(L.Callback):
     """Appends ``{"step", "rss_mb", "peak_mb", "t"}`` (plus the batch's :func:`batch_dims`) to the file named by
     ``$RLHF_LIT_BENCH_RSS_TRACE`` when training starts (step 0) and after every training batch (``peak_mb`` is
@@ -145,8 +149,21 @@ def drawn_overrides(dims_by_step: list[dict], stage: str, packed: bool = False) 
 
 
 def _cpu() -> str:
+    """``lscpu``'s name with the family and model (two CPUs both named "AMD EPYC" differ in bf16 instructions)."""
     with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+        info = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines() if ":" in ln)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
+
+
+def median_step_seconds(times: list[float]) -> float | None:
+    """The median of the step-to-step intervals of ``times`` (seconds since the first trace line, one per step from
+    step 0, the end of loading); the first step is left out (it pays one-off warm-up). ``None`` under 3 steps."""
+    gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    return round(gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2, 2)
 
 
 def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float]:
@@ -223,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"fit failed (rc={rc}); see {work / 'fit.log'}")
     rows = [json.loads(ln) for ln in trace.read_text().splitlines()]
     loaded_peak = rows[0]["peak_mb"]  # step 0: the peak of loading
+    step_s = median_step_seconds([r["t"] for r in rows])
     rows = rows[1:]
     flat, growth = flat_after_warmup([r["peak_mb"] for r in rows], args.flat_tolerance)
     plan_mb = estimate["peak_bytes"] / 2**20
@@ -232,13 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     drawn_mb = drawn_plan["peak_bytes"] / 2**20 if drawn_plan else None
     line = {
         "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
-        "threads": args.threads, "cpu": _cpu(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "threads": args.threads, "cpu": _cpu(), "env": {k: v for k, v in env.items() if k in MEMORY_ENV}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "plan_mb": round(plan_mb, 1),
         "plan_widest_drawn_mb": round(drawn_mb, 1) if drawn_mb else None, "drawn_overrides": drawn,
         "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),
         "peak_minus_floor_mb": round(peak_mb - floor_mb, 1), "peak_after_loading_mb": loaded_peak,
         "plan_error": round((peak_mb - floor_mb) / plan_mb - 1.0, 3),
         "flat": flat, "growth_second_half": round(growth, 4), "wall_s": round(wall, 1),
+        "median_step_s": step_s,
         "rss_between_steps_mb": [r["rss_mb"] for r in rows], "peak_by_step_mb": [r["peak_mb"] for r in rows],
         "batch_dims_by_step": dims_by_step,
     }

@@ -71,3 +71,12 @@ def test_drawn_overrides_plan_the_widest_batch_and_dpo_the_most_response_tokens_
     assert drawn_overrides([{"rows": 2}], "dpo") == []
     # packed, a batch holds its tokens: 2,000 / 16 = 125, 3,000 / 16 = 187.5 -> 188 token slots a row
     assert drawn_overrides(steps, "dpo", packed=True) == ["--data.init_args.max_length=188", "--response-len=59"]
+
+
+def test_median_step_seconds_leaves_out_the_first_step():
+    from bench.config_memory import median_step_seconds
+
+    # trace times: loaded at 0 s, steps end at 30 (first step, warm-up: left out), 40, 51, 60 -> gaps 10, 11, 9
+    assert median_step_seconds([0.0, 30.0, 40.0, 51.0, 60.0]) == 10.0
+    assert median_step_seconds([0.0, 30.0, 40.0, 52.0]) == 11.0  # gaps 10, 12: their mean
+    assert median_step_seconds([0.0, 30.0]) is None  # no step after the first
