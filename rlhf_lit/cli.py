@@ -17,7 +17,8 @@ to :mod:`rlhf_lit.demo`; one entry each, ``name -> "module:function"``), everyth
 
 Start-up: this module imports nothing heavy. ``rlhf-lit --help`` is answered here, ``plan --help`` and
 ``demo --help`` by their own argument parsers before they import models; Lightning, torch and transformers are
-imported only by the subcommands that use them.
+imported only by the subcommands that use them. Before any of them, :func:`allocator_defaults` puts
+``THP_MEM_ALLOC_ENABLE=1`` in the environment unless it is set (PyTorch reads it once, at its first allocation).
 
 Errors: a user mistake (an unknown or misspelled key, an abbreviated option, a value out of range, a missing
 or unwritable path, a malformed data file) is printed as one line naming the key, file, row or field, and the
@@ -34,6 +35,7 @@ import os
 import sys
 import traceback
 from argparse import ArgumentError
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from rlhf_lit.cli_messages import condense, did_you_mean
@@ -94,9 +96,24 @@ def user_error_message(err: BaseException) -> str | None:
     return None
 
 
+#: PyTorch's CPU allocator (c10 ``alloc_cpu``) aligns each block of 2 MiB or more to 2 MiB and ``madvise``s it
+#: ``MADV_HUGEPAGE`` when this is "1", so a fresh mapping faults in 2 MiB pages rather than 4 KiB ones; it reads
+#: the variable once, at its first allocation. With ``HeapTrim``'s ``mmap_threshold`` that is what a fresh
+#: mapping per activation costs (docs/scale.md, "Host memory on a CPU").
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def allocator_defaults(environ: MutableMapping[str, str]) -> None:
+    """Sets ``THP_MEM_ALLOC_ENABLE=1`` in ``environ`` unless it holds the variable (``0`` turns huge pages off).
+    It takes effect only in a process that has not imported torch yet: the ``rlhf-lit`` command and what it
+    starts. Harmless where the kernel's transparent huge pages are ``never`` (the advice is then ignored)."""
+    environ.setdefault(THP_ENV, "1")
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``rlhf-lit`` console script: ``fit``/``validate``/``test``/``predict``, ``demo``,
     ``plan``. A user mistake prints ``rlhf-lit: error: ...`` (one or two lines) and exits 2."""
+    allocator_defaults(os.environ)
     argv = list(sys.argv[1:] if args is None else args)
     debug = "--debug" in argv or os.environ.get("RLHF_LIT_DEBUG", "").strip().lower() in ("1", "true", "yes")
     verbose = verbose_requested(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -129,3 +130,35 @@ def test_python_dash_m_usage_names_the_command():
         timeout=300,
     ).stdout
     assert out.startswith("usage: rlhf-lit plan"), out[:200]
+
+
+def test_rlhf_lit_asks_torch_for_huge_pages_before_torch_is_imported(monkeypatch):
+    """``main`` puts ``THP_MEM_ALLOC_ENABLE=1`` in the environment first and keeps a user's own value; torch then
+    page-aligns every block of 2 MiB or more (without it: 64 bytes), which it does only for huge pages."""
+    from rlhf_lit.cli import THP_ENV, main
+
+    monkeypatch.delenv(THP_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert os.environ[THP_ENV] == "1"
+    monkeypatch.setenv(THP_ENV, "0")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert os.environ[THP_ENV] == "0"
+
+    probe = (
+        "import os, sys\n"
+        "os.environ.pop('THP_MEM_ALLOC_ENABLE', None)\n"
+        "if sys.argv[1] == 'cli':\n"
+        "    from rlhf_lit.cli import allocator_defaults; allocator_defaults(os.environ)\n"
+        "import torch\n"
+        "blocks = [torch.empty(2**19 + 1000 * i) for i in range(8)]  # 2 MiB and more each\n"
+        "print(sum(b.data_ptr() % 4096 == 0 for b in blocks))"
+    )
+    counts = {
+        how: subprocess.run(
+            [sys.executable, "-c", probe, how], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=300
+        ).stdout.split()[-1]
+        for how in ("cli", "plain")
+    }
+    assert counts["cli"] == "8" and int(counts["plain"]) < 8  # plain: 0 on glibc (mmapped blocks sit 64 bytes in)
