@@ -31,6 +31,7 @@ from pathlib import Path
 
 import lightning as L
 
+from rlhf_lit.cli import allocator_defaults
 from rlhf_lit.planner.formulas import MiB, needed_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,6 +100,7 @@ class StepRSS(L.Callback):
 def _env(threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    allocator_defaults(env)  # what the rlhf-lit command sets in itself: the line's "env" records it
     return env
 
 
