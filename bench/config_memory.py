@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     drawn_mb = drawn_plan["peak_bytes"] / 2**20 if drawn_plan else None
     line = {
         "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
-        "threads": args.threads, "cpu": _cpu(), "env": {k: v for k, v in env.items() if k in MEMORY_ENV}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "threads": args.threads, "cpu": _cpu(),
+        "env": {k: v for k, v in env.items() if k in MEMORY_ENV},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "plan_mb": round(plan_mb, 1),
         "plan_widest_drawn_mb": round(drawn_mb, 1) if drawn_mb else None, "drawn_overrides": drawn,
         "floor_mb": round(floor_mb, 1), "peak_mb": round(peak_mb, 1),

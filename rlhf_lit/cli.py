@@ -96,7 +96,7 @@ def user_error_message(err: BaseException) -> str | None:
     return None
 
 
-#: PyTorch's CPU allocator (c10 ``alloc_cpu``) aligns each block of 2 MiB or more to 2 MiB and ``madvise``s it
+#: PyTorch's CPU allocator (c10 ``alloc_cpu``) page-aligns each block of 2 MiB or more and ``madvise``s it
 #: ``MADV_HUGEPAGE`` when this is "1", so a fresh mapping faults in 2 MiB pages rather than 4 KiB ones; it reads
 #: the variable once, at its first allocation. With ``HeapTrim``'s ``mmap_threshold`` that is what a fresh
 #: mapping per activation costs (docs/scale.md, "Host memory on a CPU").
