@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -161,11 +162,8 @@ def _cpu() -> str:
 def median_step_seconds(times: list[float]) -> float | None:
     """The median of the step-to-step intervals of ``times`` (seconds since the first trace line, one per step from
     step 0, the end of loading); the first step is left out (it pays one-off warm-up). ``None`` under 3 steps."""
-    gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))
-    if not gaps:
-        return None
-    mid = len(gaps) // 2
-    return round(gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2, 2)
+    gaps = [b - a for a, b in zip(times[1:], times[2:])]
+    return round(statistics.median(gaps), 2) if gaps else None
 
 
 def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float]:
