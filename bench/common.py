@@ -127,11 +127,10 @@ def env_info(threads: int) -> dict:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "?"
+    """The CPU with its family and model (``rlhf_lit.checks.hardware.cpu_name``), as every bench line records it."""
+    from rlhf_lit.checks.hardware import cpu_name
+
+    return cpu_name()
 
 
 def stats(values) -> dict | None:

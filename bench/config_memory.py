@@ -32,6 +32,7 @@ from pathlib import Path
 
 import lightning as L
 
+from rlhf_lit.checks.hardware import cpu_name
 from rlhf_lit.cli import allocator_defaults
 from rlhf_lit.planner.formulas import MiB, needed_bytes
 
@@ -151,14 +152,6 @@ def drawn_overrides(dims_by_step: list[dict], stage: str, packed: bool = False) 
     return args
 
 
-def _cpu() -> str:
-    """``lscpu``'s name with the family and model (two CPUs both named "AMD EPYC" differ in bf16 instructions)."""
-    with open("/proc/cpuinfo") as f:
-        info = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines() if ":" in ln)
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
-
-
 def median_step_seconds(times: list[float]) -> float | None:
     """The median of the step-to-step intervals of ``times`` (seconds since the first trace line, one per step from
     step 0, the end of loading); the first step is left out (it pays one-off warm-up). ``None`` under 3 steps."""
@@ -250,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     drawn_mb = drawn_plan["peak_bytes"] / 2**20 if drawn_plan else None
     line = {
         "label": args.label, "config": args.config, "overrides": args.set, "steps": len(rows),
-        "threads": args.threads, "cpu": _cpu(),
+        "threads": args.threads, "cpu": cpu_name(),
         "env": {k: v for k, v in env.items() if k in MEMORY_ENV},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "plan_mb": round(plan_mb, 1),

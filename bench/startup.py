@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -55,13 +54,9 @@ def time_once(argv: list[str]) -> tuple[float, int]:
 
 
 def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor() or "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown").strip()
-    return f"{name}, {os.cpu_count()} logical CPUs"
+    from rlhf_lit.checks.hardware import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} logical CPUs"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,27 +16,25 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import time
 
 import torch
 
+from rlhf_lit.checks.hardware import cpu_name
 from rlhf_lit.functional.losses import bt_pairwise_loss
 
 
 def cpu_description() -> tuple[str, list[str]]:
-    name, flags = platform.processor() or "unknown CPU", []
+    """The CPU's name, family and model, and its bf16/AMX flags (``/proc/cpuinfo``; none where it is missing)."""
+    flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name in ("", "unknown CPU", "x86_64"):
-                    name = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = [x for x in line.split(":", 1)[1].split() if "bf16" in x or x.startswith("amx")]
+            line = next((ln for ln in f if ln.startswith("flags")), "flags:")
+        flags = [x for x in line.split(":", 1)[1].split() if "bf16" in x or x.startswith("amx")]
     except OSError:
         pass
-    return name, sorted(set(flags))
+    return cpu_name(), sorted(set(flags))
 
 
 def main(argv: list[str] | None = None) -> dict:

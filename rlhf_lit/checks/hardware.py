@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from rlhf_lit.checks.rules import get
 
-__all__ = ["BF16_PRECISIONS", "BF16_SETTINGS", "bf16_on_cpu_note", "cpu_has_bf16"]
+__all__ = ["BF16_PRECISIONS", "BF16_SETTINGS", "bf16_on_cpu_note", "cpu_has_bf16", "cpu_name"]
 
 BF16_PRECISIONS = frozenset({"bf16", "bf16-mixed", "bf16-true"})  # Lightning's names for bf16 compute
 
@@ -43,6 +43,32 @@ def cpu_has_bf16(
     if not probes or any(probe is None for probe in probes.values()):
         return None
     return any(bool(probe()) for probe in probes.values())
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU as reports and benchmark lines name it: ``/proc/cpuinfo``'s model name with its family and model,
+    e.g. ``"AMD EPYC (family 25 model 1)"`` (two CPUs both named "AMD EPYC" differ in bf16 instructions, so in
+    every figure measured on them).
+
+    Args:
+        cpuinfo: the text of ``/proc/cpuinfo`` (injected by tests); read from the file when None.
+
+    Returns:
+        The first processor's ``model name`` with ``(family F model M)`` where both are given; where the file is
+        missing or names no model, ``platform.processor()`` or ``"unknown CPU"``.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    first = cpuinfo.split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in first.splitlines() if ":" in ln)}
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    if fields.get("cpu family") and fields.get("model"):
+        return f"{name} (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 # config key -> (the values that compute in bf16, the float32 setting); model keys with or without ``init_args``

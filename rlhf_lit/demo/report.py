@@ -343,16 +343,7 @@ def write_seeds_report(out_dir: str, summaries: list[dict], machine: str | None 
 
 
 def _machine() -> str:
-    """The CPU model name (``/proc/cpuinfo``) and core count, for reports that say where they were made."""
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        import platform
+    """The CPU (name, family, model) and core count, for reports that say where they were made."""
+    from rlhf_lit.checks.hardware import cpu_name
 
-        name = platform.processor() or name
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"

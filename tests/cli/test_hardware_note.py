@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lit.checks.hardware import bf16_on_cpu_note, cpu_has_bf16
+from rlhf_lit.checks.hardware import bf16_on_cpu_note, cpu_has_bf16, cpu_name
 from tests.cli.helpers import SFT, run_cli
 
 
@@ -25,6 +25,21 @@ def _probes(avx512_bf16: bool, amx: bool) -> dict:
 def test_a_cpu_has_bf16_when_it_has_either_instruction_set(avx512_bf16, amx, expected):
     assert cpu_has_bf16("x86_64", _probes(avx512_bf16, amx)) is expected
     assert cpu_has_bf16("AMD64", _probes(avx512_bf16, amx)) is expected  # Windows' name for x86-64
+
+
+TWO_PROCESSORS = (
+    "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    "flags\t\t: fpu avx2 avx512_bf16\n\n"
+    "processor\t: 1\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: Other\n"
+)
+
+
+def test_reports_name_the_cpu_with_its_family_and_model():
+    # two CPUs both named "AMD EPYC" (family 25, models 1 and 17) differ in bf16 instructions: the name alone
+    # would not tell their figures apart; the first processor's fields are the ones named
+    assert cpu_name(TWO_PROCESSORS) == "AMD EPYC (family 25 model 17)"
+    assert cpu_name("model name\t: Some ARM core\n") == "Some ARM core"  # no family/model given: the name only
+    assert cpu_name("processor\t: 0\n") not in ("", "processor")  # no model name: platform's or "unknown CPU"
 
 
 def test_whether_a_cpu_has_bf16_is_unknown_off_x86_or_without_the_probes():
