@@ -63,6 +63,18 @@ def test_activation_formula_by_hand():
     assert planner.layer_activation_bytes(gpt2, 4, False, 4) == 4 * (12 * 64 + 4 * 256)
 
 
+def test_a_bert_encoder_is_counted_with_an_ungated_gelu_mlp_not_the_gated_one():
+    """BERT's layer (LayerNorm, erf GELU as one kernel, no gate): 2H + 10H + I per token at fp32, 16H for I = 4H;
+    the gated Llama-style count would be 7H + H + 2kv + 4I = 26H (1.6x MiniLM's traced activations)."""
+    from rlhf_lit.models.backbone import BackboneConfig
+
+    tiny = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 64}
+    shape = planner.model_shape(BackboneConfig(tiny=tiny))
+    assert (shape.family, shape.fused_gelu, shape.hidden, shape.intermediate) == ("ln", True, 32, 128)
+    assert planner.layer_activation_bytes(shape, 4, False, 4) == 4 * 16 * 32
+
+
 def _stack(config: Path) -> list[str]:
     spec = yaml.safe_load((REPO_ROOT / config).read_text())
     is_stage = "class_path" in (spec.get("model") or {})

@@ -31,7 +31,9 @@ Formulae (bytes; every figure per device):
   (saved-tensor hooks on 1- and 3-layer models, H = 128; attention by SDPA, which keeps no T x T matrix):
   Llama-style blocks (RMSNorm, gated MLP): ``7H`` elements in fp32 (RMSNorm upcasts) + ``H + 2kv + 4I``
   at s_a; GPT-2-style blocks (LayerNorm, GELU MLP): ``2H`` at 4 bytes under autocast (else s_a) +
-  ``10H + 4I`` at s_a, ``10H + I`` when the tanh GELU runs as one kernel (``fused_activations``). Whole
+  ``10H + 4I`` at s_a, ``10H + I`` when the tanh GELU runs as one kernel (``fused_activations``); BERT-style
+  encoders (``shapes.BERT_LAYER_TYPES``: LayerNorm, an erf GELU that is one kernel) as GPT-2-style blocks with
+  the fused GELU (traced MiniLM-L6, fp32, 32 x 251 tokens: within 14 % without checkpointing). Whole
   model: ``B * T * L * per_layer``. With gradient checkpointing only each block's input is kept,
   ``B * T * L * H * s_r`` (s_r: the residual stream's bytes), plus one block recomputed in full:
   ``B * T * per_layer``.

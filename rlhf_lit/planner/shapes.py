@@ -15,7 +15,11 @@ from rlhf_lit.models.architecture import read_architecture
 from rlhf_lit.models.backbone import BackboneConfig
 from rlhf_lit.parallel.fsdp import no_split_module_names
 
-__all__ = ["EXACT_LAYERS", "ModelShape", "model_shape"]
+__all__ = ["BERT_LAYER_TYPES", "EXACT_LAYERS", "ModelShape", "model_shape"]
+
+#: Encoders built of BERT's layer (post-LayerNorm, an ungated erf-GELU MLP): counted with the GPT-2-style formula
+#: with the GELU as one kernel, not the gated Llama-style one (which counts 1.6x MiniLM's traced activations)
+BERT_LAYER_TYPES = ("bert", "roberta", "xlm-roberta", "electra")
 
 #: Models with more layers are built with one layer and the block's counts multiplied (see the module docstring).
 EXACT_LAYERS = 256
@@ -27,7 +31,7 @@ class ModelShape:
 
     name: str
     source: str
-    family: str  # "rms" (Llama-style) or "ln" (GPT-2-style)
+    family: str  # "rms" (Llama-style) or "ln" (GPT-2-style, and BERT-style encoders)
     num_layers: int
     hidden: int
     intermediate: int
@@ -105,11 +109,9 @@ def model_shape(backbone: BackboneConfig, model_config: str | None = None) -> Mo
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    family = (
-        "ln"
-        if getattr(config, "model_type", "") in ("gpt2", "gpt_neo", "gptj", "gpt_bigcode", "opt")
-        else "rms"
-    )
+    model_type = getattr(config, "model_type", "")
+    encoder = model_type in BERT_LAYER_TYPES
+    family = "ln" if model_type in ("gpt2", "gpt_neo", "gptj", "gpt_bigcode", "opt") or encoder else "rms"
     return ModelShape(
         name=backbone.name_or_path or f"tiny {backbone.tiny.get('model_type', 'gpt2')}",
         source=source,
@@ -122,7 +124,8 @@ def model_shape(backbone: BackboneConfig, model_config: str | None = None) -> Mo
         num_params=num_params,
         block_linear_params=block_linear,
         linear_shapes=shapes,
-        fused_gelu=bool(getattr(backbone, "fused_activations", True))
+        fused_gelu=encoder  # BERT's erf GELU is one kernel already
+        or bool(getattr(backbone, "fused_activations", True))
         and getattr(config, "activation_function", None) in ("gelu_new", "gelu_fast"),
         extra_layers=extra,
         layer_linear_shapes=first_block_shapes if extra else [],
