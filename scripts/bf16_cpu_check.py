@@ -27,14 +27,14 @@ from rlhf_lit.functional.losses import bt_pairwise_loss
 
 def cpu_description() -> tuple[str, list[str]]:
     """The CPU's name, family and model, and its bf16/AMX flags (``/proc/cpuinfo``; none where it is missing)."""
-    flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "flags:")
-        flags = [x for x in line.split(":", 1)[1].split() if "bf16" in x or x.startswith("amx")]
+            text = f.read()
     except OSError:
-        pass
-    return cpu_name(), sorted(set(flags))
+        text = ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "flags:")
+    flags = [x for x in line.split(":", 1)[1].split() if "bf16" in x or x.startswith("amx")]
+    return cpu_name(text), sorted(set(flags))
 
 
 def main(argv: list[str] | None = None) -> dict:
