@@ -63,7 +63,7 @@ from rlhf_lit.rl.settings import (
 )
 from rlhf_lit.rl.stats import all_stats, global_kl_per_response, peak_memory
 from rlhf_lit.rl.update import UpdateBatch, clip_global_grad_norm
-from rlhf_lit.rng import get_rng_state, set_rng_state
+from rlhf_lit.rng import gather_rng_states, get_rng_state, start_rank_stream
 
 __all__ = ["PPOModule"]
 
@@ -156,7 +156,7 @@ class PPOModule(L.LightningModule):
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.last_rollout: dict[str, list] = {}
-        self._pending_rng: dict | None = None
+        self._pending_rng: tuple[dict, list[dict] | None] | None = None
 
     def clip_global_norm(self, opt) -> float | None:
         """Global-norm clipping of each optimizer step (``rl.update.clip_global_grad_norm``)."""
@@ -212,9 +212,8 @@ class PPOModule(L.LightningModule):
         if prompts := self.rollout_prompts():
             check_batch_sizes(self.ppo, prompts, self.sampling.num_samples_per_prompt)
 
-    def on_train_start(self) -> None:
-        if self._pending_rng is not None:  # a resumed run: the RNG as it was when the checkpoint was saved
-            set_rng_state(self._pending_rng)
+    def on_train_start(self) -> None:  # resumed: each rank's RNG as it was saved; a fresh run: the ranks draw apart
+        start_rank_stream(*(self._pending_rng or (None, None)), self.trainer.global_rank, self.trainer.world_size)
         self._pending_rng = None
 
     # ------------------------------------------------------------------ the iteration
@@ -277,6 +276,7 @@ class PPOModule(L.LightningModule):
             "kl_controller": self.kl_ctl.state_dict(),
             "score_stats": self.score_stats.state_dict(),
             "rng": get_rng_state(),
+            "rng_ranks": gather_rng_states(),  # every rank's (a collective; None in one process)
             "history": self.history,
             **self.updater.state_dict(),  # consecutive_skips, ptx_consumed
         }
@@ -288,7 +288,7 @@ class PPOModule(L.LightningModule):
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.score_stats.load_state_dict(state["score_stats"])
         self.history = list(state.get("history", []))
-        self._pending_rng = state["rng"]  # applied at on_train_start, after everything else has set up
+        self._pending_rng = (state["rng"], state.get("rng_ranks"))  # applied at on_train_start, after the rest
         self.updater.load_state_dict(state)  # the PTX stream moves past the batches already used
 
     def export(self, path: str) -> None:

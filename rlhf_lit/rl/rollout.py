@@ -40,6 +40,7 @@ from rlhf_lit.rl.generation import GAP_TOLERANCE, compute_dtype
 from rlhf_lit.rl.guard import check_sampler
 from rlhf_lit.rl.reward_norm import ScoreShaper
 from rlhf_lit.rl.sampler import Sampler
+from rlhf_lit.rng import rank_seed
 
 log = logging.getLogger("rlhf_lit")
 
@@ -307,14 +308,18 @@ class RolloutCollector:
         """Sample, score and measure the KL of validation prompts: ``(scores, kl, response_len)``, each
         ``(B,)`` (scores as returned, the k1 KL per response in nats, real response tokens).
 
-        Sampling draws from a forked RNG seeded with ``seed`` and ``batch_idx``, so validation is repeatable
-        and leaves the training trajectory untouched; the actor adapter is not merged."""
+        Sampling draws from a forked RNG seeded with ``seed``, ``batch_idx`` and the rank (``rng.rank_seed``), so
+        validation is repeatable and leaves the training trajectory untouched; the actor adapter is not merged."""
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         prompt_ids, prompt_mask, _ = trim_left_padding(prompt_ids, prompt_mask, prompt_ids.shape[1])
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.settings.seed * 1_000_003 + batch_idx)
+        trainer = self.world()
+        # torch.manual_seed seeds the CUDA generators too: fork the one sampling uses, or training's stream moves
+        device = prompt_ids.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            rank = trainer.global_rank if trainer is not None else 0
+            torch.manual_seed(rank_seed(self.settings.seed * 1_000_003 + batch_idx, rank))  # ranks apart
             response_ids, response_mask, _ = self.sampler.sample(
-                self.policy, prompt_ids, prompt_mask, synced_gpus=is_distributed(self.world())
+                self.policy, prompt_ids, prompt_mask, synced_gpus=is_distributed(trainer)
             )
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
         attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)

@@ -16,7 +16,10 @@ checks its scenario's results. What is checked:
   ``num_nodes=2``);
 * across the same 2 "nodes", a DPO fit (sigmoid loss, LoRA, 4 steps of 2 pairs per rank) logs the losses and
   makes the updates of one process fitting the same 4-pair global batches;
-* FSDP2 checkpoints, sharded (a folder) and full (one file), resume a PPO run exactly.
+* FSDP2 checkpoints, sharded (a folder) and full (one file), resume a PPO run exactly (each rank takes back
+  its own random state);
+* the two ranks, started from one seed and given the same prompt in every row, sample different responses,
+  in training and in validation.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("worker.py")
 SCENARIOS = {
-    "ddp": ["equality", "equality_grpo", "reward_tiny", "dpo_tiny", "ppo_tiny"],
+    "ddp": ["equality", "equality_grpo", "reward_tiny", "dpo_tiny", "ppo_tiny", "sample_apart"],
     "fsdp2": ["equality", "equality_grpo", "resume", "reward_tiny", "dpo_tiny", "ppo_tiny"],
 }
 # Statistics that must agree between 1 and 2 ranks (global by construction); the rest are timings.
@@ -322,6 +325,22 @@ def test_fsdp2_checkpoints_sharded_and_full_resume_exactly(run):
     assert keys and all("lora_" in k or "value_head" in k for k in keys)
     full = torch.load(out / "fsdp2_full.ckpt", weights_only=False)
     assert full["state_dict"] and all("lora_" in k or "value_head" in k for k in full["state_dict"])
+
+
+def test_ranks_started_from_one_seed_sample_apart_in_training_and_validation(run):
+    """Every row holds the same prompt on both ranks and both start from the same seed; had each rank drawn the
+    same random numbers (as before ``rlhf_lit.rng.start_rank_stream``), row i of rank 0 would equal row i of
+    rank 1."""
+    strategy, out = run
+    if strategy != "ddp":
+        pytest.skip("one strategy is enough: the streams are set apart by the module, not the strategy")
+    ranks = [_read(out / f"sample_apart_rank{r}.json") for r in (0, 1)]
+    for phase in ("train", "validation"):
+        rank_0, rank_1 = ranks[0][phase], ranks[1][phase]
+        assert len(rank_0) == len(rank_1) >= 4, phase
+        assert sum(map(len, rank_0)) >= 2 * len(rank_0), phase  # responses long enough to tell apart
+        same = sum(a == b for a, b in zip(rank_0, rank_1))
+        assert same <= 1, (phase, same)  # at most a chance match (both stopping at once, say)
 
 
 @pytest.fixture(scope="module")

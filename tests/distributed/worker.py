@@ -18,6 +18,7 @@ Scenarios:
     equality_grpo  the same with GRPO and 2 responses per prompt (``run_equality(group=True)``).
     dpo_equality  ``scenarios.run_dpo_equality``: a DPO fit on 2 ranks x 2 pairs per batch (4 steps).
     resume       FSDP2 only: 2 iterations straight, vs 1 + a checkpoint (sharded, then full) + 1 resumed.
+    sample_apart  1 tiny PPO iteration and a validation pass, the same prompt in every row on both ranks.
     sharded_sft  FSDP2 only: one SFT step with the base loaded whole on every rank, then built on meta and
                  loaded shard by shard (``sharded_load.py``); ``<out_dir>/base`` must hold the saved base.
     sharded_dpo  FSDP2 only: one DPO / KTO / full fine-tuning DPO (reference copy) step each, built on meta and
@@ -32,6 +33,7 @@ Scenarios:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -214,7 +216,7 @@ def resume(out: Path, strategy: str) -> None:
         )
 
     def fit(name, strategy_name, ckpt_path=None, **kwargs):
-        torch.manual_seed(123)  # the sampling RNG, identical on both ranks and in every run
+        torch.manual_seed(123)  # the run's seed, on both ranks and in every run (rank 1 then draws apart)
         m = module()
         trainer = make_trainer(out / name, devices=2, strategy=S.strategy_for(strategy_name), **kwargs)
         trainer.fit(m, datamodule=make_data(m, batch_size=4), ckpt_path=ckpt_path)
@@ -236,6 +238,38 @@ def resume(out: Path, strategy: str) -> None:
         torch.save(results, out / "resume.pt")
 
 
+def sample_apart(out: Path, strategy: str) -> None:
+    """One tiny PPO iteration and one validation pass with every prompt the same on both ranks, from the same
+    seed: each rank records the response tokens it sampled in each (``sample_apart_rank<r>.json``)."""
+    from rlhf_lit.data import PromptDataModule
+    from rlhf_lit.rl.settings import PPOConfig
+    from tests.ppo.helpers import make_module, make_trainer
+
+    folder = out / "sample_apart"
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = folder / f"prompts_rank{S.rank()}.jsonl"  # the same rows, one file per rank (no shared writer)
+    prompts.write_text("".join(json.dumps({"prompt": "Say something"}) + "\n" for _ in range(8)))
+    torch.manual_seed(5)  # as seed_everything: the same seed on both ranks
+    module = make_module(ppo=PPOConfig(ppo_epochs=1, ppo_minibatch_size=4, total_iterations=1))
+    sampler = module.collector.sampler
+    draw, responses = sampler.sample, {"train": [], "validation": []}
+
+    def recording(*args, **kwargs):
+        response_ids, response_mask, has_stop = draw(*args, **kwargs)
+        phase = "validation" if module.trainer.validating else "train"
+        responses[phase] += [ids[m.bool()].tolist() for ids, m in zip(response_ids, response_mask)]
+        return response_ids, response_mask, has_stop
+
+    sampler.sample = recording
+    data = PromptDataModule(
+        train_files=[str(prompts)], val_files=[str(prompts)], batch_size=4, tokenizer=module.tokenizer
+    )
+    trainer = make_trainer(folder / "run", devices=2, strategy=S.strategy_for(strategy))
+    trainer.fit(module, datamodule=data)
+    trainer.validate(module, datamodule=data)
+    S.write_json(out / f"sample_apart_rank{S.rank()}.json", responses)
+
+
 def equality_grpo(out: Path, strategy: str) -> None:
     S.run_equality(out / "equality_grpo", strategy, world_size=2, group=True)
 
@@ -248,6 +282,7 @@ SCENARIOS = {
     "equality_grpo": equality_grpo,
     "dpo_equality": dpo_equality,
     "resume": resume,
+    "sample_apart": sample_apart,
     "sharded_sft": sharded_sft,
     "sharded_dpo": sharded_dpo,
     "sharded_ppo": sharded_ppo,
