@@ -12,6 +12,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
+from rlhf_lit.functional.summary import all_finite
 from rlhf_lit.ranges import check_field_ranges, ranged
 
 log = logging.getLogger("rlhf_lit")
@@ -240,7 +241,7 @@ class FiniteSteps:
             return True  # fp16 mixed precision: the gradient scaler skips inf / nan steps itself
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        bad = bool(local) and not bool(torch.stack([torch.isfinite(g).all() for g in local]).all())
+        bad = not all_finite(local)
         if trainer is not None and trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if not bad:

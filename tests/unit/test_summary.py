@@ -1,4 +1,5 @@
-"""``functional.summary.mean_se``: hand-computed means and standard errors, and the defined edge cases."""
+"""``functional.summary``: ``mean_se`` (hand-computed means and standard errors, the defined edge cases) and
+``all_finite``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf_lit.functional.summary import mean_se
+from rlhf_lit.functional.summary import all_finite, mean_se
 
 
 def test_mean_and_standard_error_by_hand():
@@ -51,3 +52,25 @@ def test_every_report_uses_this_one_definition():
     ):
         assert module.mean_se is mean_se, module.__name__
     assert not hasattr(length_bias, "mean_and_se")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_finds_one_non_finite_element_anywhere(dtype, bad):
+    # lengths around SIMD widths (8, 16 lanes) and a long one; the bad element at the start, a lane edge, the end
+    for n in (1, 7, 16, 17, 4099):
+        for i in sorted({0, min(8, n - 1), n - 1}):
+            x = torch.arange(n, dtype=torch.float64).to(dtype)
+            x[i] = bad
+            assert not all_finite([torch.ones(3, dtype=dtype), x]), (n, i)
+    x = torch.zeros(40, 30, dtype=dtype).t()  # not contiguous
+    x[29, 39] = bad
+    assert not all_finite([x])
+
+
+def test_all_finite_is_true_for_finite_values_at_the_ends_of_the_range_and_for_nothing():
+    big = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.0])
+    tiny = torch.tensor([torch.finfo(torch.float32).tiny / 4])  # subnormal
+    assert all_finite([big, tiny, torch.tensor([1.0], dtype=torch.bfloat16)])  # mixed dtypes
+    assert all_finite([]) and all_finite([torch.empty(0), torch.empty(3, 0)])
+    assert not all_finite([torch.empty(0), torch.tensor([math.nan])])
