@@ -72,5 +72,6 @@ def test_all_finite_is_true_for_finite_values_at_the_ends_of_the_range_and_for_n
     big = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.0])
     tiny = torch.tensor([torch.finfo(torch.float32).tiny / 4])  # subnormal
     assert all_finite([big, tiny, torch.tensor([1.0], dtype=torch.bfloat16)])  # mixed dtypes
+    assert all_finite([torch.tensor([1e300, -1e300], dtype=torch.float64), big])  # no cast to a narrower dtype
     assert all_finite([]) and all_finite([torch.empty(0), torch.empty(3, 0)])
     assert not all_finite([torch.empty(0), torch.tensor([math.nan])])
