@@ -48,6 +48,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlhf_lit.errors import ConfigError, DivergedExportError
+from rlhf_lit.functional.summary import all_finite
 from rlhf_lit.models.adapters import AdaptedLM
 from rlhf_lit.models.backbone import (
     BackboneConfig,
@@ -187,7 +188,7 @@ def check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
         DivergedExportError: (a ``ValueError``) naming the export folder (``path``, or the folder a staging
             sibling ``.<name>.partial-<pid>-*`` stands for) and the first (up to 5) non-finite tensors.
     """
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not all_finite([v])]
     if bad:
         raise DivergedExportError(
             f"refusing to export to {_export_folder(path)}: {len(bad)} tensor(s) hold inf or nan, e.g. {bad[:5]}; "
