@@ -33,10 +33,18 @@ Formulae (bytes; every figure per device):
   at s_a; GPT-2-style blocks (LayerNorm, GELU MLP): ``2H`` at 4 bytes under autocast (else s_a) +
   ``10H + 4I`` at s_a, ``10H + I`` when the tanh GELU runs as one kernel (``fused_activations``); BERT-style
   encoders (``shapes.BERT_LAYER_TYPES``: LayerNorm, an erf GELU that is one kernel) as GPT-2-style blocks with
-  the fused GELU (traced MiniLM-L6, fp32, 32 x 251 tokens: within 14 % without checkpointing). Whole
+  the fused GELU (traced MiniLM-L6, fp32, 32 x 251 tokens: within 3 % without checkpointing). Whole
   model: ``B * T * L * per_layer``. With gradient checkpointing only each block's input is kept,
   ``B * T * L * H * s_r`` (s_r: the residual stream's bytes), plus one block recomputed in full:
-  ``B * T * per_layer``.
+  ``B * T * per_layer``. Both add the backward's workspace inside one block, ``B * T * (H + I) * s_a``
+  (``formulas.backward_workspace_bytes``).
+* when the gradients are alive (SFT, reward, DPO under Lightning's automatic optimization): the last step's
+  until ``zero_grad`` just before backward, so the step's peak is the larger of the forward's end (saved
+  activations + all gradients) and the backward's (saved + recomputed block + workspace + one block's
+  gradients, ``grads / L``); with ``trainer.accumulate_grad_batches`` > 1 all of them in both. Traced (fp32,
+  16 rows x 384 tokens, Llama-, GPT-2- and BERT-style blocks of H 384-576, I 1536, each with and without
+  checkpointing, LoRA and full fine-tuning): 0.93-1.20 of the measured peak, against 1.06-1.52 before these
+  two terms (``docs/scale.md``).
 * autocast weight copies: under bf16-mixed with fp32 (non-4-bit) weights every block Linear weight is cast
   to bf16 and the copy is saved for backward: ``2 * N_linear`` per training forward (one block's worth with
   checkpointing); a 4-bit base dequantizes one layer at a time: ``2 * N_linear / L``.
@@ -47,7 +55,7 @@ Formulae (bytes; every figure per device):
   reported as the saving); PPO's entropy bonus, when ``ppo.entropy_coef`` is not 0, adds its own gradient
   and autograd's sum of the two: ``+ 2 * s_a``.
 * KV cache (PPO rollout): ``2 * L * B_rollout * (P + R) * kv * s_a``, plus the prefill's transient
-  ``B_rollout * P * (2H + 2I) * s_a`` and per-step logits ``3 * B_rollout * V * 4``.
+  ``B_rollout * P * (2H + 3I) * s_a`` (a no-grad forward's intermediates, below) and per-step logits ``3 * B_rollout * V * 4``.
 * separate reward model: its weights as above; its forward is no-grad and short-lived.
 * DPO (``rlhf_lit.modules.DPOModule``; KTO too): one forward over ``rows = 2B`` sequences for a paired loss
   (chosen and rejected stacked, ``rlhf_lit.modules.dpo.sequences``), ``rows = B`` for KTO's unpaired rows; the
@@ -56,7 +64,7 @@ Formulae (bytes; every figure per device):
   the data decides: the planner bounds it by ``T - 1`` (at most T - 1 positions score a token; the row's note
   says so). The reference runs first, one no-grad forward over the same rows whose intermediates are freed
   before the policy's graph exists, so it is a phase of its own, sized like PPO's experience forwards:
-  ``rows * T * (2H + 2I) * s_a + rows * T * H * 4 + rows * R * V * s_a``; with ``reference_cache`` it runs only
+  ``rows * T * (2H + 3I) * s_a + rows * T * H * 4 + rows * R * V * s_a`` (``formulas.no_grad_intermediate_bytes``); with ``reference_cache`` it runs only
   while the cache is first written (before training), a reference-free loss (``simpo``) has none.
   ``reference_copy`` (full fine-tuning) holds a second frozen copy of the weights: ``+ N * s_w``.
   The plan is of the worst batch, every row ``T`` long: ``packing`` (rows end to end, no padding) and

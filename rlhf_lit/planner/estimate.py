@@ -9,8 +9,10 @@ from rlhf_lit.planner.formulas import (
     DTYPE_BYTES,
     GiB,
     activation_bytes,
+    backward_workspace_bytes,
     layer_activation_bytes,
     loss_bytes,
+    no_grad_intermediate_bytes,
     weights_bytes,
 )
 
@@ -174,16 +176,36 @@ def _static(est: Estimate, z: _Sizes, reward_shape: ModelShape | None) -> int:
     return lora_params + critic_params + (0 if s.critic_free else H + 1)
 
 
-def _activations(est: Estimate, z: _Sizes, tokens: int, forwards: int = 1) -> tuple[float, float, float]:
-    """Activations saved for backward: ``(as configured, without checkpointing, with checkpointing)``."""
+@dataclass
+class _Activations:
+    """Activation bytes of ``tokens`` tokens: ``saved`` for backward through the whole step (every layer's
+    intermediates, or with checkpointing each block's input), ``transient`` alive only inside the backward
+    (checkpointing's recomputed block, and the gradients inside one block), and the two configurations'
+    totals for the rows' notes."""
+
+    saved: float
+    transient: float
+    full: float
+    with_ckpt: float
+
+    @property
+    def total(self) -> float:
+        return self.saved + self.transient
+
+
+def _activations(est: Estimate, z: _Sizes, tokens: int, forwards: int = 1) -> _Activations:
+    """Activations saved for backward, as configured, and both configurations' totals."""
     shape, ckpt = est.shape, est.settings.backbone.gradient_checkpointing
     L, H = shape.num_layers, shape.hidden
     per_layer = layer_activation_bytes(shape, z.s_a, z.autocast, z.s_w)
-    workspace = (3 * H + 3 * shape.intermediate) * z.s_a  # per token: gradients inside one block's backward
+    workspace = tokens * backward_workspace_bytes(shape, z.s_a)
     outside = tokens * 3 * H * z.s_r  # embedding output, final norm, its output
-    full = forwards * (tokens * L * per_layer + outside) + tokens * workspace
-    with_ckpt = forwards * (tokens * L * H * z.s_r + outside) + tokens * (per_layer + workspace)
-    return (with_ckpt if ckpt else full), full, with_ckpt
+    full = forwards * (tokens * L * per_layer + outside)
+    checkpoints = forwards * (tokens * L * H * z.s_r + outside)
+    recompute = tokens * per_layer
+    if ckpt:
+        return _Activations(checkpoints, recompute + workspace, full + workspace, checkpoints + recompute + workspace)
+    return _Activations(full, workspace, full + workspace, checkpoints + recompute + workspace)
 
 
 def _weight_copies(est: Estimate, z: _Sizes, forwards: int) -> float:
@@ -202,7 +224,7 @@ def _no_grad_forward(est: Estimate, z: _Sizes, rows: int, T: int, R: int) -> flo
     intermediates + the fp32 hidden states + the response logits (PPO's experience, DPO's reference)."""
     shape = est.shape
     H, V = shape.hidden, shape.vocab
-    return rows * T * (2 * H + 2 * shape.intermediate) * z.s_a + rows * T * H * 4 + rows * R * V * z.s_a
+    return rows * T * no_grad_intermediate_bytes(shape, z.s_a) + rows * T * H * 4 + rows * R * V * z.s_a
 
 
 def _dpo_rows_and_response(s: RunSettings) -> tuple[int, int, str]:
@@ -234,11 +256,11 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
     s, V = est.settings, est.shape.vocab
     rows = s.batch_size * s.rows_per_example
     tokens = rows * s.seq_len
-    act, full, with_ckpt = _activations(est, z, tokens)
+    act = _activations(est, z, tokens)
     est.add(
         "activations (training step)",
-        act,
-        f"{rows} x {s.seq_len} tokens; without checkpointing {full / GiB:.2f} GiB, with {with_ckpt / GiB:.2f} GiB",
+        act.total,
+        f"{rows} x {s.seq_len} tokens; without checkpointing {act.full / GiB:.2f} GiB, with {act.with_ckpt / GiB:.2f} GiB",
     )
     copies = (
         est.add("autocast weight copies", _weight_copies(est, z, 1), "bf16 casts saved for backward")
@@ -259,14 +281,24 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
             rows * R * V * loss_bytes(z.s_a),
             f"rows x R x V = {rows} x {R} x {V}; {how}",
         )
-    est.add("gradients", grads, "fp32" if grad_bytes_per == 4 else s.backbone.dtype)
-    est.phases["training step"] = act + copies + logits + grads
+    kept = s.accumulate_grad_batches > 1
+    est.add(
+        "gradients",
+        grads,
+        ("fp32" if grad_bytes_per == 4 else s.backbone.dtype)
+        + ("; kept through the backward (accumulate_grad_batches)" if kept else "; the last step's until backward"),
+    )
+    # Lightning sets the last step's gradients to None just before backward (zero_grad in its closure): they
+    # are alive through the forward; the backward frees saved activations as it makes new gradients, and its
+    # peak (the last blocks) holds about one block's worth. Accumulating, all of them stay (traced: docs/scale.md)
+    in_backward = grads if kept else grads / est.shape.num_layers
+    est.phases["training step"] = copies + logits + max(act.saved + grads, act.total + in_backward)
 
 
 def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     """PPO's rollout (KV cache + prefill), experience (no-grad forwards) and update (one micro-batch)."""
     s, shape = est.settings, est.shape
-    L, H, V = shape.num_layers, shape.hidden, shape.vocab
+    L, V = shape.num_layers, shape.vocab
     B, P, R, m = s.batch_size * s.samples_per_prompt, s.prompt_len, s.response_len, s.ppo_micro_batch
     T = P + R
     # a sampling copy decodes in its own dtype (no autocast there); otherwise the trainer's activation bytes
@@ -276,7 +308,7 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
         2 * L * B * T * shape.kv * s_kv,
         f"2 x L x {B} x {T} tokens x kv {shape.kv} x {s_kv} bytes",
     )
-    prefill = B * P * (2 * H + 2 * shape.intermediate) * s_kv + 3 * B * V * 4
+    prefill = B * P * no_grad_intermediate_bytes(shape, s_kv) + 3 * B * V * 4
     est.phases["rollout"] = kv_cache + prefill
     f = s.rollout_forward_batch or B
     # explicit logprob_chunk_size rows: two fp32 temporaries of that many rows; by default a few positions
@@ -287,11 +319,11 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     # one process: the actor's backward runs before the critic's forward (the two-pass update), so only one
     # forward's activations are alive; several processes keep both (DDP needs one backward)
     forwards = 1 if s.shared_critic or s.critic_free or s.world_size == 1 else 2
-    act, full, with_ckpt = _activations(est, z, m * T, forwards)
+    act = _activations(est, z, m * T, forwards)
     est.add(
         "activations (PPO micro-batch)",
-        act,
-        f"{m} x {T} tokens x {forwards} forward(s); without checkpointing {full / GiB:.2f} GiB, with {with_ckpt / GiB:.2f} GiB",
+        act.total,
+        f"{m} x {T} tokens x {forwards} forward(s); without checkpointing {act.full / GiB:.2f} GiB, with {act.with_ckpt / GiB:.2f} GiB",
     )
     copies = _weight_copies(est, z, forwards)
     if copies:
@@ -302,4 +334,4 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
         f"{m} x {R} x {V}; a full log_softmax would add {m * R * V * 4 / GiB:.2f} GiB",
     )
     est.add("gradients", grads, "fp32")
-    est.phases["update"] = act + copies + logits + grads
+    est.phases["update"] = act.total + copies + logits + grads

@@ -17,6 +17,8 @@ __all__ = [
     "MiB",
     "NF4_BYTES_PER_PARAM",
     "activation_bytes",
+    "backward_workspace_bytes",
+    "no_grad_intermediate_bytes",
     "layer_activation_bytes",
     "loss_bytes",
     "needed_bytes",
@@ -78,3 +80,19 @@ def layer_activation_bytes(shape: ModelShape, s_a: int, autocast: bool, s_w: int
         return 7 * H * 4 + (H + 2 * kv + 4 * mlp) * s_a
     # the Python-arithmetic tanh GELU keeps 3 more I-wide intermediates than the fused kernel (measured)
     return 2 * H * (4 if autocast else s_w) + (10 * H + (1 if shape.fused_gelu else 4) * mlp) * s_a
+
+
+def backward_workspace_bytes(shape: ModelShape, s_a: int) -> float:
+    """Bytes per token alive only inside one block's backward beyond what the forward saved: about the
+    gradient of the block's input and of its MLP's hidden layer, ``(H + I) * s_a``. Traced (fp32, 16 rows x
+    384 tokens, Llama-, GPT-2- and BERT-style blocks of H 384-576, I 1536, with and without checkpointing,
+    LoRA and full fine-tuning: ``docs/scale.md``); the ``3 (H + I)`` counted before over-planned every one."""
+    return (shape.hidden + shape.intermediate) * s_a
+
+
+def no_grad_intermediate_bytes(shape: ModelShape, s_a: int) -> float:
+    """Bytes per token of one layer's intermediates in a no-grad forward (nothing saved for backward): two
+    H-wide tensors and three I-wide at the MLP's widest moment, ``(2H + 3I) * s_a`` (a gated MLP: activation,
+    up projection and their product; traced on the tiny PPO's GPT-2 experience pass: three I-wide tensors
+    alive at its peak, where ``2I`` had been counted)."""
+    return (2 * shape.hidden + 3 * shape.intermediate) * s_a

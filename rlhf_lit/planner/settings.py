@@ -65,6 +65,7 @@ class RunSettings:
     packing: bool = False  # DPO: rows run padding-free (the plan stays the worst batch's)
     # glibc's mmap threshold fixed by trainer.callbacks' HeapTrim (bytes); None: glibc's dynamic threshold
     mmap_threshold: int | None = None
+    accumulate_grad_batches: int = 1  # trainer.accumulate_grad_batches: > 1 keeps the gradients through backward
 
 
 def read_settings(configs: list[str], cli_overrides: list[str] | None = None) -> RunSettings:
@@ -160,6 +161,7 @@ def settings_from_config(spec: dict, roots: list[Path] | None = None) -> RunSett
         seq_len=int(data.get("max_length") or UNKNOWN_SEQ_LEN_GUESS),
     )
     settings.mmap_threshold = _mmap_threshold(trainer.get("callbacks"))
+    settings.accumulate_grad_batches = int(trainer.get("accumulate_grad_batches") or 1)
     if stage == "reward":
         settings.rows_per_example = 2
     if stage == "ppo":
