@@ -13,6 +13,7 @@ import lightning as L
 import torch
 
 from rlhf_lit.functional.summary import all_finite
+from rlhf_lit.parallel.collectives import rank_and_world
 from rlhf_lit.ranges import check_field_ranges, ranged
 
 log = logging.getLogger("rlhf_lit")
@@ -176,7 +177,7 @@ class AccumulatedMean:
         """The micro-batch's mean ``loss`` over its ``num_units``, weighted for the window (one all-reduce of
         the unit count under several processes)."""
         trainer = attached_trainer(module)
-        world_size = trainer.world_size if trainer is not None else 1
+        _, world_size = rank_and_world(trainer)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         if world_size == 1 and accumulate == 1:
             return loss

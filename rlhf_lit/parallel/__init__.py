@@ -18,7 +18,7 @@ one changes.
 
 from __future__ import annotations
 
-from rlhf_lit.parallel.collectives import global_mean, global_sum, is_distributed
+from rlhf_lit.parallel.collectives import global_mean, global_sum, is_distributed, rank_and_world
 from rlhf_lit.parallel.fsdp import (
     LM_FORWARD_METHODS,
     data_parallel_mesh,
@@ -43,6 +43,7 @@ __all__ = [
     "is_distributed",
     "is_sharded",
     "plain_state_dict",
+    "rank_and_world",
     "shard_head",
     "shard_lm",
     "transformer_blocks",

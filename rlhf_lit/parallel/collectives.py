@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather", "global_mean", "global_sum", "is_distributed"]
+__all__ = ["gather", "global_mean", "global_sum", "is_distributed", "rank_and_world"]
 
 
 def is_distributed(trainer) -> bool:
     """More than one process (DDP, FSDP2); None (no trainer) is one process."""
     return trainer is not None and trainer.world_size > 1
+
+
+def rank_and_world(trainer) -> tuple[int, int]:
+    """``(global rank, world size)`` of this process; ``(0, 1)`` with no trainer (one process). Not a collective."""
+    return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
 
 def global_sum(trainer, value: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.kl import kl_per_token
 from rlhf_lit.functional.sequence import repeat_prompts, trim_left_padding
-from rlhf_lit.parallel.collectives import global_sum, is_distributed
+from rlhf_lit.parallel.collectives import global_sum, is_distributed, rank_and_world
 from rlhf_lit.rl.filters import FilterSettings, RolloutFilters, apply_filters
 from rlhf_lit.rl.generation import GAP_TOLERANCE, compute_dtype
 from rlhf_lit.rl.guard import check_sampler
@@ -316,7 +316,7 @@ class RolloutCollector:
         # torch.manual_seed seeds the CUDA generators too: fork the one sampling uses, or training's stream moves
         device = prompt_ids.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            rank = trainer.global_rank if trainer is not None else 0
+            rank, _ = rank_and_world(trainer)
             torch.manual_seed(rank_seed(self.settings.seed * 1_000_003 + batch_idx, rank))  # ranks apart
             response_ids, response_mask, _ = self.sampler.sample(
                 self.policy, prompt_ids, prompt_mask, synced_gpus=is_distributed(trainer)
@@ -356,7 +356,7 @@ class RolloutCollector:
         num_bad = int(global_sum(trainer, (~finite).sum().float()))
         if num_bad == 0:
             return finite, 0
-        world_size = trainer.world_size if trainer is not None else 1
+        _, world_size = rank_and_world(trainer)
         if not self.settings.skip_non_finite or num_bad == finite.numel() * world_size:
             raise NonFiniteError(
                 self._non_finite_message(raw_scores, finite, batch, response_ids, response_mask, iteration)

@@ -36,7 +36,7 @@ from rlhf_lit.errors import NonFiniteError
 from rlhf_lit.functional.aggregation import aggregation_weights
 from rlhf_lit.functional.losses import sft_nll
 from rlhf_lit.functional.sequence import trim_left_padding
-from rlhf_lit.parallel import global_sum, grad_norm_value
+from rlhf_lit.parallel import global_sum, grad_norm_value, rank_and_world
 from rlhf_lit.rl.objectives import MicroBatch, Objective
 from rlhf_lit.rl.schedule import epoch_schedule
 
@@ -217,7 +217,7 @@ class PPOUpdater:
         batch.token_weights = aggregation_weights(batch.mask, aggregation)
         opt, sched = self.optimizers()
         micro = cfg.micro_batch_size or cfg.ppo_minibatch_size
-        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        rank, world_size = rank_and_world(trainer)
         has_critic = batch.returns is not None
         # Actor and critic on separate adapters have disjoint trainable parameters, so the backward of the
         # policy terms and that of the value term can run one after the other: the same gradients, but the

@@ -69,3 +69,14 @@ def test_a_checkpoint_without_per_rank_states_or_from_another_world_size_still_d
         resumed = [_rank_draws(99, r, 3, saved=saved, per_rank=per_rank) for r in range(3)]
         assert resumed[0] == rank_0_next  # rank 0 continues the saved stream
         assert len({tuple(d) for d in resumed}) == 3
+
+
+def test_rank_and_world_of_a_trainer_and_of_no_trainer():
+    """One helper says which rank this process is and how many there are (validation's seed, the update's
+    minibatch split, the loss's unit weighting, the non-finite check read it); no trainer is one process."""
+    from types import SimpleNamespace
+
+    from rlhf_lit.parallel import rank_and_world
+
+    assert rank_and_world(None) == (0, 1)
+    assert rank_and_world(SimpleNamespace(global_rank=3, world_size=4)) == (3, 4)
