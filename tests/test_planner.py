@@ -84,7 +84,7 @@ def test_full_fine_tuning_gradients_are_counted_where_they_are_alive():
     workspace, outside = (32 + 128) * 4, 3 * 32 * 4  # 640, 384 bytes per token
     full = 60 * (2 * per_layer + outside)  # 268,800
     no_ckpt, grads = step(ckpt=False)
-    assert grads > 60 * workspace  # full fine-tuning: the gradients outweigh the backward's workspace
+    assert grads / 2 > 60 * workspace  # full fine-tuning: the gradients one block lets go outweigh the workspace
     assert no_ckpt == full + grads  # the forward's end: every saved activation and the last step's gradients
     checkpoints = 60 * (2 * 32 * 4 + outside)  # each block's input (fp32) and the outside tensors: 38,400
     with_ckpt, _ = step(ckpt=True)

@@ -43,8 +43,8 @@ Formulae (bytes; every figure per device):
   activations + all gradients) and the backward's (saved + recomputed block + workspace + one block's
   gradients, ``grads / L``); with ``trainer.accumulate_grad_batches`` > 1 all of them in both. Traced (fp32,
   16 rows x 384 tokens, Llama-, GPT-2- and BERT-style blocks of H 384-576, I 1536, each with and without
-  checkpointing, LoRA and full fine-tuning): 0.93-1.20 of the measured peak, against 1.06-1.52 before these
-  two terms (``docs/scale.md``).
+  checkpointing, LoRA and full fine-tuning): 0.93-1.20 of the measured peak, against 1.06-1.59 before these
+  two terms (bench/RESULTS.md, "The step's backward, traced").
 * autocast weight copies: under bf16-mixed with fp32 (non-4-bit) weights every block Linear weight is cast
   to bf16 and the copy is saved for backward: ``2 * N_linear`` per training forward (one block's worth with
   checkpointing); a 4-bit base dequantizes one layer at a time: ``2 * N_linear / L``.

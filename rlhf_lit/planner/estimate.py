@@ -290,7 +290,7 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
     )
     # Lightning sets the last step's gradients to None just before backward (zero_grad in its closure): they
     # are alive through the forward; the backward frees saved activations as it makes new gradients, and its
-    # peak (the last blocks) holds about one block's worth. Accumulating, all of them stay (traced: docs/scale.md)
+    # peak (the last blocks) holds about one block's worth. Accumulating, all of them stay (traced: bench/RESULTS.md)
     in_backward = grads if kept else grads / est.shape.num_layers
     est.phases["training step"] = copies + logits + max(act.saved + grads, act.total + in_backward)
 

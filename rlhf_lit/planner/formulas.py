@@ -86,7 +86,8 @@ def backward_workspace_bytes(shape: ModelShape, s_a: int) -> float:
     """Bytes per token alive only inside one block's backward beyond what the forward saved: about the
     gradient of the block's input and of its MLP's hidden layer, ``(H + I) * s_a``. Traced (fp32, 16 rows x
     384 tokens, Llama-, GPT-2- and BERT-style blocks of H 384-576, I 1536, with and without checkpointing,
-    LoRA and full fine-tuning: ``docs/scale.md``); the ``3 (H + I)`` counted before over-planned every one."""
+    LoRA and full fine-tuning: bench/RESULTS.md, "The step's backward, traced"); the ``3 (H + I)`` counted
+    before over-planned every one."""
     return (shape.hidden + shape.intermediate) * s_a
 
 
