@@ -72,7 +72,7 @@ Formulae (bytes; every figure per device):
   whose rows vary it runs below the plan (the DPO benchmark's live tensors with trimming: 304 -> 162 MB).
 
 Peak = weights + adapters + heads + reward model + reference copy + optimizer + the largest phase: SFT /
-reward / DPO step (activations + weight copies + logits + gradients); DPO reference forward; PPO rollout (KV
+reward / DPO step (weight copies + logits + the larger of the forward's end and the backward's peak, above); DPO reference forward; PPO rollout (KV
 cache + prefill); PPO experience (no-grad forwards over ``rollout_forward_batch_size`` rows: one layer's
 intermediates + the response logits); PPO update (micro-batch activations of one forward; with a separate critic adapter on several
 processes of two, because there the actor's backward cannot run before the critic's forward + weight copies

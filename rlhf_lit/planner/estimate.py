@@ -203,9 +203,8 @@ def _activations(est: Estimate, z: _Sizes, tokens: int, forwards: int = 1) -> _A
     full = forwards * (tokens * L * per_layer + outside)
     checkpoints = forwards * (tokens * L * H * z.s_r + outside)
     recompute = tokens * per_layer
-    if ckpt:
-        return _Activations(checkpoints, recompute + workspace, full + workspace, checkpoints + recompute + workspace)
-    return _Activations(full, workspace, full + workspace, checkpoints + recompute + workspace)
+    saved, transient = (checkpoints, recompute + workspace) if ckpt else (full, workspace)
+    return _Activations(saved, transient, full + workspace, checkpoints + recompute + workspace)
 
 
 def _weight_copies(est: Estimate, z: _Sizes, forwards: int) -> float:
@@ -251,8 +250,9 @@ def _reference_forward(est: Estimate, z: _Sizes) -> None:
 
 
 def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) -> None:
-    """The SFT / reward / DPO step: activations + weight copies + logits (SFT: all positions; DPO: the
-    response positions) + gradients."""
+    """The SFT / reward / DPO step: weight copies + logits (SFT: all positions; DPO: the response positions) +
+    the larger of the forward's end (saved activations + every gradient) and the backward's peak (all the
+    activations + the gradients alive there)."""
     s, V = est.settings, est.shape.vocab
     rows = s.batch_size * s.rows_per_example
     tokens = rows * s.seq_len
@@ -262,11 +262,9 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
         act.total,
         f"{rows} x {s.seq_len} tokens; without checkpointing {act.full / GiB:.2f} GiB, with {act.with_ckpt / GiB:.2f} GiB",
     )
-    copies = (
-        est.add("autocast weight copies", _weight_copies(est, z, 1), "bf16 casts saved for backward")
-        if _weight_copies(est, z, 1)
-        else 0.0
-    )
+    copies = _weight_copies(est, z, 1)
+    if copies:
+        est.add("autocast weight copies", copies, "bf16 casts saved for backward")
     logits = 0.0
     if s.stage == "sft":
         logits = est.add(

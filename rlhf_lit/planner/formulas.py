@@ -18,10 +18,10 @@ __all__ = [
     "NF4_BYTES_PER_PARAM",
     "activation_bytes",
     "backward_workspace_bytes",
-    "no_grad_intermediate_bytes",
     "layer_activation_bytes",
     "loss_bytes",
     "needed_bytes",
+    "no_grad_intermediate_bytes",
     "weights_bytes",
 ]
 
