@@ -11,16 +11,18 @@ that only imports the CLI's libraries: the planner models tensors, not the inter
 whether memory is flat after warm-up: the peak over the second half of the steps exceeds the peak at the half-way
 step by at most ``--flat-tolerance`` (default 3%).
 
-    python bench/config_memory.py --table [--out bench/results/config_memory.jsonl]
+    python bench/config_memory.py --table [--replan] [--out bench/results/config_memory.jsonl]
 
-prints the recorded lines as a table: the plan's tensors, what the "fits" line needs for them on a CPU
-(``rlhf_lit.planner.formulas.needed_bytes``: the plan x 1.1 allocator slack + the 0.6 GiB host process), the
-measured peak RSS, their ratio and whether it is within ``--within`` (default 15%).
+prints the recorded lines as a table: the plan's tensors (``--replan``: planned again by today's planner), what the
+"fits" line needs for them on a CPU (``rlhf_lit.planner.formulas.needed_bytes``: the plan x 1.1 allocator slack +
+the 0.6 GiB host process), the measured peak RSS, their ratio and whether it is within ``--within`` (default
+15%), and the planned tensors against the peak less the import floor (:func:`table`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -167,28 +170,72 @@ def flat_after_warmup(peaks: list[float], tolerance: float) -> tuple[bool, float
     return growth <= tolerance, growth
 
 
-def table(lines: list[dict], within: float) -> str:
-    """Plan vs measured, one row per recorded line: ``needs = needed_bytes(plan)`` (CPU), ``ratio = needs /
-    peak RSS``, within when ``|ratio - 1| <= within``; ``drawn``: the same ratio for the plan of the largest batch
-    the run drew (``plan_widest_drawn_mb``: its width, a packed batch's tokens per row, and for DPO/KTO its
-    response tokens per row: :func:`drawn_overrides`; "-" where not recorded); ``flat``: the peak stopped
-    climbing."""
+def replanned(line: dict) -> tuple[float, float | None]:
+    """Today's planner on a recorded line: ``(plan MiB, plan MiB of the drawn batch or None)``, from the line's
+    ``overrides`` and its ``drawn_overrides`` (``widest_override`` in lines before 2026-12-06), so a table of old
+    runs shows what the planner says now, not what it said the day they ran. Runs in the repository root.
+
+    Raises ``ValueError`` where the planner cannot read the line's model offline (an override naming a local
+    folder that is gone)."""
+    from rlhf_lit import planner
+
+    overrides = [f"--{o}" for o in line["overrides"]]
+    drawn = line.get("drawn_overrides") or ([line["widest_override"]] if line.get("widest_override") else [])
+    response = [int(a.split("=", 1)[1]) for a in drawn if a.startswith("--response-len=")]
+    rest = [a for a in drawn if not a.startswith("--response-len=")]
+    with contextlib.chdir(REPO):
+        plan_mb = planner.plan([line["config"]], cli_overrides=overrides).peak / MiB
+        drawn_mb = (
+            planner.plan([line["config"]], cli_overrides=overrides + rest, response_len=response[0] if response else None).peak
+            / MiB
+            if drawn
+            else None
+        )
+    return plan_mb, drawn_mb
+
+
+def _recorded(line: dict) -> tuple[float, float | None]:
+    return line["plan_mb"], line.get("plan_widest_drawn_mb")
+
+
+def table(
+    lines: list[dict], within: float, plan_of: Callable[[dict], tuple[float, float | None]] = _recorded
+) -> str:
+    """Plan vs measured, one row per recorded line, with the plans ``plan_of(line)`` gives (the recorded ones, or
+    :func:`replanned`): ``needs = needed_bytes(plan)`` (CPU), ``ratio = needs / peak RSS``, within when ``|ratio -
+    1| <= within``; ``drawn``: the same ratio for the plan of the largest batch the run drew (its width, a packed
+    batch's tokens per row, and for DPO/KTO its response tokens per row: :func:`drawn_overrides`; "-" where not
+    recorded); ``tensors``: the planned tensors (of the drawn batch where there is one) against the peak less the
+    line's import floor, the planner's own figure with the process floor excluded on both sides, and ``t.in`` its
+    verdict; ``flat``: the peak stopped climbing. A line ``plan_of`` cannot plan keeps its recorded figures and is
+    named under the table."""
     head = (
         f"{'label':<30} {'config':<42} {'steps':>5} {'plan MiB':>9} {'needs MiB':>9} {'peak MiB':>9} {'ratio':>6} "
-        f"{'within':>6} {'drawn':>6} {'flat':>5}"
+        f"{'within':>6} {'drawn':>6} {'tensors':>7} {'t.in':>4} {'flat':>5}"
     )
     rows = [head, "-" * len(head)]
+    kept: list[str] = []
     for d in lines:
-        need = needed_bytes(d["plan_mb"] * MiB, cpu=True) / MiB
+        try:
+            plan_mb, drawn_mb = plan_of(d)
+        except ValueError as err:
+            plan_mb, drawn_mb = _recorded(d)
+            kept.append(f"  {d['label']}: recorded plan kept ({str(err).splitlines()[0]})")
+        need = needed_bytes(plan_mb * MiB, cpu=True) / MiB
         ratio = need / d["peak_mb"]
-        widest = d.get("plan_widest_drawn_mb")
-        widest_ratio = f"{needed_bytes(widest * MiB, cpu=True) / MiB / d['peak_mb']:.2f}" if widest else "-"
+        drawn_ratio = f"{needed_bytes(drawn_mb * MiB, cpu=True) / MiB / d['peak_mb']:.2f}" if drawn_mb else "-"
+        tensors, t_in = "-", "-"
+        if d.get("floor_mb") is not None:
+            t = (drawn_mb or plan_mb) / (d["peak_mb"] - d["floor_mb"])
+            tensors, t_in = f"{t:.2f}", "yes" if abs(t - 1.0) <= within else "NO"
         flat = {True: "yes", False: "no"}.get(d.get("flat"), "-")
         rows.append(
-            f"{d['label'][:30]:<30} {d['config'][:42]:<42} {d['steps']:>5} {d['plan_mb']:>9,.0f} {need:>9,.0f} "
+            f"{d['label'][:30]:<30} {d['config'][:42]:<42} {d['steps']:>5} {plan_mb:>9,.0f} {need:>9,.0f} "
             f"{d['peak_mb']:>9,.0f} {ratio:>6.2f} {'yes' if abs(ratio - 1.0) <= within else 'NO':>6} "
-            f"{widest_ratio:>6} {flat:>5}"
+            f"{drawn_ratio:>6} {tensors:>7} {t_in:>4} {flat:>5}"
         )
+    if kept:
+        rows += ["not planned again:", *kept]
     return "\n".join(rows)
 
 
@@ -196,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", action="store_true", help="print the recorded lines of --out as a table; run nothing")
     ap.add_argument("--within", type=float, default=0.15, help="--table: the tolerance on needed / peak")
+    ap.add_argument("--replan", action="store_true", help="--table: plan each line again with today's planner")
     ap.add_argument("--config")
     ap.add_argument("--max-steps", type=int, help="optimizer steps (PPO: iterations)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a fit/plan override")
@@ -206,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default="/tmp/rlhf_lit_config_memory")
     args = ap.parse_args(argv)
     if args.table:
-        print(table([json.loads(ln) for ln in Path(args.out).read_text().splitlines() if ln.strip()], args.within))
+        lines = [json.loads(ln) for ln in Path(args.out).read_text().splitlines() if ln.strip()]
+        print(table(lines, args.within, replanned if args.replan else _recorded))
         return
     if args.config is None or args.max_steps is None:
         ap.error("--config and --max-steps are required to measure (or --table)")

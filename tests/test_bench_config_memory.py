@@ -15,20 +15,43 @@ def test_table_compares_the_fits_figure_with_the_peak():
     rows = table(
         [_line("exact", 1000.0, 1714.4), _line("low", 1000.0, 2000.0), _line("high", 1000.0, 1400.0)], 0.15
     ).splitlines()[2:]
-    assert rows[0].split()[-6:] == ["1,714", "1,714", "1.00", "yes", "-", "-"]
-    assert rows[1].split()[-5:-2] == ["2,000", "0.86", "yes"]  # 1,714.4 / 2,000 = 0.857: inside 15 %
-    assert rows[2].split()[-5:-2] == ["1,400", "1.22", "NO"]  # 1,714.4 / 1,400 = 1.225: outside
+    assert rows[0].split()[-8:] == ["1,714", "1,714", "1.00", "yes", "-", "-", "-", "-"]
+    assert rows[1].split()[-7:-4] == ["2,000", "0.86", "yes"]  # 1,714.4 / 2,000 = 0.857: inside 15 %
+    assert rows[2].split()[-7:-4] == ["1,400", "1.22", "NO"]  # 1,714.4 / 1,400 = 1.225: outside
 
 
 def test_table_gives_the_ratio_for_the_drawn_batch_and_flatness():
     # drawn plan 500 MiB -> needs 500 x 1.1 + 614.4 = 1,164.4 MiB; / 1,714.4 = 0.68
     row = table([_line("drawn", 1000.0, 1714.4, plan_widest_drawn_mb=500.0, flat=False)], 0.15).splitlines()[2]
-    assert row.split()[-4:] == ["1.00", "yes", "0.68", "no"]
+    assert row.split()[-6:] == ["1.00", "yes", "0.68", "-", "-", "no"]
+
+
+def test_table_gives_the_tensors_against_the_peak_less_the_floor():
+    # drawn plan 500 MiB against 1,714.4 - 1,214.4 = 500 MiB: 1.00; no drawn plan: 1,000 / (2,000 - 520) = 0.68
+    rows = table(
+        [_line("drawn", 1000.0, 1714.4, plan_widest_drawn_mb=500.0, floor_mb=1214.4), _line("plan", 1000.0, 2000.0, floor_mb=520.0)],
+        0.15,
+    ).splitlines()[2:]
+    assert rows[0].split()[-3:-1] == ["1.00", "yes"]
+    assert rows[1].split()[-3:-1] == ["0.68", "NO"]
+
+
+def test_table_uses_the_plans_it_is_given_and_keeps_the_recorded_where_planning_fails():
+    def plan_of(line):
+        if line["label"] == "gone":
+            raise ValueError("cannot read the config of '/tmp/x' offline\nsecond line")
+        return 500.0, 250.0
+
+    rows = table([_line("new", 1000.0, 1164.4, floor_mb=914.4), _line("gone", 1000.0, 1714.4)], 0.15, plan_of).splitlines()
+    # 500 x 1.1 + 614.4 = 1,164.4 -> 1.00; drawn 250 x 1.1 + 614.4 = 889.4 / 1,164.4 = 0.76; tensors 250 / 250
+    assert rows[2].split()[3:] == ["500", "1,164", "1,164", "1.00", "yes", "0.76", "1.00", "yes", "-"]
+    assert rows[3].split()[3:8] == ["1,000", "1,714", "1,714", "1.00", "yes"]
+    assert rows[-1] == "  gone: recorded plan kept (cannot read the config of '/tmp/x' offline)"
 
 
 def test_table_within_is_the_tolerance():
     # 1,714.4 / 2,000 = 0.857: outside 10 %
-    assert table([_line("low", 1000.0, 2000.0)], 0.10).splitlines()[2].split()[-3] == "NO"
+    assert table([_line("low", 1000.0, 2000.0)], 0.10).splitlines()[2].split()[-5] == "NO"
 
 
 def test_batch_dims_count_response_tokens_from_lengths_or_from_labels():
@@ -80,3 +103,23 @@ def test_median_step_seconds_leaves_out_the_first_step():
     assert median_step_seconds([0.0, 30.0, 40.0, 51.0, 60.0]) == 10.0
     assert median_step_seconds([0.0, 30.0, 40.0, 52.0]) == 11.0  # gaps 10, 12: their mean
     assert median_step_seconds([0.0, 30.0]) is None  # no step after the first
+
+
+def test_replanned_plans_the_line_and_its_drawn_batch_with_todays_planner():
+    from bench.config_memory import replanned
+    from rlhf_lit import planner
+    from rlhf_lit.planner.formulas import MiB
+    from tests.tiny_runs import in_repo_root
+
+    line = {"config": "configs/dpo/tiny.yaml", "overrides": ["data.init_args.max_length=48"]}
+    with in_repo_root():
+        whole = planner.plan(["configs/dpo/tiny.yaml"], cli_overrides=["--data.init_args.max_length=48"]).peak / MiB
+        drawn = planner.plan(
+            ["configs/dpo/tiny.yaml"], cli_overrides=["--data.init_args.max_length=48", "--data.init_args.max_length=24"],
+            response_len=6,
+        ).peak / MiB
+    assert drawn < whole
+    assert replanned(line) == (whole, None)
+    assert replanned({**line, "drawn_overrides": ["--data.init_args.max_length=24", "--response-len=6"]}) == (whole, drawn)
+    # lines before 2026-12-06 name their drawn width in "widest_override"
+    assert replanned({**line, "widest_override": "--data.init_args.max_length=24"})[1] < whole
