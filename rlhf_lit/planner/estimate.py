@@ -9,6 +9,7 @@ from rlhf_lit.planner.formulas import (
     DTYPE_BYTES,
     GiB,
     activation_bytes,
+    attention_mask_bytes,
     backward_workspace_bytes,
     layer_activation_bytes,
     loss_bytes,
@@ -193,11 +194,12 @@ class _Activations:
         return self.saved + self.transient
 
 
-def _activations(est: Estimate, z: _Sizes, tokens: int, forwards: int = 1) -> _Activations:
-    """Activations saved for backward, as configured, and both configurations' totals."""
+def _activations(est: Estimate, z: _Sizes, tokens: int, width: int, forwards: int = 1) -> _Activations:
+    """Activations saved for backward of ``tokens`` tokens in rows ``width`` wide, as configured, and both
+    configurations' totals."""
     shape, ckpt = est.shape, est.settings.backbone.gradient_checkpointing
     L, H = shape.num_layers, shape.hidden
-    per_layer = layer_activation_bytes(shape, z.s_a, z.autocast, z.s_w)
+    per_layer = layer_activation_bytes(shape, z.s_a, z.autocast, z.s_w) + attention_mask_bytes(width, z.s_a)
     workspace = tokens * backward_workspace_bytes(shape, z.s_a)
     outside = tokens * 3 * H * z.s_r  # embedding output, final norm, its output
     full = forwards * (tokens * L * per_layer + outside)
@@ -220,10 +222,12 @@ def _weight_copies(est: Estimate, z: _Sizes, forwards: int) -> float:
 
 def _no_grad_forward(est: Estimate, z: _Sizes, rows: int, T: int, R: int) -> float:
     """A no-grad forward over ``rows x T`` tokens with logits for ``R`` positions per row: one layer's
-    intermediates + the fp32 hidden states + the response logits (PPO's experience, DPO's reference)."""
+    intermediates + the fp32 hidden states + the response logits + the boolean ``(rows, 1, T, T)`` attention
+    mask with one layer's additive copy of it (PPO's experience, DPO's reference)."""
     shape = est.shape
     H, V = shape.hidden, shape.vocab
-    return rows * T * no_grad_intermediate_bytes(shape, z.s_a) + rows * T * H * 4 + rows * R * V * z.s_a
+    mask = rows * T * (attention_mask_bytes(T, z.s_a) + attention_mask_bytes(T, 1))
+    return rows * T * no_grad_intermediate_bytes(shape, z.s_a) + rows * T * H * 4 + rows * R * V * z.s_a + mask
 
 
 def _dpo_rows_and_response(s: RunSettings) -> tuple[int, int, str]:
@@ -256,7 +260,7 @@ def _training_step(est: Estimate, z: _Sizes, grads: float, grad_bytes_per: int) 
     s, V = est.settings, est.shape.vocab
     rows = s.batch_size * s.rows_per_example
     tokens = rows * s.seq_len
-    act = _activations(est, z, tokens)
+    act = _activations(est, z, tokens, s.seq_len)
     est.add(
         "activations (training step)",
         act.total,
@@ -317,7 +321,7 @@ def _ppo_phases(est: Estimate, z: _Sizes, grads: float) -> None:
     # one process: the actor's backward runs before the critic's forward (the two-pass update), so only one
     # forward's activations are alive; several processes keep both (DDP needs one backward)
     forwards = 1 if s.shared_critic or s.critic_free or s.world_size == 1 else 2
-    act = _activations(est, z, m * T, forwards)
+    act = _activations(est, z, m * T, T, forwards)
     est.add(
         "activations (PPO micro-batch)",
         act.total,
