@@ -94,6 +94,58 @@ def test_full_fine_tuning_gradients_are_counted_where_they_are_alive():
     assert accumulating == checkpoints + 60 * (per_layer + workspace) + grads
 
 
+class _MaskCounter(TensorMemoryTracker):
+    """Counts the live storages of ``nbytes`` bytes when the high-water mark is set."""
+
+    def __init__(self, nbytes: int, ignore) -> None:
+        super().__init__(ignore=ignore)
+        self.nbytes, self.at_peak = nbytes, 0
+
+    def _track(self, t) -> None:
+        before = self.peak
+        super()._track(t)
+        if self.peak > before:
+            self.at_peak = sum(1 for v in self._live.values() if v == self.nbytes)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sdpa_keeps_one_additive_mask_per_layer_of_a_padded_or_packed_batch(family):
+    """What ``formulas.attention_mask_bytes`` counts: transformers hands SDPA a boolean (rows, 1, T, T) mask and
+    each layer keeps an additive copy in the activations' dtype for its backward: 3 at the peak of a 3-layer
+    step, 1 with checkpointing, none for rows of equal length (no mask)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    rows, T, layers = 4, 40, 3
+    mask_bytes = rows * T * planner.attention_mask_bytes(T, 4)
+    assert mask_bytes == 4 * 40 * 40 * 4  # 25,600: no other tensor of this step has that size
+
+    def alive_at_peak(ckpt: bool, **inputs) -> int:
+        torch.manual_seed(0)
+        if family == "llama":
+            config = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=260)
+            model = LlamaForCausalLM(config)
+        else:
+            config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=260, n_positions=64, attn_pdrop=0.0,
+                                resid_pdrop=0.0, embd_pdrop=0.0)
+            model = GPT2LMHeadModel(config)
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        counter = _MaskCounter(mask_bytes, ignore=list(model.parameters()))
+        with one_thread(), counter:
+            model(input_ids=torch.randint(0, 260, (rows, T)), use_cache=False, **inputs).logits.sum().backward()
+        return counter.at_peak
+
+    padded = torch.ones(rows, T, dtype=torch.long)
+    padded[1:, 30:] = 0
+    packed = torch.cat([torch.arange(25), torch.arange(15)]).expand(rows, T)
+    assert alive_at_peak(False, attention_mask=padded) == layers
+    assert alive_at_peak(False, position_ids=packed) == layers
+    assert alive_at_peak(True, attention_mask=padded) == 1
+    assert alive_at_peak(False, attention_mask=torch.ones(rows, T, dtype=torch.long)) == 0
+
+
 def test_a_bert_encoder_is_counted_with_an_ungated_gelu_mlp_not_the_gated_one():
     """BERT's layer (LayerNorm, erf GELU as one kernel, no gate): 2H + 10H + I per token at fp32, 16H for I = 4H;
     the gated Llama-style count would be 7H + H + 2kv + 4I = 26H (1.6x MiniLM's traced activations)."""
