@@ -134,6 +134,11 @@ def _plan(config: str, overrides: list[str], env: dict, check: bool = True) -> d
     return json.loads(plan.stdout) if plan.returncode == 0 else None
 
 
+RESPONSE_LEN = "--response-len="
+"""``rlhf-lit plan``'s DPO/KTO response tokens per row, as :func:`drawn_overrides` writes it and :func:`replanned`
+reads it back."""
+
+
 def drawn_overrides(dims_by_step: list[dict], stage: str, packed: bool = False) -> list[str]:
     """The plan arguments for the largest batch the run drew instead of the config's worst case: the widest
     ``width`` over the steps as ``data.init_args.max_prompt_length`` (``stage`` "ppo": the prompts' width) or
@@ -151,7 +156,7 @@ def drawn_overrides(dims_by_step: list[dict], stage: str, packed: bool = False) 
     args = [f"--data.init_args.{'max_prompt_length' if stage == 'ppo' else 'max_length'}={max(widths)}"]
     per_row = [-(-d["response_tokens"] // d["rows"]) for d in dims_by_step if d.get("response_tokens") and d.get("rows")]
     if stage == "dpo" and per_row:
-        args.append(f"--response-len={min(max(per_row), max(widths) - 1)}")
+        args.append(f"{RESPONSE_LEN}{min(max(per_row), max(widths) - 1)}")
     return args
 
 
@@ -181,8 +186,8 @@ def replanned(line: dict) -> tuple[float, float | None]:
 
     overrides = [f"--{o}" for o in line["overrides"]]
     drawn = line.get("drawn_overrides") or ([line["widest_override"]] if line.get("widest_override") else [])
-    response = [int(a.split("=", 1)[1]) for a in drawn if a.startswith("--response-len=")]
-    rest = [a for a in drawn if not a.startswith("--response-len=")]
+    response = [int(a.removeprefix(RESPONSE_LEN)) for a in drawn if a.startswith(RESPONSE_LEN)]
+    rest = [a for a in drawn if not a.startswith(RESPONSE_LEN)]
     with contextlib.chdir(REPO):
         plan_mb = planner.plan([line["config"]], cli_overrides=overrides).peak / MiB
         drawn_mb = (
