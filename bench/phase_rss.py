@@ -12,8 +12,7 @@ modules and, under glibc, its heap (:func:`heap_mb`: the arenas' size and the fr
 blocks that have their own mapping), sizes in MiB. The heap figures tell fragmentation from live memory: a heap
 that grows while what is allocated in it does not is free memory the allocator could not reuse. The phases are
 timed by wrapping the built module's collector, updater and sampler methods in this process only (a measurement,
-not a way to run). Results: docs/scale.md ("Where a CPU run's resident
-memory goes").
+not a way to run). Results: docs/scale.md ("Where a CPU run's resident memory goes").
 """
 
 from __future__ import annotations
